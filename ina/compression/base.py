@@ -1,0 +1,144 @@
+"""The one codec interface.
+
+A codec is a small object. Two ways to use it:
+
+* as a compression operator on one tensor: ``enc = codec.compress(x)``; ``codec.decompress(enc)``
+  returns a tensor of x's type, shape, dtype and device (torch tensors on any device, numpy arrays);
+* on the switch path (``switch_summable`` codecs): every worker proposes a scale exponent
+  (:meth:`Codec.scale_exponent`), the workers agree on the max (the switch negotiates it), each
+  encodes with the shared :class:`ScaleContext` (:meth:`Codec.encode_shared`) into fixed-width
+  integer codes that an integer-only switch can sum, and :meth:`Codec.decode_sum` turns the
+  switch's result back into floats.
+
+Adding a codec touches its own module and the registry in ``ina/compression/__init__.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ina.wire import PAYLOAD_DTYPE, PayloadType
+
+from . import _kernels as K
+
+
+@dataclass(frozen=True)
+class ScaleContext:
+    """What the workers of one allreduce share: the negotiated exponent and the switch's resources."""
+    exponent: int            # max over workers of their scale_exponent()
+    n_workers: int = 1
+    register_bits: int = 64  # switch register width (32 or 64)
+    seed: int = 0            # per-worker, per-chunk randomness for stochastic codecs
+
+
+@dataclass
+class Encoded:
+    """What goes on the wire for one tensor: fixed-width integer codes plus a little metadata."""
+    codec: str
+    codes: np.ndarray
+    shape: tuple
+    meta: dict = field(default_factory=dict)
+    like: Any = None          # the input (type, dtype and device are restored from it)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: the codes plus 4 bytes per metadata number (exponent, norm...)."""
+        return int(self.codes.nbytes) + 4 * sum(1 for v in self.meta.values() if np.isscalar(v))
+
+    @property
+    def bits_per_element(self) -> float:
+        n = int(np.prod(self.shape)) if self.shape else 1
+        return 8.0 * self.nbytes / max(n, 1)
+
+
+def to_numpy_f32(x) -> np.ndarray:
+    """A flat, contiguous float32 numpy view/copy of a torch tensor (any device) or numpy array."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return x.detach().reshape(-1).to(device="cpu", dtype=_torch().float32).contiguous().numpy()
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32)).reshape(-1)
+
+
+def from_numpy_like(arr: np.ndarray, like, shape=None):
+    """Put a flat float32 result back into the type, shape, dtype and device of ``like``."""
+    shape = tuple(shape if shape is not None else np.shape(like))
+    if isinstance(like, np.ndarray):
+        return arr.reshape(shape).astype(like.dtype if like.dtype.kind == "f" else np.float32, copy=False)
+    if like is not None and type(like).__module__.startswith("torch"):
+        torch = _torch()
+        t = torch.from_numpy(np.ascontiguousarray(arr)).reshape(shape)
+        return t.to(device=like.device, dtype=like.dtype)
+    return arr.reshape(shape)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def check_finite(bad: int, what: str = "tensor") -> None:
+    if bad:
+        raise ValueError(f"{what} contains {bad} NaN or Inf value(s); refusing to encode (nothing was sent)")
+
+
+def max_exponent(x32: np.ndarray) -> int:
+    """floor(log2(max |x|)) of a float32 array (-127 for an all-zero tensor); raises on NaN/Inf."""
+    mx, bad = K.max_abs_exponent(x32.view(np.uint32))
+    check_finite(bad)
+    if mx == 0:  # zeros and denormals only
+        a = float(np.max(np.abs(x32))) if x32.size else 0.0
+        return math.frexp(a)[1] - 1 if a > 0 else -127
+    return int(mx) - 127
+
+
+class Codec:
+    """Base class. Subclasses set the class attributes and implement the methods they support."""
+
+    name: ClassVar[str]
+    wire_id: ClassVar[int]
+    payload_type: ClassVar[PayloadType] = PayloadType.NONE
+    switch_summable: ClassVar[bool] = False   # can an integer-only switch sum the codes?
+    unbiased: ClassVar[bool] = True
+    stochastic: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+
+    def __init__(self, seed: int | None = 0):
+        self._rng = np.random.default_rng(seed)
+
+    def next_seed(self) -> int:
+        return int(self._rng.integers(0, 2**32))
+
+    # -- cost -----------------------------------------------------------------------------------
+    @property
+    def bits_per_element(self) -> float:
+        """Bits on the wire per element (fixed-width codes; metadata excluded)."""
+        return 8.0 * PAYLOAD_DTYPE[self.payload_type].itemsize
+
+    # -- operator on one tensor -------------------------------------------------------------------
+    def compress(self, x) -> Encoded:
+        raise NotImplementedError
+
+    def decompress(self, enc: Encoded):
+        raise NotImplementedError
+
+    def roundtrip(self, x):
+        """decompress(compress(x)): the compression operator itself."""
+        return self.decompress(self.compress(x))
+
+    # -- switch path ------------------------------------------------------------------------------
+    def scale_exponent(self, x32: np.ndarray) -> int:
+        raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
+
+    def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
+        raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
+
+    def decode_sum(self, payload: np.ndarray, ctx: ScaleContext, raw: bool) -> np.ndarray:
+        raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name} id={self.wire_id} {self.bits_per_element:g} bits/elem>"

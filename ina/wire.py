@@ -1,0 +1,195 @@
+"""The INA wire format, declared once.
+
+Every packet is one UDP datagram: a fixed 20-byte header followed by a fixed-length chunk of
+``elements`` codes (the job's elements per packet), all in network byte order. Everything else in
+the project derives from :data:`HEADER` and :data:`PAYLOAD_TYPES` below:
+
+* the numpy structured dtype :data:`HEADER_DTYPE` that the fast path lays over whole bursts,
+* the byte offsets (:data:`OFFSET`) that the numba kernels of the switch read,
+* the scapy layer :class:`INA` (built in :mod:`ina.dissect`) so that ``rdpcap()`` dissects captures.
+
+``docs/wire-format.md`` documents the same table byte by byte.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+VERSION = 1
+DEFAULT_PORT = 9999          # UDP port of the switch's data plane (and the scapy binding)
+MAX_WORKERS = 64             # the worker bitmap is one 64-bit register
+
+
+class MsgType(enum.IntEnum):
+    DATA = 1      # worker -> switch: a chunk of codes for one slot
+    RESULT = 2    # switch -> worker(s): the aggregate of a completed slot (multicast, or unicast replay)
+    ABORT = 3     # switch -> workers: the job was torn down (rank field names the worker that left)
+
+
+class Flag(enum.IntFlag):
+    RETRANSMIT = 0x0001   # worker: this chunk was sent before (timeout)
+    OVERFLOW = 0x0002     # switch: a register saturated while aggregating this slot; the result is not exact
+    REPLAY = 0x0004       # switch: unicast replay of an already completed slot to a retransmitting worker
+    RAW_SUM = 0x0008      # switch: payload is the raw integer register sums (not re-encoded codes)
+
+
+class PayloadType(enum.IntEnum):
+    NONE = 0      # no payload (exponent negotiation packets)
+    NC8 = 1       # uint8 natural-compression code: bit 7 sign, bits 0-6 exponent code (0 = zero)
+    INT32 = 2     # big-endian two's complement int32 (block floating point, raw 32-bit sums)
+    INT64 = 3     # big-endian two's complement int64 (raw 64-bit sums)
+    INT8 = 4      # two's complement int8 (linear small-integer codes: dithering levels, ternary)
+
+
+#: numpy dtype of one payload element, per payload type (network byte order)
+PAYLOAD_DTYPE = {
+    PayloadType.NONE: np.dtype("u1"),
+    PayloadType.NC8: np.dtype("u1"),
+    PayloadType.INT32: np.dtype(">i4"),
+    PayloadType.INT64: np.dtype(">i8"),
+    PayloadType.INT8: np.dtype("i1"),
+}
+PAYLOAD_WIDTH = {t: (0 if t == PayloadType.NONE else d.itemsize) for t, d in PAYLOAD_DTYPE.items()}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    dtype: str           # numpy type string, network byte order
+    doc: str
+    bits: tuple = ()     # optional sub-fields (name, width) from the most significant bit down
+
+
+#: The header, in order. The single declaration of the format.
+HEADER: tuple[Field, ...] = (
+    Field("version", "u1", "protocol version, always 1"),
+    Field("msg_type", "u1", "MsgType: 1 DATA, 2 RESULT, 3 ABORT"),
+    Field("flags", ">u2", "Flag bits: 0x1 RETRANSMIT, 0x2 OVERFLOW, 0x4 REPLAY, 0x8 RAW_SUM"),
+    Field("job", ">u2", "job id, chosen by the workers and registered at the switch"),
+    Field("rank", ">u2", "sending worker's rank; 0xFFFF in packets from the switch (ABORT: the rank that left)"),
+    Field("slot", ">u2", "bit 15: shadow set (0/1); bits 0-14: pool index of the aggregator slot",
+          bits=(("shadow", 1), ("pool_index", 15))),
+    Field("codec", "u1", "codec wire id (ina.compression registry)"),
+    Field("payload_type", "u1", "PayloadType of the elements that follow"),
+    Field("count", ">u2", "valid elements in this chunk (the rest of the fixed-length chunk is zero padding)"),
+    Field("exponent", ">i2", "exponent/scale field: the worker's max exponent; in results, the max over workers"),
+    Field("chunk", ">u4", "packet id: chunk sequence number within the job, monotonic across allreduces"),
+)
+
+HEADER_DTYPE = np.dtype([(f.name, f.dtype) for f in HEADER])
+HEADER_SIZE = HEADER_DTYPE.itemsize
+OFFSET = {f.name: HEADER_DTYPE.fields[f.name][1] for f in HEADER}
+SHADOW_BIT = 0x8000
+POOL_INDEX_MASK = 0x7FFF
+SWITCH_RANK = 0xFFFF
+
+assert HEADER_SIZE == 20, HEADER_SIZE
+
+
+class WireError(ValueError):
+    """Malformed or truncated bytes; the message names what was wrong."""
+
+
+def slot_field(pool_index: int, shadow: int) -> int:
+    if not 0 <= pool_index <= POOL_INDEX_MASK:
+        raise WireError(f"pool index {pool_index} out of range 0..{POOL_INDEX_MASK}")
+    return (int(shadow) & 1) << 15 | pool_index
+
+
+def packet_size(payload_type: int, elements: int) -> int:
+    return HEADER_SIZE + PAYLOAD_WIDTH[PayloadType(payload_type)] * elements
+
+
+def pack(*, msg_type: int, job: int, rank: int, pool_index: int = 0, shadow: int = 0, codec: int = 0,
+         payload_type: int = PayloadType.NONE, count: int = 0, exponent: int = 0, chunk: int = 0,
+         flags: int = 0, payload=None, elements: int | None = None) -> bytes:
+    """One packet as bytes. ``payload`` is an array of codes; it is padded to ``elements``."""
+    ptype = PayloadType(payload_type)
+    hdr = np.zeros(1, HEADER_DTYPE)
+    values = dict(version=VERSION, msg_type=int(msg_type), flags=int(flags), job=job, rank=rank,
+                  slot=slot_field(pool_index, shadow), codec=codec, payload_type=int(ptype),
+                  count=count, exponent=exponent, chunk=chunk)
+    for k, v in values.items():
+        hdr[k] = v
+    if ptype == PayloadType.NONE:
+        body = b""
+    else:
+        arr = np.asarray(payload if payload is not None else [], dtype=PAYLOAD_DTYPE[ptype])
+        n = elements if elements is not None else arr.size
+        if arr.size > n:
+            raise WireError(f"payload has {arr.size} elements, more than the chunk's {n}")
+        padded = np.zeros(n, PAYLOAD_DTYPE[ptype])
+        padded[: arr.size] = arr
+        body = padded.tobytes()
+    return hdr.tobytes() + body
+
+
+@dataclass
+class Packet:
+    """A parsed packet (slow path, one at a time; the switch parses whole bursts instead)."""
+    version: int
+    msg_type: MsgType
+    flags: Flag
+    job: int
+    rank: int
+    shadow: int
+    pool_index: int
+    codec: int
+    payload_type: PayloadType
+    count: int
+    exponent: int
+    chunk: int
+    payload: np.ndarray
+
+
+def unpack(data: bytes | memoryview) -> Packet:
+    """Parse and validate one packet; raises :class:`WireError` naming what is wrong."""
+    buf = memoryview(data)
+    if len(buf) < HEADER_SIZE:
+        raise WireError(f"truncated packet: {len(buf)} bytes, the header alone is {HEADER_SIZE}")
+    h = np.frombuffer(buf[:HEADER_SIZE], HEADER_DTYPE)[0]
+    if h["version"] != VERSION:
+        raise WireError(f"unknown version {int(h['version'])} (expected {VERSION})")
+    try:
+        mtype = MsgType(int(h["msg_type"]))
+    except ValueError:
+        raise WireError(f"unknown msg_type {int(h['msg_type'])}") from None
+    try:
+        ptype = PayloadType(int(h["payload_type"]))
+    except ValueError:
+        raise WireError(f"unknown payload_type {int(h['payload_type'])}") from None
+    body = len(buf) - HEADER_SIZE
+    width = PAYLOAD_WIDTH[ptype]
+    if width == 0:
+        if body:
+            raise WireError(f"payload_type NONE but {body} payload bytes follow")
+        payload = np.zeros(0, np.uint8)
+    else:
+        if body % width:
+            raise WireError(f"payload of {body} bytes is not a whole number of {width}-byte elements")
+        payload = np.frombuffer(buf[HEADER_SIZE:], PAYLOAD_DTYPE[ptype])
+        if int(h["count"]) > payload.size:
+            raise WireError(f"count {int(h['count'])} exceeds the {payload.size} elements carried")
+    slot = int(h["slot"])
+    return Packet(version=int(h["version"]), msg_type=mtype, flags=Flag(int(h["flags"])), job=int(h["job"]),
+                  rank=int(h["rank"]), shadow=slot >> 15, pool_index=slot & POOL_INDEX_MASK,
+                  codec=int(h["codec"]), payload_type=ptype, count=int(h["count"]),
+                  exponent=int(h["exponent"]), chunk=int(h["chunk"]), payload=payload)
+
+
+def header_view(burst: np.ndarray) -> np.ndarray:
+    """Structured view of the headers of a burst buffer of shape (n, stride) uint8 (fast path)."""
+    if burst.ndim != 2 or burst.dtype != np.uint8 or burst.shape[1] < HEADER_SIZE:
+        raise WireError("a burst is a 2-D uint8 buffer with rows of at least one header")
+    return burst[:, :HEADER_SIZE].view(HEADER_DTYPE)[:, 0]
+
+
+def payload_view(burst: np.ndarray, payload_type: int, elements: int) -> np.ndarray:
+    """(n, elements) view of the payloads of a burst, in the payload type's dtype."""
+    ptype = PayloadType(payload_type)
+    end = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * elements
+    if burst.shape[1] < end:
+        raise WireError(f"burst rows of {burst.shape[1]} bytes cannot hold {elements} elements of {ptype.name}")
+    return burst[:, HEADER_SIZE:end].view(PAYLOAD_DTYPE[ptype])
