@@ -12,7 +12,13 @@ from __future__ import annotations
 from .base import Codec, Encoded, ScaleContext
 from .bfp import BlockFloatingPoint
 from .dithering import NaturalDithering, RandomDithering
+from .entropy_huffman import EntropyAdaptiveHuffman
+from .mqgrad import MQGrad, MQGradController, UniformQuantizer
 from .natural import NaturalCompression, NaturalCompressionDeterministic, natural_compression
+from .qsgd import QSGD
+from .terngrad import TernGrad
+from .threelc import ThreeLC, ThreeLCQuartic
+from .thresholded import BinarizedGradientTransfer, QuantizedGradientTransfer, WholeGradientTransfer
 
 _REGISTRY: dict[str, type[Codec]] = {}
 
@@ -27,7 +33,10 @@ def register(cls: type[Codec]) -> type[Codec]:
 
 
 for _cls in (NaturalCompression, NaturalCompressionDeterministic, BlockFloatingPoint,
-             NaturalDithering, RandomDithering):
+             NaturalDithering, RandomDithering,
+             # seed papers 000-003 and references (wire ids 10+): see docs/codecs.md
+             ThreeLC, ThreeLCQuartic, WholeGradientTransfer, BinarizedGradientTransfer,
+             QuantizedGradientTransfer, EntropyAdaptiveHuffman, UniformQuantizer, MQGrad, TernGrad, QSGD):
     register(_cls)
 
 
@@ -53,4 +62,4 @@ def by_wire_id(wire_id: int) -> type[Codec]:
 
 
 __all__ = ["Codec", "Encoded", "ScaleContext", "available", "get", "register", "by_wire_id",
-           "natural_compression"]
+           "natural_compression", "MQGradController"]

@@ -1,0 +1,270 @@
+"""Shared pieces of the seed-paper codecs (3LC, thresholded transfer, entropy-adaptive Huffman,
+MQGrad, TernGrad, QSGD): error-feedback residual buffers, the log-scale exponent they negotiate on
+the switch, bit packing, a counter-based random stream and small big-endian byte helpers.
+
+Shared scale on the switch
+--------------------------
+SwitchML-style codecs (bfp32, nc, nd, rd) negotiate a power of two 2**E by max. The linear codecs
+here (3-value quantization, TernGrad, uniform K-bit) lose up to a factor of two of resolution with a
+power of two (their code step is scale / levels), so they put a finer number in the same signed
+16-bit exponent field: ``E = ceil(256 * log2(scale))``, a Q8.8 fixed-point log2. The max over
+workers is still the max of the scales (log2 is monotone), so the switch negotiates it exactly like
+the exponent; the shared scale ``2**(E / 256)`` is at most 0.27 % above the largest worker's scale.
+The range is 2**-128 .. 2**127.99, the whole float32 range; an all-zero tensor proposes E = -32768.
+
+Error feedback
+--------------
+:class:`ResidualStore` keeps one float32 residual ("error accumulation buffer", 3LC; "residual",
+thresholded transfer) per key. A stateful codec adds the residual of ``key`` to its input, encodes
+the sum, and keeps ``sum - decoded`` for the next step, where ``decoded`` is bit for bit what the
+receiver reconstructs. So for every key, after any number of steps,
+``sum(inputs) == sum(decoded) + residual`` (up to float32 rounding of the additions).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Hashable
+
+import numpy as np
+from numba import njit
+
+LOG2_FRAC = 256                 # Q8.8: 1/256 binade resolution
+EXP_MIN = -(2**15)              # int16 range of the header's exponent field
+EXP_MAX = 2**15 - 1
+HOST_AGGREGATOR = ("variable-length message: needs the host-aggregator mode of the switch service "
+                   "(NOT switch-feasible)")
+
+
+# ----------------------------------------------------------------------------- shared log scale
+def log_scale_exponent(scale: float) -> int:
+    """The smallest Q8.8 exponent E with 2**(E/256) >= scale (scale <= 0 gives the minimum, -32768)."""
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale {scale} is not finite; refusing to encode (nothing was sent)")
+    if scale <= 0.0:
+        return EXP_MIN
+    e = math.ceil(math.log2(scale) * LOG2_FRAC)
+    while 2.0 ** (e / LOG2_FRAC) < scale:     # guard against log2 rounding down
+        e += 1
+    if e > EXP_MAX:
+        raise OverflowError(f"scale {scale:g} beyond the exponent field's 2**{EXP_MAX / LOG2_FRAC:.2f}")
+    return max(e, EXP_MIN)
+
+
+def log_scale(exponent: int) -> float:
+    """The shared scale 2**(E/256) for a negotiated Q8.8 exponent (0.0 for the minimum: all zero)."""
+    e = int(exponent)
+    if not EXP_MIN <= e <= EXP_MAX:
+        raise ValueError(f"exponent {e} outside the int16 exponent field")
+    return 0.0 if e == EXP_MIN else 2.0 ** (e / LOG2_FRAC)
+
+
+def finite_max_abs(x32: np.ndarray, what: str = "tensor") -> float:
+    """max |x| (0.0 for an empty array); raises ValueError naming the count of NaN/Inf values."""
+    if x32.size == 0:
+        return 0.0
+    m = float(np.max(np.abs(x32)))
+    if not math.isfinite(m):
+        bad = int(np.count_nonzero(~np.isfinite(x32)))
+        raise ValueError(f"{what} contains {bad} NaN or Inf value(s); refusing to encode (nothing was sent)")
+    return m
+
+
+# ----------------------------------------------------------------------------- error feedback
+class ResidualStore:
+    """Per-key float32 residuals (error accumulation buffers) of a stateful codec.
+
+    ``key`` names a tensor (e.g. a parameter name, or ``(name, chunk)`` on a chunked path); its
+    residual has that tensor's number of elements. ``None`` is an ordinary key (the default buffer).
+    Feeding a key a tensor of another size raises instead of mixing two tensors' errors.
+    """
+
+    def __init__(self):
+        self._buf: dict[Hashable, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, n: int) -> np.ndarray | None:
+        with self._lock:
+            r = self._buf.get(key)
+        if r is not None and r.size != n:
+            raise ValueError(f"error-feedback key {key!r} holds a residual of {r.size} elements but this "
+                             f"tensor has {n}; use one key per tensor (or reset({key!r}))")
+        return r
+
+    def put(self, key: Hashable, r: np.ndarray) -> None:
+        with self._lock:
+            self._buf[key] = r
+
+    def residual(self, key: Hashable = None) -> np.ndarray | None:
+        """A copy of the residual of ``key`` (None if the key has not been used)."""
+        with self._lock:
+            r = self._buf.get(key)
+        return None if r is None else r.copy()
+
+    def reset(self, key: Hashable = ...) -> None:
+        """Forget the residual of ``key``, or of every key when called without one."""
+        with self._lock:
+            if key is ...:
+                self._buf.clear()
+            else:
+                self._buf.pop(key, None)
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._buf)
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+
+class ErrorFeedbackMixin:
+    """Gives a codec ``error_feedback`` (bool), ``residual(key)`` and ``reset(key)``.
+
+    Subclasses call :meth:`_accumulate` to get ``x + residual`` and :meth:`_keep` with the new
+    residual ``acc - decoded``.
+    """
+
+    error_feedback: bool = False
+
+    def _init_feedback(self, error_feedback: bool) -> None:
+        self.error_feedback = bool(error_feedback)
+        self._residuals = ResidualStore()
+
+    def _accumulate(self, x32: np.ndarray, key) -> np.ndarray:
+        if not self.error_feedback:
+            return x32
+        r = self._residuals.get(key, x32.size)
+        return x32 if r is None else x32 + r
+
+    def _keep(self, key, residual: np.ndarray) -> None:
+        if self.error_feedback:
+            self._residuals.put(key, np.ascontiguousarray(residual, dtype=np.float32))
+
+    def residual(self, key=None) -> np.ndarray | None:
+        """The error-accumulation buffer of ``key`` (a copy; None before the key's first use)."""
+        return self._residuals.residual(key)
+
+    def reset(self, key=...) -> None:
+        """Drop the residual of ``key`` (all keys when called without one)."""
+        self._residuals.reset(key)
+
+
+# ----------------------------------------------------------------------------- random stream
+@njit(inline="always")
+def hash32(x):
+    """lowbias32: a well-mixed 32-bit hash, used as a counter-based random stream."""
+    x = np.uint32(x)
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+@njit(inline="always")
+def uniform01(i, seed):
+    """A uniform number in [0, 1) for element ``i`` of the stream ``seed`` (2**-32 resolution)."""
+    return np.float64(hash32(np.uint32(i) * np.uint32(0x9E3779B9) + np.uint32(seed))) * 2.3283064365386963e-10
+
+
+# ----------------------------------------------------------------------------- bit packing
+@njit(cache=True)
+def _pack_bits(vals, width, out):
+    acc = np.uint64(0)
+    nacc = 0
+    pos = 0
+    w = np.uint64(width)
+    mask = (np.uint64(1) << w) - np.uint64(1)
+    for i in range(vals.size):
+        acc = (acc << w) | (np.uint64(vals[i]) & mask)
+        nacc += width
+        while nacc >= 8:
+            nacc -= 8
+            out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
+            pos += 1
+    if nacc > 0:
+        out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
+        pos += 1
+    return pos
+
+
+@njit(cache=True)
+def _unpack_bits(buf, width, n, out):
+    acc = np.uint64(0)
+    nacc = 0
+    pos = 0
+    w = np.uint64(width)
+    mask = (np.uint64(1) << w) - np.uint64(1)
+    for i in range(n):
+        while nacc < width:
+            acc = (acc << np.uint64(8)) | np.uint64(buf[pos])
+            pos += 1
+            nacc += 8
+        nacc -= width
+        out[i] = np.uint16((acc >> np.uint64(nacc)) & mask)
+
+
+def packed_size(n: int, width: int) -> int:
+    return (n * width + 7) // 8
+
+
+def pack_bits(vals: np.ndarray, width: int) -> np.ndarray:
+    """Pack unsigned integers of ``width`` bits (1..16) MSB-first into bytes (last byte zero-padded)."""
+    if not 1 <= width <= 16:
+        raise ValueError(f"bit width must be 1..16, got {width}")
+    v = np.ascontiguousarray(vals, dtype=np.uint16)
+    out = np.empty(packed_size(v.size, width), np.uint8)
+    _pack_bits(v, width, out)
+    return out
+
+
+def unpack_bits(buf: np.ndarray, width: int, n: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits`: ``n`` unsigned ``width``-bit integers (uint16) from ``buf``."""
+    need = packed_size(n, width)
+    if buf.size < need:
+        raise ValueError(f"truncated message: {n} codes of {width} bits need {need} bytes, got {buf.size}")
+    out = np.empty(n, np.uint16)
+    _unpack_bits(np.ascontiguousarray(buf, dtype=np.uint8), width, n, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- byte helpers
+def be_bytes(dtype: str, *values) -> np.ndarray:
+    """Big-endian (network order) bytes of scalars as a uint8 array."""
+    return np.frombuffer(np.array(values, dtype=np.dtype(dtype).newbyteorder(">")).tobytes(), np.uint8)
+
+
+class Reader:
+    """Sequential reader over a message (uint8 array) that names what is missing when truncated."""
+
+    def __init__(self, buf: np.ndarray, what: str):
+        self.buf = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
+        self.pos = 0
+        self.what = what
+
+    def take(self, nbytes: int, field: str) -> np.ndarray:
+        if self.pos + nbytes > self.buf.size:
+            raise ValueError(f"truncated {self.what} message: {field} needs {nbytes} byte(s) at offset "
+                             f"{self.pos}, only {self.buf.size - self.pos} left")
+        out = self.buf[self.pos:self.pos + nbytes]
+        self.pos += nbytes
+        return out
+
+    def scalar(self, dtype: str, field: str):
+        dt = np.dtype(dtype).newbyteorder(">")
+        return np.frombuffer(self.take(dt.itemsize, field).tobytes(), dt)[0]
+
+    def rest(self) -> np.ndarray:
+        out = self.buf[self.pos:]
+        self.pos = self.buf.size
+        return out
+
+    def done(self) -> None:
+        if self.pos != self.buf.size:
+            raise ValueError(f"{self.what} message has {self.buf.size - self.pos} trailing byte(s)")
+
+
+def element_count(shape) -> int:
+    return int(np.prod(shape)) if len(shape) else 1
