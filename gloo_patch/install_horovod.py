@@ -10,7 +10,8 @@ Steps (each printed as it happens):
      horovod/torch/CMakeLists.txt (the release forces C++14; PyTorch >= 2.1 headers need C++17);
   3. `pip wheel --no-build-isolation` with Gloo and PyTorch, without MPI/TensorFlow/MXNet, so the build
      compiles against the torch installed in this interpreter (build isolation would fetch another);
-  4. cache the wheel under ~/.cache/ina-emu/wheels/<horovod>-torch<torch>-<python tag>/ and install it.
+  4. cache the wheel under ~/.cache/ina-emu/wheels/<horovod>-torch<torch>-<python tag>/ and install it;
+  5. write the .pth line that applies the INA patch (gloo_patch.autopatch) when INA_SWITCH is set.
 
 A later run finds the cached wheel for the same horovod + torch + python and installs it in seconds.
 The cache root can be moved with INA_EMU_CACHE.
@@ -192,6 +193,13 @@ def install_wheel(wheel: Path) -> None:
     (Path(sys.prefix) / ".horovod-built-for").write_text(cache_dir().name + "\n")
 
 
+def install_autopatch_hook() -> None:
+    """The .pth line that applies gloo_patch.horovod to unmodified scripts when INA_SWITCH is set."""
+    from gloo_patch.autopatch import install_hook  # noqa: PLC0415
+
+    log(f"INA_SWITCH autopatch hook: {install_hook()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gloo_patch.install_horovod", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         log(why)
         return 0 if ok else 1
     if ok and not args.rebuild:
+        install_autopatch_hook()
         log(f"{why}; nothing to do")
         return 0
     log(f"{why}; installing")
@@ -237,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ok, why = installed_ok()
     if not ok:
         raise SystemExit(f"[install_horovod] error: after install: {why}")
+    install_autopatch_hook()
     log(f"{why} ({time.monotonic() - t_start:.0f}s)")
     return 0
 

@@ -1,0 +1,302 @@
+"""An INA process group for ``torch.distributed``, and a DDP communication hook.
+
+Backend ``ina`` (registered on import)::
+
+    import gloo_patch.torch_backend            # registers the backend
+    dist.init_process_group("ina")             # INA_SWITCH=host:port in the environment
+
+:class:`InaProcessGroup` is a Python ``dist.ProcessGroup``. Its ``allreduce`` (and
+``allreduce_coalesced``) of float32/float16/bfloat16 tensors with SUM or AVG goes through the switch
+(``ina.Client``); every other collective goes to an inner ``ProcessGroupGloo`` made on the same store:
+the inner group is registered as this group's CPU backend, so broadcast, allgather, reduce, gather,
+scatter, all-to-all, reduce-scatter, barrier and send/recv reach Gloo through PyTorch's own dispatch
+(the Python counterpart of the patched ProcessGroupGloo SwitchML shipped for PyTorch 1.7; no rebuild).
+An allreduce that cannot be offloaded (MIN/MAX/PRODUCT/bitwise/PREMUL_SUM, integer or float64 tensors,
+sparse tensors) goes to the inner Gloo group, with one log line per distinct reason.
+
+DDP communication hook, for users who keep the ``gloo`` backend::
+
+    from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook
+    model = DDP(model)
+    model.register_comm_hook(InaHookState(), ina_allreduce_hook)   # all ranks, before the first backward
+
+Switch allreduces run on one worker thread per client, in the order they were issued (which is the
+same on every rank: DDP issues its buckets in order), so backward keeps computing while a bucket is in
+flight. Every wait is bounded by ``INA_TIMEOUT``: a dead switch raises ``ina.AllreduceError`` on
+every rank instead of hanging.
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .common import FallbackLog, InaConfig, dtype_name, log, new_job_id, offloadable_dtype
+
+BACKEND_NAME = "ina"
+_BT = dist.ProcessGroup.BackendType
+_OP_NAMES = {getattr(dist.ReduceOp, n): n for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR",
+                                                   "PREMUL_SUM")}
+
+
+class _InaWork(dist.Work):
+    """A Work whose ``wait()`` raises the switch's error (a future-wrapping Work would swallow it)."""
+
+    def __init__(self, fut: torch.futures.Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()    # raises AllreduceError's message as RuntimeError if the allreduce failed
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        return self._fut.done() and not self._failed()
+
+    def _failed(self) -> bool:
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001
+            return True
+        return False
+
+
+def _op_name(op) -> str:
+    for k, name in _OP_NAMES.items():
+        try:
+            if op == k:
+                return name
+        except TypeError:
+            pass
+    return str(op)
+
+
+class _Lane:
+    """One INA client and the worker thread that feeds it, in submission order."""
+
+    def __init__(self, config: InaConfig, rank: int, size: int, job: int):
+        from ina import Client  # noqa: PLC0415 - import cost only when used
+
+        self.config, self.rank, self.size, self.job = config, rank, size, job
+        self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, timeout=config.timeout,
+                             slots=config.slots, elements=config.elements)
+        self._q: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, name=f"ina-lane-r{rank}-j{job}", daemon=True)
+        self._t.start()
+
+    def submit(self, tensors: list[torch.Tensor], average: bool, result) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._q.put((tensors, average, result, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            tensors, average, result, fut = item
+            if self._error is not None:
+                fut.set_exception(self._error)
+                continue
+            try:
+                with torch.no_grad():
+                    for t in tensors:
+                        self.client.allreduce(t, codec=self.config.codec, average=average)
+                fut.set_result(result)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting rank
+                self._error = e
+                log.error("[ina rank %d] allreduce through switch %s:%d failed, job %d: %s", self.rank,
+                          *self.config.switch, self.job, e)
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join(timeout=self.config.timeout)
+        try:
+            self.client.close()
+        except Exception as e:  # noqa: BLE001 - leaving is best effort at shutdown
+            log.warning("[ina rank %d] leaving job %d: %s", self.rank, self.job, e)
+
+
+def _agree_job_via_store(store, rank: int, config: InaConfig) -> int:
+    if config.job is not None:
+        return config.job
+    key = "ina/job"
+    if rank == 0:
+        job = new_job_id()
+        store.set(key, str(job))
+        return job
+    return int(store.get(key).decode())   # bounded by the store's timeout
+
+
+class InaProcessGroup(dist.ProcessGroup):
+    """``torch.distributed`` process group: allreduce through the INA switch, the rest through Gloo."""
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta | None = None,
+                 config: InaConfig | None = None):
+        super().__init__(rank, size)
+        timeout = timeout or datetime.timedelta(minutes=30)
+        self.config = config or InaConfig.from_env()
+        # The inner Gloo group, registered as our CPU backend: every collective this class does not
+        # override reaches it through PyTorch's dispatch. GLOO_SOCKET_IFNAME applies as usual.
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("ina-gloo/", store), rank, size, timeout)
+        self._register_backend(torch.device("cpu"), _BT.GLOO, self.gloo)
+        self._set_default_backend(_BT.GLOO)
+        self.job = _agree_job_via_store(store, rank, self.config)
+        self.fallbacks = FallbackLog(f"[ina rank {rank}] process group:", announce=rank == 0)
+        self._lane = _Lane(self.config, rank, size, self.job)
+        if rank == 0:
+            log.info("[ina rank 0] torch.distributed backend 'ina': %d ranks, job %d, %s; allreduce of %s "
+                     "with SUM/AVG goes through the switch, everything else through Gloo", size, self.job,
+                     self.config.describe(), "/".join(("float32", "float16", "bfloat16")))
+
+    # -- identity ---------------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - C++ virtual name
+        return BACKEND_NAME
+
+    def stats(self) -> dict:
+        """Counters: what went through the switch, what fell back and why, the client's packet counters."""
+        d = self.fallbacks.counters.as_dict()
+        d["client"] = self._lane.client.stats.as_dict()
+        d["job"] = self.job
+        return d
+
+    # -- allreduce --------------------------------------------------------------------------------
+    def _why_not(self, tensors: list[torch.Tensor], op) -> str | None:
+        name = _op_name(op)
+        if name not in ("SUM", "AVG"):
+            return f"reduce op {name} (the switch only adds)"
+        for t in tensors:
+            if t.is_sparse:
+                return "sparse tensor"
+            if not offloadable_dtype(t.dtype):
+                return f"dtype {dtype_name(t.dtype)} (offloaded: float32, float16, bfloat16)"
+        return None
+
+    def _offload(self, tensors: list[torch.Tensor], op) -> dist.Work:
+        self.fallbacks.offloaded(len(tensors), sum(t.numel() for t in tensors))
+        fut = self._lane.submit(tensors, _op_name(op) == "AVG", tensors)
+        return _InaWork(fut)
+
+    def _gloo_allreduce(self, tensors: list[torch.Tensor], op, why: str, what: str) -> dist.Work:
+        self.fallbacks.fallback(what, why, f"{len(tensors)} tensor(s), {tensors[0].dtype}, {tuple(tensors[0].shape)}"
+                                if tensors else "")
+        avg = _op_name(op) == "AVG"   # Gloo has no AVG: sum, then divide
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM if avg else op
+        work = self.gloo.allreduce(tensors, opts)
+        if not avg:
+            return work
+        size = self.size()
+
+        def divide(f):
+            for t in tensors:
+                t.div_(size)
+            return tensors
+        return _InaWork(work.get_future().then(divide))
+
+    def allreduce(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        elif not isinstance(opts, dist.AllreduceOptions):   # allreduce(tensors, op) overload
+            op, opts = opts, dist.AllreduceOptions()
+            opts.reduceOp = op
+        why = self._why_not(tensors, opts.reduceOp)
+        if why is None:
+            return self._offload(list(tensors), opts.reduceOp)
+        return self._gloo_allreduce(list(tensors), opts.reduceOp, why, "allreduce")
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        why = self._why_not(tensors, opts.reduceOp)
+        if why is None:
+            return self._offload(list(tensors), opts.reduceOp)
+        return self._gloo_allreduce(list(tensors), opts.reduceOp, why, "allreduce_coalesced")
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        lane, self._lane = getattr(self, "_lane", None), None
+        if lane is not None:
+            lane.close()
+        self._lane_closed = True
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _create(store, rank: int, size: int, timeout) -> InaProcessGroup:
+    return InaProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Register backend ``ina`` with torch.distributed (idempotent; done on import)."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+
+
+register()
+
+
+# ---- DDP communication hook, for users on the gloo backend -------------------------------------------
+class InaHookState:
+    """State of :func:`ina_allreduce_hook`: one INA client per DDP process group.
+
+    Create it on every rank before the first backward (the ranks agree on a job id through the
+    process group, then join the switch). ``switch``/``codec``/``timeout`` override ``INA_*``.
+    """
+
+    def __init__(self, process_group=None, switch=None, codec: str | None = None, timeout: float | None = None):
+        self.process_group = process_group or dist.distributed_c10d._get_default_group()
+        self.config = InaConfig.from_env(switch=switch, codec=codec, timeout=timeout)
+        rank, size = self.process_group.rank(), self.process_group.size()
+        job = self.config.job
+        if job is None:
+            t = torch.tensor([new_job_id() if rank == 0 else 0], dtype=torch.int64)
+            self.process_group.broadcast([t], 0).wait()
+            job = int(t.item())
+        self.fallbacks = FallbackLog(f"[ina rank {rank}] DDP comm hook:", announce=rank == 0)
+        self.lane = _Lane(self.config, rank, size, job)
+        if rank == 0:
+            log.info("[ina rank 0] DDP comm hook: %d ranks, job %d, %s", size, job, self.config.describe())
+
+    def stats(self) -> dict:
+        d = self.fallbacks.counters.as_dict()
+        d["client"] = self.lane.client.stats.as_dict()
+        d["job"] = self.lane.job
+        return d
+
+    def close(self) -> None:
+        self.lane.close()
+
+    # DDP pickles hook state when it checkpoints; this state holds sockets and threads
+    def __getstate__(self):
+        raise TypeError("InaHookState holds a live switch connection and cannot be pickled")
+
+
+def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes)."""
+    buf = bucket.buffer()
+    if not offloadable_dtype(buf.dtype):
+        state.fallbacks.fallback("DDP bucket", f"dtype {dtype_name(buf.dtype)} (offloaded: float32, float16, "
+                                 "bfloat16)", f"bucket {bucket.index()}")
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415
+        return allreduce_hook(state.process_group, bucket)
+    state.fallbacks.offloaded(1, buf.numel())
+    return state.lane.submit([buf], True, buf)
+
+
+HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]
+__all__ = ["InaProcessGroup", "InaHookState", "ina_allreduce_hook", "register", "BACKEND_NAME"]
