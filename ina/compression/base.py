@@ -76,6 +76,14 @@ def from_numpy_like(arr: np.ndarray, like, shape=None):
     return arr.reshape(shape)
 
 
+def native(a: np.ndarray) -> np.ndarray:
+    """A contiguous, native-byte-order array (wire payload views are big-endian; numba needs native)."""
+    a = np.asarray(a)
+    if not a.dtype.isnative:
+        return a.astype(a.dtype.newbyteorder("="))
+    return np.ascontiguousarray(a)
+
+
 def _torch():
     import torch
     return torch

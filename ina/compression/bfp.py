@@ -12,7 +12,7 @@ import numpy as np
 from ina.wire import PayloadType
 
 from . import _kernels as K
-from .base import Codec, Encoded, ScaleContext, from_numpy_like, max_exponent, to_numpy_f32
+from .base import Codec, Encoded, ScaleContext, from_numpy_like, max_exponent, native, to_numpy_f32
 
 INT32_MAX = 2**31 - 1
 
@@ -33,14 +33,19 @@ class BlockFloatingPoint(Codec):
         return max_exponent(x32) + 1
 
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
-        max_exponent(x32)  # raises on NaN/Inf
+        e = max_exponent(x32)  # raises on NaN/Inf
+        if e + 1 > ctx.exponent:
+            raise ValueError(f"value(s) of magnitude >= 2**{ctx.exponent} (the largest is >= 2**{e}): the negotiated "
+                             f"exponent {ctx.exponent} is smaller than this tensor's, so the sum of {ctx.n_workers} "
+                             "workers could overflow int32")
         out = np.empty(x32.size, np.int32)
-        K.bfp_encode(x32, bfp_scale(ctx.exponent, ctx.n_workers), out)
+        if K.bfp_encode(x32, bfp_scale(ctx.exponent, ctx.n_workers), out):
+            raise AssertionError("bfp32: an int32 code saturated although |x| < 2**exponent")
         return out
 
     def decode_sum(self, payload: np.ndarray, ctx: ScaleContext, raw: bool = True) -> np.ndarray:
         out = np.empty(payload.size, np.float32)
-        K.int_sum_decode(np.ascontiguousarray(payload), 1.0 / bfp_scale(ctx.exponent, ctx.n_workers), out)
+        K.int_sum_decode(native(payload), 1.0 / bfp_scale(ctx.exponent, ctx.n_workers), out)
         return out
 
     def compress(self, x) -> Encoded:

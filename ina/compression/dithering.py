@@ -21,12 +21,16 @@ import numpy as np
 from ina.wire import PayloadType
 
 from . import _kernels as K
-from .base import Codec, Encoded, ScaleContext, check_finite, from_numpy_like, max_exponent, to_numpy_f32
+from .base import Codec, Encoded, ScaleContext, check_finite, from_numpy_like, max_exponent, native, to_numpy_f32
 
 
 def p_norm(x32: np.ndarray, p: float) -> float:
     if math.isinf(p):
         return float(np.max(np.abs(x32))) if x32.size else 0.0
+    if p == 1:
+        return K.sum_abs(x32)
+    if p == 2:
+        return math.sqrt(K.sum_squares(x32))
     return float(np.linalg.norm(x32.astype(np.float64), ord=p))
 
 
@@ -86,9 +90,11 @@ class NaturalDithering(_Dithering):
     description = "natural dithering: levels 2**-j of a p-norm, sign + level index"
 
     def encode_shared(self, x32, ctx: ScaleContext) -> np.ndarray:
-        lv = super().encode_shared(x32, ctx).astype(np.int16)
+        max_exponent(x32)
         # level j (value 2**(j - s) * 2**E) is NC code k = j with e_low = E - s + 1
-        return np.where(lv < 0, 0x80 | -lv, lv).astype(np.uint8)
+        out = np.empty(x32.size, np.uint8)
+        K.dither_encode(x32, 2.0 ** -ctx.exponent, self.levels, True, ctx.seed, out, True)
+        return out
 
     def decode_sum(self, payload, ctx: ScaleContext, raw: bool) -> np.ndarray:
         e_low = ctx.exponent - self.levels + 1
@@ -108,4 +114,6 @@ class RandomDithering(_Dithering):
     description = "standard random dithering (QSGD-like): uniform levels k/s of a p-norm"
 
     def decode_sum(self, payload, ctx: ScaleContext, raw: bool = True) -> np.ndarray:
-        return (payload.astype(np.float64) * (2.0 ** ctx.exponent / self.levels)).astype(np.float32)
+        out = np.empty(np.size(payload), np.float32)
+        K.int_sum_decode(native(payload).reshape(-1), 2.0 ** ctx.exponent / self.levels, out)
+        return out

@@ -54,10 +54,13 @@ class NaturalCompression(Codec):
 
     def _encode(self, x32: np.ndarray, e_low: int, window: int, seed: int) -> np.ndarray:
         out = np.empty(x32.size, np.uint8)
-        bad, above = K.nc_encode(x32, x32.view(np.uint32), e_low, window, seed, self.deterministic, out)
-        check_finite(bad)
-        if above:
-            raise ValueError(f"{above} value(s) exceed the exponent window's top 2**{e_low + window - 1}: "
+        max_field, max_code = K.nc_encode(x32, e_low, window, seed, self.deterministic, out)
+        if max_field == 255:
+            check_finite(int(np.count_nonzero(~np.isfinite(x32))))
+        if max_code > window:
+            top = e_low + window - 1
+            n_top = int(np.count_nonzero(np.abs(x32) >= np.float32(2.0 ** top))) if top < 128 else 0
+            raise ValueError(f"value(s) exceed the exponent window's top 2**{top} ({n_top} at or above it): "
                              "the negotiated exponent is smaller than this tensor's")
         return out
 
@@ -73,6 +76,8 @@ class NaturalCompression(Codec):
         e_max = max_exponent(x32)
         e_low = window_low(e_max, 127)
         codes = self._encode(x32, e_low, 127, self.next_seed())
+        if e_low + 127 - 1 > 127 and np.any((codes & 0x7F) == 127):
+            raise OverflowError("value(s) >= 2**127 rounded up to 2**128, beyond float32")
         return Encoded(self.name, codes, tuple(np.shape(x)), {"e_low": e_low}, like=x)
 
     def decompress(self, enc: Encoded):
@@ -111,11 +116,12 @@ def natural_compression(t, deterministic: bool = False, seed: int | None = None)
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**32))
     out = np.empty_like(x32)
-    bad, over, den = K.nc_operator(x32.view(np.uint32), seed, deterministic, out.view(np.uint32))
-    check_finite(bad)
-    if over:
-        raise OverflowError(f"{over} value(s) >= 2**127 would round up to 2**128, beyond float32")
-    if den:  # denormals: round between powers of two below 2**-126 in float64
+    max_field, max_rounded, max_den = K.nc_operator(x32.view(np.uint32), seed, deterministic, out.view(np.uint32))
+    if max_field == 255:
+        check_finite(int(np.count_nonzero(~np.isfinite(x32))))
+    if max_rounded == 255:
+        raise OverflowError("value(s) >= 2**127 would round up to 2**128, beyond float32")
+    if max_den:  # denormals: round between powers of two below 2**-126 in float64
         idx = np.nonzero((x32 != 0) & (np.abs(x32) < np.finfo(np.float32).tiny))[0]
         a = np.abs(x32[idx]).astype(np.float64)
         lo = 2.0 ** np.floor(np.log2(a))
