@@ -12,6 +12,10 @@ workers is still the max of the scales (log2 is monotone), so the switch negotia
 the exponent; the shared scale ``2**(E / 256)`` is at most 0.27 % above the largest worker's scale.
 The range is 2**-128 .. 2**127.99, the whole float32 range; an all-zero tensor proposes E = -32768.
 
+Numba caching: kernels in the codec modules inline hash32/uniform01 from here and are compiled
+with cache=True; numba does not notice edits to this file, so clear ina/compression/__pycache__
+after changing them.
+
 Error feedback
 --------------
 :class:`ResidualStore` keeps one float32 residual ("error accumulation buffer", 3LC; "residual",
@@ -151,22 +155,49 @@ class ErrorFeedbackMixin:
 
 
 # ----------------------------------------------------------------------------- random stream
+_M32 = 0xFFFFFFFF
+
+
 @njit(inline="always")
 def hash32(x):
-    """lowbias32: a well-mixed 32-bit hash, used as a counter-based random stream."""
-    x = np.uint32(x)
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(0x7FEB352D)
-    x ^= x >> np.uint32(15)
-    x *= np.uint32(0x846CA68B)
-    x ^= x >> np.uint32(16)
+    """lowbias32: a well-mixed 32-bit hash, used as a counter-based random stream.
+
+    Numba widens uint32 products to 64 bits, so every step is masked back to 32 bits explicitly.
+    """
+    x = np.uint64(x) & np.uint64(_M32)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & np.uint64(_M32)
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & np.uint64(_M32)
+    x ^= x >> np.uint64(16)
     return x
 
 
 @njit(inline="always")
 def uniform01(i, seed):
     """A uniform number in [0, 1) for element ``i`` of the stream ``seed`` (2**-32 resolution)."""
-    return np.float64(hash32(np.uint32(i) * np.uint32(0x9E3779B9) + np.uint32(seed))) * 2.3283064365386963e-10
+    c = (np.uint64(i) * np.uint64(0x9E3779B9) + np.uint64(seed)) & np.uint64(_M32)
+    return np.float64(hash32(c)) * 2.3283064365386963e-10
+
+
+def hash32_reference(x: int) -> int:
+    """Pure-Python lowbias32 (for tests of the numba stream)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    x ^= x >> 16
+    return x
+
+
+@njit(cache=True)
+def uniform_stream(n, seed):
+    """The first n numbers of the stream ``seed`` (exposed for statistical tests)."""
+    out = np.empty(n, np.float64)
+    for i in range(n):
+        out[i] = uniform01(i, seed)
+    return out
 
 
 # ----------------------------------------------------------------------------- bit packing

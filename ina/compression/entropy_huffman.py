@@ -218,6 +218,35 @@ def decode_codebook(rd: Reader, nbits: int, what: str) -> tuple[np.ndarray, np.n
     return lengths, used
 
 
+def huffman_encode(symbols: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The bitstream (bytes, MSB first, zero-padded) of ``symbols`` under the canonical code of
+    ``lengths`` (from :func:`huffman_lengths`)."""
+    sym = np.ascontiguousarray(symbols, dtype=np.int64).reshape(-1)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if sym.size and (sym.min() < 0 or sym.max() >= lengths.size):
+        raise ValueError(f"symbols must lie in 0..{lengths.size - 1}")
+    nbits = int(lengths[sym].sum()) if sym.size else 0
+    out = np.empty((nbits + 7) // 8, np.uint8)
+    _huffman_encode(sym, canonical_codes(lengths), lengths, out)
+    return out
+
+
+def huffman_decode(stream: np.ndarray, lengths: np.ndarray, n: int) -> np.ndarray:
+    """Inverse of :func:`huffman_encode` for a code with at least two symbols: n symbols (int64)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    stream = np.ascontiguousarray(stream, dtype=np.uint8).reshape(-1)
+    first_code, count, first_index, order, maxlen = _decoder_tables(lengths)
+    q = np.empty(n, np.int64)
+    err, used = _huffman_decode(stream, n, first_code, count, first_index, order, maxlen, q)
+    if err == 1:
+        raise ValueError(f"truncated Huffman bitstream: it ends before {n} symbols")
+    if err == 2:
+        raise ValueError("the Huffman bitstream holds a bit pattern that is not in the codebook")
+    if used != stream.size:
+        raise ValueError(f"Huffman bitstream has {stream.size - used} trailing byte(s)")
+    return q
+
+
 def entropy_bits(counts: np.ndarray) -> float:
     """Shannon entropy (bits) of a histogram."""
     c = np.asarray(counts, dtype=np.float64)
@@ -293,10 +322,7 @@ class EntropyAdaptiveHuffman(ErrorFeedbackMixin, Codec):
         q = self._quantize(acc, wmin, wmax, nbits)
         counts = np.bincount(q, minlength=1 << nbits)
         lengths = huffman_lengths(counts)
-        codes = canonical_codes(lengths)
-        total_bits = int((counts * lengths).sum())
-        stream = np.empty((total_bits + 7) // 8, np.uint8)
-        _huffman_encode(q, codes, lengths, stream)
+        stream = huffman_encode(q, lengths)
         book = encode_codebook(lengths, np.flatnonzero(counts))
         msg = np.concatenate([be_bytes("u1", nbits), be_bytes("f4", wmin), be_bytes("f4", wmax), book, stream])
         if self.error_feedback:
@@ -321,27 +347,24 @@ class EntropyAdaptiveHuffman(ErrorFeedbackMixin, Codec):
         if lengths.max(initial=0) > MAX_CODE_LEN:
             raise ValueError(f"{self.name} codebook has a code of {int(lengths.max())} bits (max {MAX_CODE_LEN})")
         stream = rd.rest()
-        q = np.empty(n, np.int64)
         if n == 0 or used.size == 1:      # one bin used: its code has length 0, no bitstream
             if n and lengths[used[0]] != 0:
                 raise ValueError(f"{self.name} codebook has one bin with a code of positive length")
-            q[:] = used[0] if n else 0
-            used_bytes = 0
+            if stream.size:
+                raise ValueError(f"{self.name} message has {stream.size} trailing byte(s)")
+            q = np.full(n, used[0] if n else 0, np.int64)
         else:
             if used.size == 0 or np.any(lengths[used] == 0):
                 raise ValueError(f"{self.name} codebook lists {used.size} bins, some without a code, "
                                  f"for {n} values")
-            first_code, count, first_index, order, maxlen = _decoder_tables(lengths)
-            err, used_bytes = _huffman_decode(stream, n, first_code, count, first_index, order, maxlen, q)
-            if err == 1:
-                raise ValueError(f"truncated {self.name} message: the bitstream ends before {n} values")
-            if err == 2:
-                raise ValueError(f"{self.name} bitstream holds a bit pattern that is not in the codebook")
-        if used_bytes != stream.size:
-            raise ValueError(f"{self.name} message has {stream.size - used_bytes} trailing byte(s)")
+            try:
+                q = huffman_decode(stream, lengths, n)
+            except ValueError as e:
+                raise ValueError(f"{self.name} message: {e}") from None
         out = np.empty(n, np.float32)
         _dequantize(q, wmin, self._step(wmin, wmax, nbits), out)
         return from_numpy_like(out, enc.like, enc.shape)
 
 
-__all__ = ["EntropyAdaptiveHuffman", "huffman_lengths", "canonical_codes", "entropy_bits"]
+__all__ = ["EntropyAdaptiveHuffman", "huffman_lengths", "canonical_codes", "huffman_encode", "huffman_decode",
+           "entropy_bits"]

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit
 
 from ._seedutil import Reader, be_bytes, element_count
-from .base import Encoded, from_numpy_like, max_exponent, to_numpy_f32
+from .base import Encoded, max_exponent, to_numpy_f32
 from .dithering import RandomDithering, p_norm
 
 
@@ -117,7 +117,7 @@ class QSGD(RandomDithering):
     def decompress(self, enc: Encoded):
         n = element_count(enc.shape)
         rd = Reader(enc.codes, self.name)
-        norm = float(rd.scalar("f4", "norm"))
+        norm = float(np.float32(rd.scalar("f4", "norm")))
         s = int(rd.scalar("u1", "levels"))
         if s != self.levels:
             raise ValueError(f"{self.name} message has s = {s} levels, this codec uses {self.levels}")
@@ -130,8 +130,8 @@ class QSGD(RandomDithering):
             raise ValueError(f"{self.name} message holds a level above s = {s}")
         if (used + 7) // 8 != stream.size:
             raise ValueError(f"{self.name} message has {stream.size - (used + 7) // 8} trailing byte(s)")
-        out = (np.float64(norm) * lv.astype(np.float64) / s).astype(np.float32)
-        return from_numpy_like(out, enc.like, enc.shape)
+        # the levels decode exactly as rd's codes do
+        return super().decompress(Encoded(self.name, lv, enc.shape, {"norm": norm}, like=enc.like))
 
 
 __all__ = ["QSGD"]
