@@ -1,0 +1,956 @@
+"""Emulated hosts and links: one network namespace per host, veth links into a bridge, tc shaping.
+
+::
+
+    root namespace                fabric namespace (inanet-P-fabric)          host namespaces
+    launchers, rendezvous         bridge P-br (no IP, no STP, floods mcast)
+    P-root 10.213.X.254 ==veth== P-rootp -+
+                                          +- P-swp  ==veth== ina0 10.213.X.1    inanet-P-sw
+                                          +- P-w0p  ==veth== ina0 10.213.X.10   inanet-P-w0
+                                          +- P-w1p  ==veth== ina0 10.213.X.11   inanet-P-w1
+                                          ...
+
+Every worker link is shaped per direction with a token bucket filter (tbf): the egress of the
+host's ``ina0`` is the upload, the egress of the bridge port ``P-<host>p`` is the download.
+Everything the topology consists of lives in the kernel and carries the prefix ``P``, so a
+topology can be found, inspected and removed by another process (``ina-net status/down``) even
+after the process that built it was killed.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import ipaddress
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import time
+import zlib
+from dataclasses import asdict, dataclass
+
+from pyroute2 import IPRoute
+from pyroute2 import netns as pr_netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from . import nsexec
+from .nsexec import PrivilegeError, require_privileges
+from .shaping import (BURST_TIME, DOWN_QUEUE_FRAMES, QUEUE_TIME, UP_QUEUE_FRAMES, TbfParams, format_rate,
+                      parse_rate, tbf_params)
+
+log = logging.getLogger("ina.net")
+
+NS_PREFIX = "inanet-"            # every namespace this module creates starts with this
+HOST_IFNAME = "ina0"             # host side of each link: the same name in every host namespace
+FABRIC = "fabric"
+SWITCH = "sw"
+MAX_WORKERS = 200
+PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
+NS_RE = re.compile(r"^inanet-([a-z][a-z0-9]{0,7})-(fabric|sw|w(\d{1,3}))$")
+ROOT_LINK_RE = re.compile(r"^([a-z][a-z0-9]{0,7})-root$")
+ALIAS_TAG = "inanet"             # ifalias of the root-namespace link: "inanet prefix=P"
+SUBNET_POOL = ipaddress.ip_network("10.213.0.0/16")
+SWITCH_OFFSET = 1                # switch host: .1
+WORKER_OFFSET = 10               # worker i: .10+i
+LOCK_PATH = "/run/ina-net.lock"
+LOCK_TIMEOUT = 30.0
+TC_H_ROOT = 0xFFFFFFFF
+TBF_HANDLE = 0x10000             # 1:
+NETEM_HANDLE = 0x100000          # 10:
+TERM_GRACE = 3.0                 # seconds between SIGTERM and SIGKILL for processes in our hosts
+DIRECTIONS = ("up", "down", "both")
+
+
+class TopologyError(RuntimeError):
+    """A topology cannot be built, found or changed as asked."""
+
+
+class NetemUnavailable(TopologyError):
+    """Delay/loss were asked of the kernel, but it has no netem qdisc."""
+
+
+# ----------------------------------------------------------------------------------------------
+# names
+
+def check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not PREFIX_RE.match(prefix):
+        raise TopologyError(
+            f"prefix {prefix!r}: must be 1-8 characters, a lowercase letter then letters/digits "
+            f"(it goes into interface names, which the kernel limits to 15 characters)")
+    return prefix
+
+
+def ns_name(prefix: str, host: str) -> str:
+    return f"{NS_PREFIX}{prefix}-{host}"
+
+
+def port_name(prefix: str, host: str) -> str:
+    return f"{prefix}-{host}p"
+
+
+def bridge_name(prefix: str) -> str:
+    return f"{prefix}-br"
+
+
+def root_ifname(prefix: str) -> str:
+    return f"{prefix}-root"
+
+
+def root_peer_name(prefix: str) -> str:
+    return f"{prefix}-rootp"
+
+
+def host_key(name) -> str:
+    """Normalise a host name: ``switch``/``sw`` -> ``sw``, ``worker3``/``w3`` -> ``w3``."""
+    if isinstance(name, Host):
+        return name.name
+    s = str(name).strip().lower()
+    if s in ("sw", "switch"):
+        return SWITCH
+    m = re.fullmatch(r"(?:w|worker)(\d+)", s)
+    if m:
+        return f"w{int(m.group(1))}"
+    raise TopologyError(f"unknown host {name!r}: hosts are 'sw' (or 'switch') and 'w0', 'w1', ... "
+                        f"(or 'worker0', ...)")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host: its own network namespace with one link (``ifname``) into the fabric."""
+    name: str            # "sw", "w0", "w1", ...
+    role: str            # "switch" or "worker"
+    rank: int | None     # worker index, None for the switch
+    netns: str           # network namespace name (/var/run/netns/<netns>)
+    ip: str              # IPv4 address of ifname
+    ifname: str          # host side of the veth: use for GLOO_SOCKET_IFNAME / HOROVOD_GLOO_IFACE
+    port: str            # bridge side of the veth (in the fabric namespace)
+
+    def env(self) -> dict[str, str]:
+        """Environment that pins Gloo/Horovod/TensorPipe to this host's link.
+
+        Inside a namespace the hostname resolves to 127.0.0.1, so Gloo must be told the interface.
+        """
+        return {"GLOO_SOCKET_IFNAME": self.ifname, "HOROVOD_GLOO_IFACE": self.ifname,
+                "TP_SOCKET_IFNAME": self.ifname}
+
+
+@dataclass(frozen=True)
+class LinkCounters:
+    """Kernel counters of one host's link.
+
+    ``tx_*``/``rx_*``: the device counters of the host side of the veth (tx = upload, rx =
+    download). A GSO super-frame counts its headers once there, so they undercount bytes on the
+    wire by a few percent under TCP. ``up_*``/``down_*``: the counters of the shaping queues
+    (zero when that direction is unshaped): bytes/packets as the token bucket charged them (every
+    frame with its own headers: the numbers to compare with the rate), frames dropped because the
+    queue was full, times the bucket ran out of tokens (overlimits: the shaper was the
+    bottleneck), and bytes waiting now (backlog).
+    """
+    host: str
+    tx_bytes: int
+    tx_packets: int
+    rx_bytes: int
+    rx_packets: int
+    up_bytes: int
+    up_packets: int
+    up_drops: int
+    up_overlimits: int
+    up_backlog: int
+    down_bytes: int
+    down_packets: int
+    down_drops: int
+    down_overlimits: int
+    down_backlog: int
+
+
+@dataclass(frozen=True)
+class NetemProbe:
+    available: bool
+    detail: str
+
+
+# ----------------------------------------------------------------------------------------------
+# netlink helpers
+
+def _open(netns: str | None) -> IPRoute:
+    """An RTNL socket in the root namespace (None) or in an existing named namespace."""
+    if netns is None:
+        return IPRoute()
+    if netns not in pr_netns.listnetns():
+        raise TopologyError(f"network namespace {netns!r} does not exist")
+    return IPRoute(netns=netns, flags=0)
+
+
+def _lookup(ipr: IPRoute, ifname: str) -> int | None:
+    found = ipr.link_lookup(ifname=ifname)
+    return found[0] if found else None
+
+
+@contextlib.contextmanager
+def _ignoring(*codes):
+    try:
+        yield
+    except NetlinkError as e:
+        if e.code not in codes:
+            raise
+
+
+def _no_ipv6(ipr: IPRoute, index: int) -> None:
+    """No link-local address on our links: no router/neighbour solicitations in the counters."""
+    ipr.link("set", index=index, IFLA_AF_SPEC={
+        "attrs": [["AF_INET6", {"attrs": [["IFLA_INET6_ADDR_GEN_MODE", 1]]}]]})
+
+
+def _ensure_addr(ipr: IPRoute, index: int, ip: str, plen: int) -> None:
+    have = [(a.get_attr("IFA_ADDRESS"), a["prefixlen"]) for a in ipr.get_addr(family=socket.AF_INET, index=index)]
+    for addr, p in have:
+        if (addr, p) != (ip, plen):
+            ipr.addr("del", index=index, address=addr, prefixlen=p)
+    if (ip, plen) not in have:
+        ipr.addr("add", index=index, address=ip, prefixlen=plen)
+
+
+def _root_qdisc(ipr: IPRoute, index: int):
+    for q in ipr.get_qdiscs(index=index):
+        if q["index"] == index and q["parent"] == TC_H_ROOT:
+            return q
+    return None
+
+
+def _qdisc_stats(q) -> dict:
+    st = q.get_attr("TCA_STATS2") if q is not None else None
+    out = {"drops": 0, "backlog": 0, "bytes": 0, "packets": 0, "overlimits": 0}
+    if st is None:
+        return out
+    basic = st.get_attr("TCA_STATS_BASIC")
+    queue = st.get_attr("TCA_STATS_QUEUE")
+    if basic:
+        out["bytes"], out["packets"] = basic["bytes"], basic["packets"]
+    if queue:
+        out["drops"], out["backlog"], out["overlimits"] = queue["drops"], queue["backlog"], queue["overlimits"]
+    return out
+
+
+def _tbf_of(q) -> TbfParams | None:
+    """The shaping a root tbf applies, as read back from the kernel."""
+    if q is None or q.get_attr("TCA_KIND") != "tbf":
+        return None
+    parms = q.get_attr("TCA_OPTIONS").get_attr("TCA_TBF_PARMS")
+    rate = parms["rate"]
+    # buffer is the bucket in psched ticks (64 ns); burst in bytes = rate * time
+    burst = int(round(rate * parms["buffer"] * 64e-9))
+    return TbfParams(rate_bps=rate * 8, burst=burst, limit=parms["limit"])
+
+
+def _ns_pids(names) -> dict[int, str]:
+    """pid -> namespace name, for every process living in one of the named namespaces."""
+    inodes = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            st = os.stat(nsexec.netns_path(name))
+            inodes[(st.st_dev, st.st_ino)] = name
+    found = {}
+    if not inodes:
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry}/ns/net")
+        except OSError:
+            continue
+        name = inodes.get((st.st_dev, st.st_ino))
+        if name is not None and int(entry) != os.getpid():
+            found[int(entry)] = name
+    return found
+
+
+def _kill_pids(pids, grace: float = TERM_GRACE) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; returns the pids signalled."""
+    pids = list(pids)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if _alive(p)}
+        if alive:
+            time.sleep(0.02)
+    for pid in alive:
+        log.warning("process %d ignored SIGTERM for %.1fs: sending SIGKILL", pid, grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if _alive(p)}
+        if alive:
+            time.sleep(0.02)
+    if alive:
+        raise TopologyError(f"processes {sorted(alive)} survived SIGKILL for {grace}s")
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie no longer holds its namespace: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(timeout: float = LOCK_TIMEOUT):
+    """Serialise bring-ups on this machine (subnet choice must not race)."""
+    fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TopologyError(f"waited {timeout:.0f}s for {LOCK_PATH}, held by another "
+                                        f"ina-net bring-up") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# discovery and teardown (work from kernel state only)
+
+def list_topologies() -> list[str]:
+    """Prefixes of every topology present on this machine (namespaces or root links)."""
+    prefixes = set()
+    for name in pr_netns.listnetns():
+        m = NS_RE.match(name)
+        if m:
+            prefixes.add(m.group(1))
+    with IPRoute() as ipr:
+        for link in ipr.get_links():
+            m = ROOT_LINK_RE.match(link.get_attr("IFLA_IFNAME") or "")
+            alias = link.get_attr("IFLA_IFALIAS") or ""
+            if m and alias.startswith(ALIAS_TAG):
+                prefixes.add(m.group(1))
+    return sorted(prefixes)
+
+
+def teardown(prefix: str, *, grace: float = TERM_GRACE) -> dict:
+    """Remove every namespace, link and qdisc of topology ``prefix``; returns what was removed.
+
+    Works from kernel state alone, so it also cleans up after a builder that was killed.
+    Processes still running inside the topology's hosts are terminated first (a namespace lives
+    as long as one process is inside it, and with it the links and qdiscs).
+    """
+    check_prefix(prefix)
+    require_privileges("tear down emulated links")
+    names = sorted(n for n in pr_netns.listnetns() if (m := NS_RE.match(n)) and m.group(1) == prefix)
+    report = {"prefix": prefix, "namespaces": [], "links": [], "killed": []}
+    pids = _ns_pids(names)
+    if pids:
+        log.info("%s: terminating %d process(es) still inside its hosts: %s", prefix, len(pids),
+                 ", ".join(f"{p} ({n})" for p, n in sorted(pids.items())))
+        report["killed"] = _kill_pids(pids, grace)
+    with IPRoute() as ipr:
+        idx = _lookup(ipr, root_ifname(prefix))
+        if idx is not None:
+            with _ignoring(errno.ENODEV):
+                ipr.link("del", index=idx)
+            report["links"].append(root_ifname(prefix))
+    fab = ns_name(prefix, FABRIC)
+    if fab in names:
+        # delete the links explicitly (synchronously) rather than leaving it to namespace cleanup
+        with contextlib.suppress(TopologyError, OSError), _open(fab) as ipr:
+            for link in ipr.get_links():
+                ifname = link.get_attr("IFLA_IFNAME")
+                if ifname and ifname.startswith(f"{prefix}-"):
+                    with _ignoring(errno.ENODEV):
+                        ipr.link("del", index=link["index"])
+                    report["links"].append(ifname)
+    for name in names:
+        path = nsexec.netns_path(name)
+        with contextlib.suppress(OSError):
+            pr_netns.remove(name)
+        if os.path.exists(path):  # a bare mount point left by a crash during creation
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if os.path.exists(path):
+            raise TopologyError(f"could not remove network namespace {name} ({path})")
+        report["namespaces"].append(name)
+    if names or report["links"]:
+        log.info("%s: removed %d namespace(s), %d link(s)", prefix, len(report["namespaces"]),
+                 len(report["links"]))
+    return report
+
+
+_netem_probe: NetemProbe | None = None
+
+
+def probe_netem(refresh: bool = False) -> NetemProbe:
+    """Try to create a netem qdisc on a dummy link in a scratch namespace; cached per process."""
+    global _netem_probe
+    if _netem_probe is not None and not refresh:
+        return _netem_probe
+    require_privileges("probe for the netem qdisc")
+    scratch = f"{NS_PREFIX}probe{os.getpid()}"
+    try:
+        pr_netns.create(scratch)
+        with IPRoute(netns=scratch, flags=0) as ipr:
+            try:
+                ipr.link("add", ifname="probe0", kind="dummy")
+                where = "a dummy link in a scratch namespace"
+                idx = _lookup(ipr, "probe0")
+            except NetlinkError:   # kernel without CONFIG_DUMMY: the scratch namespace's loopback
+                where = "the loopback of a scratch namespace"
+                idx = _lookup(ipr, "lo")
+            ipr.link("set", index=idx, state="up")
+            try:
+                ipr.tc("add", "netem", idx, handle=NETEM_HANDLE, parent=TC_H_ROOT, delay=1000)
+                result = NetemProbe(True, f"netem qdisc available (probed on {where}): delay/loss "
+                                          f"can be emulated by the kernel")
+            except NetlinkError as e:
+                result = NetemProbe(False, (
+                    f"netem qdisc not available in this kernel (adding one to {where} failed: "
+                    f"{os.strerror(e.code)}; the kernel lacks CONFIG_NET_SCH_NETEM): delay and loss "
+                    f"are emulated by the switch's user-space impairment stage; links only shape rate"))
+    finally:
+        with contextlib.suppress(OSError):
+            pr_netns.remove(scratch)
+    _netem_probe = result
+    return result
+
+
+def netem_available(refresh: bool = False) -> bool:
+    return probe_netem(refresh).available
+
+
+# ----------------------------------------------------------------------------------------------
+
+class Topology:
+    """A switch host and ``workers`` worker hosts, each in its own network namespace.
+
+    ::
+
+        with Topology(workers=4, rate="100mbit") as topo:
+            p = topo.popen(topo.switch, ["ina-switch", ...])
+            for w in topo.workers:
+                topo.popen(w, [...], env={**os.environ, **w.env()})
+            topo.set_rate("all", "1gbit")          # live, e.g. for a bandwidth sweep
+            print(topo.counters())
+
+    ``rate`` shapes every worker link's upload; ``rate_down`` its download (``None``: same as
+    ``rate``; ``"unlimited"``: not shaped). ``switch_rate`` shapes the switch host's own link
+    (default unshaped: the worker links are the bottleneck, as in a switch with one port per
+    worker). ``prefix`` names the topology (default: a fresh random one); bring-up with an
+    existing prefix adopts and converges that topology. ``keep=True`` leaves it up on exit.
+    """
+
+    def __init__(self, workers: int = 4, rate="100mbit", rate_down=None, prefix: str | None = None, *,
+                 switch_rate=None, mtu: int = 1500, subnet=None, delay: float | None = None,
+                 loss: float | None = None, keep: bool = False, burst_time: float = BURST_TIME,
+                 queue_time: float = QUEUE_TIME):
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+            raise TopologyError(f"workers={workers!r}: must be an integer from 1 to {MAX_WORKERS}")
+        if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
+            raise TopologyError(f"mtu={mtu!r}: must be an integer from 576 to 65535")
+        self.workers_count = workers
+        self.rate = parse_rate(rate)
+        self.rate_down = self.rate if rate_down is None else parse_rate(rate_down)
+        self.switch_rate = parse_rate(switch_rate)
+        self.mtu = mtu
+        self.burst_time = float(burst_time)
+        self.queue_time = float(queue_time)
+        tbf_params(1_000_000, mtu, burst_time=self.burst_time, queue_time=self.queue_time)  # validates
+        if delay is not None and not (isinstance(delay, (int, float)) and 0 <= delay <= 10):
+            raise TopologyError(f"delay={delay!r}: one-way delay in seconds, from 0 to 10")
+        if loss is not None and not (isinstance(loss, (int, float)) and 0 <= loss <= 1):
+            raise TopologyError(f"loss={loss!r}: a probability from 0 to 1")
+        self.delay, self.loss = delay, loss
+        self.keep = keep
+        self._explicit_prefix = prefix is not None
+        self.prefix = check_prefix(prefix) if prefix is not None else self._fresh_prefix()
+        self._requested_subnet = None
+        if subnet is not None:
+            try:
+                net = ipaddress.ip_network(subnet)
+            except ValueError as e:
+                raise TopologyError(f"subnet={subnet!r}: {e}") from None
+            if net.version != 4 or net.prefixlen > 24 or not net.is_private:
+                raise TopologyError(f"subnet={subnet!r}: must be a private IPv4 network of /24 or larger")
+            self._requested_subnet = net
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.root_ip: str | None = None
+        self.switch: Host | None = None
+        self.workers: list[Host] = []
+        self._handles: dict[str | None, IPRoute] = {}
+        self._procs: list[tuple[Host, subprocess.Popen]] = []
+        self._is_up = False
+
+    # ---- naming -------------------------------------------------------------------------------
+    @staticmethod
+    def _fresh_prefix() -> str:
+        taken = set(list_topologies()) if nsexec.missing_caps() == [] else set()
+        for _ in range(100):
+            p = "ina" + secrets.token_hex(2)
+            if p not in taken:
+                return p
+        raise TopologyError("could not find a free random prefix")
+
+    @property
+    def fabric_netns(self) -> str:
+        return ns_name(self.prefix, FABRIC)
+
+    @property
+    def root_ifname(self) -> str:
+        return root_ifname(self.prefix)
+
+    @property
+    def hosts(self) -> list[Host]:
+        return ([self.switch] if self.switch else []) + list(self.workers)
+
+    def host(self, name) -> Host:
+        if isinstance(name, Host):
+            return name
+        key = host_key(name)
+        for h in self.hosts:
+            if h.name == key:
+                return h
+        raise TopologyError(f"host {name!r} is not part of topology {self.prefix} "
+                            f"(hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def _make_hosts(self) -> None:
+        base = self.subnet.network_address
+        def mk(name, role, rank, offset):
+            return Host(name=name, role=role, rank=rank, netns=ns_name(self.prefix, name),
+                        ip=str(base + offset), ifname=HOST_IFNAME, port=port_name(self.prefix, name))
+        self.switch = mk(SWITCH, "switch", None, SWITCH_OFFSET)
+        self.workers = [mk(f"w{i}", "worker", i, WORKER_OFFSET + i) for i in range(self.workers_count)]
+        self.root_ip = str(self.subnet.broadcast_address - 1)
+
+    def _h(self, netns: str | None) -> IPRoute:
+        ipr = self._handles.get(netns)
+        if ipr is None:
+            ipr = self._handles[netns] = _open(netns)
+        return ipr
+
+    def _close_handles(self) -> None:
+        for ipr in self._handles.values():
+            with contextlib.suppress(Exception):
+                ipr.close()
+        self._handles.clear()
+
+    # ---- bring-up -----------------------------------------------------------------------------
+    def __enter__(self) -> "Topology":
+        try:
+            self.up()
+        except BaseException:
+            if not self.keep:
+                with contextlib.suppress(Exception):
+                    self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.keep:
+            self._close_handles()
+        else:
+            self.down()
+
+    def up(self) -> "Topology":
+        """Build the topology (or converge an existing one with this prefix to this spec)."""
+        require_privileges()
+        if self.delay or self.loss:
+            probe = probe_netem()
+            if not probe.available:
+                raise NetemUnavailable(
+                    f"delay={self.delay} loss={self.loss} asked of the kernel, but {probe.detail}. "
+                    f"Build the topology without delay/loss and configure them on the switch "
+                    f"(its impairment stage) instead.")
+        t0 = time.monotonic()
+        with _build_lock():
+            self.subnet = self._choose_subnet()
+            self._make_hosts()
+            log.info("%s: bringing up switch + %d workers on %s (root %s on %s)", self.prefix,
+                     self.workers_count, self.subnet, self.root_ip, self.root_ifname)
+            self._build_fabric()
+            for h in self.hosts:
+                self._build_host(h)
+            self._remove_extra_workers()
+        for h in self.hosts:
+            self._apply_shaping(h)
+        self._is_up = True
+        log.info("%s: up in %.2fs: workers %s, switch %s", self.prefix, time.monotonic() - t0,
+                 self._rate_summary(), format_rate(self.switch_rate))
+        return self
+
+    def _rate_summary(self) -> str:
+        return f"up {format_rate(self.rate)} / down {format_rate(self.rate_down)}"
+
+    def _choose_subnet(self) -> ipaddress.IPv4Network:
+        root = self._h(None)
+        idx = _lookup(root, self.root_ifname)
+        if idx is not None:  # adopting an existing topology: keep its addresses
+            addrs = root.get_addr(family=socket.AF_INET, index=idx)
+            if addrs:
+                a = addrs[0]
+                net = ipaddress.ip_interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}").network
+                if self._requested_subnet is not None and net != self._requested_subnet:
+                    raise TopologyError(f"topology {self.prefix} already exists on {net}, not "
+                                        f"{self._requested_subnet}: `ina-net down --prefix {self.prefix}` first")
+                return net
+        used = []
+        for a in root.get_addr(family=socket.AF_INET):
+            if a.get_attr("IFA_LABEL") == self.root_ifname:
+                continue
+            used.append((ipaddress.ip_interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}").network,
+                         f"address {a.get_attr('IFA_ADDRESS')}/{a['prefixlen']} on {a.get_attr('IFA_LABEL')}"))
+        for r in root.get_routes(family=socket.AF_INET, table=254):
+            if r["dst_len"] > 0 and r.get_attr("RTA_DST"):
+                used.append((ipaddress.ip_network(f"{r.get_attr('RTA_DST')}/{r['dst_len']}", strict=False),
+                             f"route {r.get_attr('RTA_DST')}/{r['dst_len']}"))
+        def conflict(net):
+            return next((why for u, why in used if u.overlaps(net)), None)
+        if self._requested_subnet is not None:
+            why = conflict(self._requested_subnet)
+            if why:
+                raise TopologyError(f"subnet {self._requested_subnet} overlaps {why} in the root namespace")
+            return self._requested_subnet
+        subnets = list(SUBNET_POOL.subnets(new_prefix=24))
+        start = zlib.crc32(self.prefix.encode()) % len(subnets)
+        for k in range(len(subnets)):
+            net = subnets[(start + k) % len(subnets)]
+            if not conflict(net):
+                return net
+        raise TopologyError(f"every /24 of {SUBNET_POOL} is in use in the root namespace")
+
+    def _ensure_netns(self, name: str) -> None:
+        if name not in pr_netns.listnetns():
+            log.info("%s: creating namespace %s", self.prefix, name)
+            pr_netns.create(name)
+        ipr = self._h(name)
+        lo = _lookup(ipr, "lo")
+        ipr.link("set", index=lo, state="up")
+
+    def _build_fabric(self) -> None:
+        fab_ns = self.fabric_netns
+        self._ensure_netns(fab_ns)
+        fab = self._h(fab_ns)
+        br = bridge_name(self.prefix)
+        if _lookup(fab, br) is None:
+            log.info("%s: creating bridge %s in %s", self.prefix, br, fab_ns)
+            # no STP (ports forward at once); no multicast snooping: multicast floods every port
+            fab.link("add", ifname=br, kind="bridge", br_stp_state=0, br_mcast_snooping=0)
+        bi = _lookup(fab, br)
+        _no_ipv6(fab, bi)
+        fab.link("set", index=bi, mtu=self.mtu, state="up")
+        root = self._h(None)
+        rif, rpeer = self.root_ifname, root_peer_name(self.prefix)
+        ri, pi = _lookup(root, rif), _lookup(fab, rpeer)
+        if ri is None or pi is None:
+            if ri is not None:
+                root.link("del", index=ri)
+            if pi is not None:
+                fab.link("del", index=pi)
+            log.info("%s: creating root link %s <-> %s", self.prefix, rif, rpeer)
+            fd = os.open(nsexec.netns_path(fab_ns), os.O_RDONLY)
+            try:
+                root.link("add", ifname=rif, kind="veth", peer={"ifname": rpeer, "net_ns_fd": fd})
+            finally:
+                os.close(fd)
+            ri, pi = _lookup(root, rif), _lookup(fab, rpeer)
+        root.link("set", index=ri, ifalias=f"{ALIAS_TAG} prefix={self.prefix}")
+        _no_ipv6(root, ri)
+        _no_ipv6(fab, pi)
+        fab.link("set", index=pi, master=bi, mtu=self.mtu, state="up")
+        root.link("set", index=ri, mtu=self.mtu)
+        _ensure_addr(root, ri, self.root_ip, self.subnet.prefixlen)
+        root.link("set", index=ri, state="up")
+
+    def _build_host(self, h: Host) -> None:
+        self._ensure_netns(h.netns)
+        fab, hh = self._h(self.fabric_netns), self._h(h.netns)
+        pi, hi = _lookup(fab, h.port), _lookup(hh, h.ifname)
+        if pi is None or hi is None:
+            if pi is not None:
+                fab.link("del", index=pi)
+            if hi is not None:
+                hh.link("del", index=hi)
+            log.info("%s: creating link %s (%s) <-> %s", self.prefix, h.port, self.fabric_netns, h.name)
+            fd = os.open(nsexec.netns_path(h.netns), os.O_RDONLY)
+            try:
+                fab.link("add", ifname=h.port, kind="veth", peer={"ifname": h.ifname, "net_ns_fd": fd})
+            finally:
+                os.close(fd)
+            pi, hi = _lookup(fab, h.port), _lookup(hh, h.ifname)
+        _no_ipv6(fab, pi)
+        _no_ipv6(hh, hi)
+        fab.link("set", index=pi, master=_lookup(fab, bridge_name(self.prefix)), mtu=self.mtu, state="up")
+        hh.link("set", index=hi, mtu=self.mtu)
+        _ensure_addr(hh, hi, h.ip, self.subnet.prefixlen)
+        hh.link("set", index=hi, state="up")
+
+    def _remove_extra_workers(self) -> None:
+        keep = {h.netns for h in self.hosts} | {self.fabric_netns}
+        extra = [n for n in pr_netns.listnetns()
+                 if (m := NS_RE.match(n)) and m.group(1) == self.prefix and n not in keep]
+        if not extra:
+            return
+        log.info("%s: removing hosts no longer in the spec: %s", self.prefix, ", ".join(extra))
+        pids = _ns_pids(extra)
+        if pids:
+            _kill_pids(pids)
+        fab = self._h(self.fabric_netns)
+        for n in extra:
+            host = NS_RE.match(n).group(2)
+            idx = _lookup(fab, port_name(self.prefix, host))
+            if idx is not None:
+                fab.link("del", index=idx)
+            h = self._handles.pop(n, None)
+            if h is not None:
+                h.close()
+            pr_netns.remove(n)
+
+    # ---- shaping ------------------------------------------------------------------------------
+    def _targets(self, h: Host, direction: str):
+        """(handle, ifindex, label) for the qdiscs shaping ``direction`` of host ``h``'s link."""
+        out = []
+        if direction in ("up", "both"):
+            ipr = self._h(h.netns)
+            out.append((ipr, _lookup(ipr, h.ifname), f"{h.name} up ({h.ifname} egress)"))
+        if direction in ("down", "both"):
+            ipr = self._h(self.fabric_netns)
+            out.append((ipr, _lookup(ipr, h.port), f"{h.name} down ({h.port} egress)"))
+        for _, idx, label in out:
+            if idx is None:
+                raise TopologyError(f"{self.prefix}: link for {label} is missing: is the topology up?")
+        return out
+
+    def _spec_rates(self, h: Host):
+        if h.role == "switch":
+            return self.switch_rate, self.switch_rate
+        return self.rate, self.rate_down
+
+    def _apply_shaping(self, h: Host) -> None:
+        up, down = self._spec_rates(h)
+        netem = (self.delay or self.loss) and h.role == "worker"
+        for (ipr, idx, label), rate, d in zip(self._targets(h, "both"), (up, down), ("up", "down")):
+            self._shape(ipr, idx, label, rate, d, netem=bool(netem))
+
+    def _shape(self, ipr: IPRoute, idx: int, label: str, rate_bps: int | None, direction: str,
+               netem: bool = False) -> None:
+        current = _root_qdisc(ipr, idx)
+        kind = current.get_attr("TCA_KIND") if current is not None else None
+        if rate_bps is None:
+            if kind in ("tbf", "netem"):
+                with _ignoring(errno.ENOENT, errno.EINVAL):
+                    ipr.tc("del", index=idx, parent=TC_H_ROOT, handle=current["handle"])
+            if netem:
+                ipr.tc("add", "netem", idx, handle=TBF_HANDLE, parent=TC_H_ROOT, **self._netem_args())
+            log.info("%s: %s: unlimited", self.prefix, label)
+            return
+        p = tbf_params(rate_bps, self.mtu, burst_time=self.burst_time, queue_time=self.queue_time,
+                       queue_frames=UP_QUEUE_FRAMES if direction == "up" else DOWN_QUEUE_FRAMES)
+        if kind not in (None, "tbf", "noqueue") or (kind == "tbf" and current["handle"] != TBF_HANDLE):
+            ipr.tc("del", index=idx, parent=TC_H_ROOT, handle=current["handle"])
+        ipr.tc("replace", "tbf", idx, handle=TBF_HANDLE, parent=TC_H_ROOT,
+               rate=p.rate_bytes, burst=p.burst, limit=p.limit)
+        if netem:
+            ipr.tc("replace", "netem", idx, handle=NETEM_HANDLE, parent=TBF_HANDLE | 1, **self._netem_args())
+        log.info("%s: %s: tbf rate %s burst %d B queue %d B%s", self.prefix, label, format_rate(rate_bps),
+                 p.burst, p.limit, " + netem" if netem else "")
+
+    def _netem_args(self) -> dict:
+        args = {}
+        if self.delay:
+            args["delay"] = int(round(self.delay * 1e6))   # microseconds
+        if self.loss:
+            args["loss"] = self.loss * 100                  # percent
+        # netem's own queue (packets) must not be the bottleneck behind tbf
+        args["limit"] = 10000
+        return args
+
+    def set_rate(self, host_or_all, rate, direction: str = "both") -> None:
+        """Change the rate of live links. ``host_or_all``: a Host, a name ('w0', 'sw'), a list of
+        them, ``"all"`` (every host) or ``"workers"``. ``direction``: 'up', 'down' or 'both'.
+        ``rate``: e.g. '1gbit', or 'unlimited' to remove shaping."""
+        if direction not in DIRECTIONS:
+            raise TopologyError(f"direction {direction!r}: must be one of {', '.join(DIRECTIONS)}")
+        rate_bps = parse_rate(rate)
+        self._require_up()
+        if isinstance(host_or_all, str) and host_or_all in ("all", "workers"):
+            hosts = self.hosts if host_or_all == "all" else list(self.workers)
+        elif isinstance(host_or_all, (list, tuple, set)):
+            hosts = [self.host(h) for h in host_or_all]
+        else:
+            hosts = [self.host(host_or_all)]
+        for h in hosts:
+            netem = bool((self.delay or self.loss) and h.role == "worker")
+            for d in (("up", "down") if direction == "both" else (direction,)):
+                (ipr, idx, label), = self._targets(h, d)
+                self._shape(ipr, idx, label, rate_bps, d, netem=netem)
+
+    def rates(self) -> dict[str, tuple[int | None, int | None]]:
+        """``{host: (upload bit/s, download bit/s)}`` as the kernel applies them (None: unshaped)."""
+        self._require_up()
+        out = {}
+        for h in self.hosts:
+            (hi, hidx, _), (fi, fidx, _) = self._targets(h, "both")
+            up, down = _tbf_of(_root_qdisc(hi, hidx)), _tbf_of(_root_qdisc(fi, fidx))
+            out[h.name] = (up.rate_bps if up else None, down.rate_bps if down else None)
+        return out
+
+    def shaping(self) -> dict[str, dict[str, TbfParams | None]]:
+        """``{host: {'up': TbfParams|None, 'down': ...}}`` read back from the kernel."""
+        self._require_up()
+        out = {}
+        for h in self.hosts:
+            (hi, hidx, _), (fi, fidx, _) = self._targets(h, "both")
+            out[h.name] = {"up": _tbf_of(_root_qdisc(hi, hidx)), "down": _tbf_of(_root_qdisc(fi, fidx))}
+        return out
+
+    def counters(self) -> dict[str, LinkCounters]:
+        """Per-link byte/packet counters from the kernel (the host side of each veth) and the
+        drop/backlog counters of both shaping queues."""
+        self._require_up()
+        out = {}
+        for h in self.hosts:
+            (hi, hidx, _), (fi, fidx, _) = self._targets(h, "both")
+            link = hi.link("get", index=hidx)[0]
+            s = link.get_attr("IFLA_STATS64")
+            upq, downq = _qdisc_stats(_root_qdisc(hi, hidx)), _qdisc_stats(_root_qdisc(fi, fidx))
+            out[h.name] = LinkCounters(
+                host=h.name, tx_bytes=s["tx_bytes"], tx_packets=s["tx_packets"], rx_bytes=s["rx_bytes"],
+                rx_packets=s["rx_packets"],
+                **{f"{d}_{k}": q[k] for d, q in (("up", upq), ("down", downq))
+                   for k in ("bytes", "packets", "drops", "overlimits", "backlog")})
+        return out
+
+    def status(self) -> dict:
+        """Everything ``ina-net status`` shows, as a JSON-ready dict."""
+        self._require_up()
+        shaping, counters = self.shaping(), self.counters()
+        netem = probe_netem()
+        hosts = []
+        for h in self.hosts:
+            hosts.append({
+                "name": h.name, "role": h.role, "netns": h.netns, "ip": h.ip, "ifname": h.ifname,
+                "port": h.port,
+                "up": asdict(shaping[h.name]["up"]) if shaping[h.name]["up"] else None,
+                "down": asdict(shaping[h.name]["down"]) if shaping[h.name]["down"] else None,
+                "counters": asdict(counters[h.name]),
+            })
+        return {"prefix": self.prefix, "subnet": str(self.subnet), "root_ip": self.root_ip,
+                "root_ifname": self.root_ifname, "fabric_netns": self.fabric_netns, "mtu": self.mtu,
+                "netem": {"available": netem.available, "detail": netem.detail}, "hosts": hosts}
+
+    # ---- processes ----------------------------------------------------------------------------
+    def popen(self, host, argv, *, sysfs: bool = True, **kw) -> subprocess.Popen:
+        """Start ``argv`` inside ``host``'s namespace; keyword arguments go to subprocess.Popen.
+
+        The process is terminated on ``down()`` if it still runs. ``sysfs=False`` skips the
+        private /sys mount (slightly faster; /sys/class/net then shows the root namespace).
+        """
+        self._require_up()
+        h = self.host(host)
+        p = nsexec.popen_in_netns(h.netns, argv, sysfs=sysfs, **kw)
+        log.debug("%s: started pid %d in %s: %s", self.prefix, p.pid, h.name, argv)
+        self._procs.append((h, p))
+        return p
+
+    def run(self, host, argv, *, timeout: float = 60.0, check: bool = False, **kw) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside ``host`` to completion (bounded by ``timeout`` seconds); output is
+        captured as text unless ``stdout``/``stderr``/``text`` say otherwise."""
+        kw.setdefault("text", True)
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        p = self.popen(host, argv, **kw)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise TopologyError(f"{argv!r} in host {self.host(host).name} did not finish within {timeout}s") from None
+        cp = subprocess.CompletedProcess(argv, p.returncode, out, err)
+        if check:
+            cp.check_returncode()
+        return cp
+
+    # ---- teardown -----------------------------------------------------------------------------
+    def down(self) -> dict:
+        """Stop the processes started in the hosts, remove every namespace, link and qdisc."""
+        running = [(h, p) for h, p in self._procs if p.poll() is None]
+        if running:
+            log.info("%s: stopping %d process(es) started in its hosts", self.prefix, len(running))
+            for _, p in running:
+                p.terminate()
+            deadline = time.monotonic() + TERM_GRACE
+            for h, p in running:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s: pid %d in %s ignored SIGTERM: SIGKILL", self.prefix, p.pid, h.name)
+                    p.kill()
+                    p.wait(timeout=TERM_GRACE)
+        self._procs.clear()
+        self._close_handles()
+        report = teardown(self.prefix)
+        self._is_up = False
+        return report
+
+    def _require_up(self) -> None:
+        if not self._is_up:
+            raise TopologyError(f"topology {self.prefix} is not up (use `with Topology(...)` or .up())")
+
+    # ---- attach to a running topology ---------------------------------------------------------
+    @classmethod
+    def attach(cls, prefix: str) -> "Topology":
+        """A handle on a topology built elsewhere (e.g. by ``ina-net up``); ``down()`` still
+        removes it, leaving the ``with`` block does not (``keep=True``)."""
+        check_prefix(prefix)
+        require_privileges("inspect emulated links")
+        names = [n for n in pr_netns.listnetns() if (m := NS_RE.match(n)) and m.group(1) == prefix]
+        if ns_name(prefix, FABRIC) not in names or ns_name(prefix, SWITCH) not in names:
+            found = list_topologies()
+            raise TopologyError(f"no topology with prefix {prefix!r} is up"
+                                + (f" (found: {', '.join(found)})" if found else " (none found)"))
+        ranks = sorted(int(NS_RE.match(n).group(3)) for n in names if NS_RE.match(n).group(3))
+        if not ranks or ranks != list(range(len(ranks))):
+            raise TopologyError(f"topology {prefix} is incomplete (worker namespaces {ranks}): "
+                                f"`ina-net down --prefix {prefix}` and bring it up again")
+        topo = cls(workers=len(ranks), rate=None, prefix=prefix, keep=True)
+        root = topo._h(None)
+        ri = _lookup(root, topo.root_ifname)
+        addrs = root.get_addr(family=socket.AF_INET, index=ri) if ri is not None else []
+        if not addrs:
+            raise TopologyError(f"topology {prefix} has no root link {topo.root_ifname} with an "
+                                f"address: `ina-net down --prefix {prefix}` and bring it up again")
+        a = addrs[0]
+        topo.subnet = ipaddress.ip_interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}").network
+        topo._make_hosts()
+        topo.mtu = root.link("get", index=ri)[0].get_attr("IFLA_MTU")
+        topo._is_up = True
+        for h in topo.hosts:
+            idx = _lookup(topo._h(h.netns), h.ifname)
+            addr = topo._h(h.netns).get_addr(family=socket.AF_INET, index=idx) if idx else []
+            if not addr or addr[0].get_attr("IFA_ADDRESS") != h.ip:
+                raise TopologyError(f"topology {prefix}: host {h.name} has no link {h.ifname} with "
+                                    f"address {h.ip}: `ina-net down --prefix {prefix}` and bring it up again")
+        rates = topo.rates()
+        if topo.workers:
+            topo.rate, topo.rate_down = rates[topo.workers[0].name]
+        topo.switch_rate = rates[SWITCH][0]
+        return topo
+
+    def __repr__(self) -> str:
+        state = "up" if self._is_up else "down"
+        return (f"Topology(prefix={self.prefix!r}, workers={self.workers_count}, {self._rate_summary()}, "
+                f"subnet={self.subnet}, {state})")

@@ -1,0 +1,459 @@
+"""Emulated links (ina.net): namespaces, veth, bridge and tbf shaping, with real sockets.
+
+Everything that touches the kernel needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN); CI runs as root.
+Transfers run in processes inside the hosts' namespaces (tests/net_traffic.py); rates are checked
+against the configured rate within 10%, as goodput and as the bytes the shaper charged.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ina.net import (HOST_IFNAME, NetemUnavailable, RateError, Topology, TopologyError, format_rate,
+                     list_topologies, missing_caps, parse_rate, probe_netem, tbf_params)
+
+HERE = Path(__file__).resolve().parent
+TRAFFIC = str(HERE / "net_traffic.py")
+BUILDER = str(HERE / "net_builder.py")
+PY = sys.executable
+REPO = str(HERE.parent)
+
+needs_root = pytest.mark.skipif(
+    bool(missing_caps()),
+    reason=f"needs root: creating network namespaces, veth links and qdiscs requires "
+           f"{' and '.join(missing_caps())} (CI runs the suite as root)")
+
+TOLERANCE = 0.10
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+def read_line(stream, timeout: float, what: str) -> str:
+    """One line from a child's pipe, waiting at most ``timeout`` seconds."""
+    ready, _, _ = select.select([stream], [], [], timeout)
+    if not ready:
+        raise AssertionError(f"no line within {timeout}s while waiting for {what}")
+    return stream.readline()
+
+
+def netns_names() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def root_links() -> list[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
+
+
+def leftovers(prefix: str) -> list[str]:
+    """Everything of topology ``prefix`` the kernel still has, as seen by iproute2."""
+    ns = [n for n in netns_names() if n.startswith(f"inanet-{prefix}-")]
+    links = [link for link in root_links() if link.startswith(f"{prefix}-")]
+    qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+    q = [line for line in qdiscs.splitlines() if f" dev {prefix}-" in line]
+    return ns + links + q
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def cli(*args, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run([PY, "-m", "ina.net", *args], capture_output=True, text=True, timeout=timeout,
+                       cwd=REPO, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"ina-net {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def transfer(topo, proto, src, dst, nbytes, *, port=5001, pace=0.0, timeout=60.0) -> dict:
+    """Send ``nbytes`` from host ``src`` to host ``dst`` with real sockets inside their namespaces.
+
+    Returns the receiver's measurement plus the kernel counters of both links over the transfer.
+    """
+    recv = topo.popen(dst, [PY, TRAFFIC, f"{proto}-recv", "--port", str(port), "--timeout", str(timeout)],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = read_line(recv.stdout, 10, f"{proto} receiver in {dst.name}")
+    assert line.strip() == "READY", (line, recv.stderr.read() if recv.poll() is not None else "")
+    c0 = topo.counters()
+    send = topo.popen(src, [PY, TRAFFIC, f"{proto}-send", "--to", dst.ip, "--port", str(port),
+                            "--bytes", str(nbytes), "--rate", str(pace), "--timeout", str(timeout)],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sout, serr = send.communicate(timeout=timeout)
+    rout, rerr = recv.communicate(timeout=timeout)
+    c1 = topo.counters()
+    assert send.returncode == 0 and recv.returncode == 0, (sout, serr, rout, rerr)
+    res = json.loads(rout.strip().splitlines()[-1])
+    res["sender"] = json.loads(sout.strip().splitlines()[-1])
+    for h in {src.name, dst.name}:
+        res[h] = {k: getattr(c1[h], k) - getattr(c0[h], k) for k in c1[h].__dataclass_fields__ if k != "host"}
+    return res
+
+
+def window_rate(topo, host, field, seconds=0.6) -> float:
+    """bit/s of a kernel byte counter of ``host`` over a measurement window."""
+    c0, t0 = getattr(topo.counters()[host], field), time.monotonic()
+    time.sleep(seconds)   # the measurement window itself, not a synchronisation
+    c1, t1 = getattr(topo.counters()[host], field), time.monotonic()
+    return (c1 - c0) * 8 / (t1 - t0)
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def report(label: str, rate_bps: int, res: dict, wire_bps: float) -> None:
+    print(f"\n[net] {label} at {format_rate(rate_bps)}: goodput {res['rate_bps'] / rate_bps:.4f}, "
+          f"on the wire {wire_bps / rate_bps:.4f} of the configured rate "
+          f"({res['bytes']} B in {res['seconds']:.2f}s)")
+
+
+# ---------------------------------------------------------------------------------------------
+# input validation (no privileges needed)
+
+def test_parse_rate_units_and_errors():
+    assert parse_rate("100mbit") == 100_000_000
+    assert parse_rate("1gbit") == parse_rate("1000mbit") == parse_rate(1e9) == 10**9
+    assert parse_rate("2.5Gbit") == 2_500_000_000
+    assert parse_rate(None) is None and parse_rate("unlimited") is None
+    with pytest.raises(RateError, match="bytes per second"):
+        parse_rate("100mbps")
+    with pytest.raises(RateError, match="unknown unit"):
+        parse_rate("100furlongs")
+    with pytest.raises(RateError, match="positive"):
+        parse_rate(-5)
+    with pytest.raises(RateError, match="32-bit"):
+        parse_rate("40gbit")
+    assert format_rate(parse_rate("100mbit")) == "100mbit"
+
+
+def test_tbf_params_follow_the_rate():
+    slow, fast = tbf_params("10mbit"), tbf_params("1gbit")
+    # at least two 1514-byte frames of bucket; 1 ms of tokens at high rates
+    assert slow.burst == 2 * 1514 and fast.burst == 125_000
+    assert fast.limit > slow.limit and fast.limit >= 0.02 * 125_000_000
+    # a bucket smaller than a jumbo frame would stall it
+    assert tbf_params("10mbit", mtu=9000).burst >= 2 * 9014
+
+
+def test_bad_topology_arguments_are_named():
+    with pytest.raises(TopologyError, match="workers"):
+        Topology(workers=0)
+    with pytest.raises(TopologyError, match="prefix"):
+        Topology(workers=1, prefix="much-too-long-prefix")
+    with pytest.raises(TopologyError, match="mtu"):
+        Topology(workers=1, prefix="x", mtu=100)
+    with pytest.raises(RateError, match="fast"):
+        Topology(workers=1, prefix="x", rate="fast")
+    with pytest.raises(TopologyError, match="subnet"):
+        Topology(workers=1, prefix="x", subnet="8.8.8.0/24")
+
+
+def test_without_privileges_the_missing_capability_is_named():
+    """Run the CLI with CAP_NET_ADMIN and CAP_SYS_ADMIN removed (as root: from the bounding set)."""
+    def drop():
+        if not missing_caps():
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            for cap in (12, 21):   # CAP_NET_ADMIN, CAP_SYS_ADMIN
+                if libc.prctl(24, cap, 0, 0, 0) != 0:   # PR_CAPBSET_DROP
+                    raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
+    for args in (["up", "--workers", "1", "--prefix", "nopriv"], ["down", "--prefix", "nopriv"]):
+        r = subprocess.run([PY, "-m", "ina.net", *args], capture_output=True, text=True, cwd=REPO,
+                           preexec_fn=drop, timeout=60)
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert "CAP_NET_ADMIN" in r.stderr and "CAP_SYS_ADMIN" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+    assert "nopriv" not in list_topologies()
+
+
+# ---------------------------------------------------------------------------------------------
+# bring-up, reachability, teardown
+
+@needs_root
+def test_topology_hosts_reach_each_other_and_the_root_namespace():
+    with Topology(workers=2, rate="100mbit") as topo:
+        sw, w0, w1 = topo.switch, *topo.workers
+        assert {h.ifname for h in topo.hosts} == {HOST_IFNAME}
+        assert len({h.ip for h in topo.hosts} | {topo.root_ip}) == 4
+        assert all(h.env()["GLOO_SOCKET_IFNAME"] == HOST_IFNAME for h in topo.hosts)
+        # each host sees only its own link (and loopback), also in /sys
+        r = topo.run(w0, [PY, "-c", "import os,socket; print(sorted(os.listdir('/sys/class/net')), "
+                                    "sorted(i[1] for i in socket.if_nameindex()))"], timeout=30)
+        assert r.stdout.split() == [f"['{HOST_IFNAME}',", "'lo']"] * 2, r.stdout
+        # worker -> switch over UDP, worker <-> worker over TCP (Gloo's ring)
+        assert transfer(topo, "udp", w0, sw, 50 * 1472)["bytes"] == 50 * 1472
+        assert transfer(topo, "tcp", w0, w1, 200_000)["bytes"] == 200_000
+        assert transfer(topo, "tcp", w1, w0, 200_000)["bytes"] == 200_000
+        # the root namespace (rendezvous servers, launchers) reaches every host
+        for h in (sw, w1):
+            recv = topo.popen(h, [PY, TRAFFIC, "tcp-recv", "--port", "5002", "--timeout", "20"],
+                              stdout=subprocess.PIPE, text=True)
+            assert read_line(recv.stdout, 10, "receiver").strip() == "READY"
+            with socket.create_connection((h.ip, 5002), timeout=10) as s:
+                s.sendall(b"x" * 10_000)
+            out, _ = recv.communicate(timeout=20)
+            assert json.loads(out.splitlines()[-1])["bytes"] == 10_000
+            assert json.loads(out.splitlines()[-1])["peer"] == topo.root_ip
+
+
+@needs_root
+def test_teardown_leaves_no_namespace_link_or_qdisc():
+    with Topology(workers=3, rate="50mbit", rate_down="20mbit") as topo:
+        prefix = topo.prefix
+        present = leftovers(prefix)
+        assert len([n for n in present if n.startswith("inanet-")]) == 5   # fabric + sw + 3 workers
+        assert f"{prefix}-root" in present
+        assert prefix in list_topologies()
+        # a process left running inside a host does not keep anything alive after down()
+        stray = topo.popen(topo.workers[2], [PY, "-c", "import signal; signal.pause()"])
+    assert leftovers(prefix) == []
+    assert prefix not in list_topologies()
+    assert stray.poll() is not None
+
+
+@needs_root
+def test_builder_killed_after_bring_up_then_down_cleans_everything():
+    prefix = "kill" + os.urandom(2).hex()
+    b = subprocess.Popen([PY, BUILDER, prefix, "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    try:
+        line = read_line(b.stdout, 30, "the builder's READY")
+        assert line.startswith("READY"), line
+        inner = int(line.split()[1])
+        assert alive(inner)
+    finally:
+        b.kill()
+        b.wait(timeout=10)
+    assert len(leftovers(prefix)) >= 5 and alive(inner)   # the builder is gone, its topology is not
+    r = cli("down", "--prefix", prefix)
+    assert "terminated 1 process" in r.stdout, r.stdout
+    assert leftovers(prefix) == []
+    wait_for(lambda: not alive(inner), 10, f"pid {inner} (ran in w0) to be gone")
+
+
+@needs_root
+def test_builder_killed_mid_build_then_bring_up_is_idempotent_and_down_cleans():
+    prefix = "half" + os.urandom(2).hex()
+    b = subprocess.Popen([PY, BUILDER, prefix, "6"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while True:   # kill it as soon as it logs the creation of worker 2's link
+            line = read_line(b.stderr, max(0.1, deadline - time.monotonic()), "builder progress")
+            assert line, "builder exited before reaching worker 2"
+            if "creating link" in line and "w2" in line:
+                break
+    finally:
+        b.kill()
+        b.wait(timeout=10)
+    assert any(n.startswith(f"inanet-{prefix}-w2") for n in netns_names())
+    assert not any(n.startswith(f"inanet-{prefix}-w5") for n in netns_names())
+    # a bring-up over the half-built topology converges it (here: to 2 workers)
+    with Topology(workers=2, rate="100mbit", prefix=prefix) as topo:
+        assert sorted(n for n in netns_names() if n.startswith(f"inanet-{prefix}-")) == sorted(
+            [topo.fabric_netns] + [h.netns for h in topo.hosts])
+        assert transfer(topo, "tcp", topo.workers[1], topo.workers[0], 100_000)["bytes"] == 100_000
+    assert leftovers(prefix) == []
+
+
+@needs_root
+def test_bring_up_is_idempotent():
+    with Topology(workers=3, rate="100mbit") as topo:
+        again = Topology(workers=3, rate="100mbit", prefix=topo.prefix, keep=True).up()
+        assert again.subnet == topo.subnet and [h.ip for h in again.hosts] == [h.ip for h in topo.hosts]
+        assert again.rates() == topo.rates()
+        # exactly one address per host link and one root qdisc per shaped link
+        for h in topo.workers:
+            addrs = subprocess.run(["ip", "netns", "exec", h.netns, "ip", "-4", "-o", "addr", "show", "dev",
+                                    h.ifname], capture_output=True, text=True).stdout.splitlines()
+            assert len(addrs) == 1 and h.ip in addrs[0]
+            qd = subprocess.run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "show", "dev", h.ifname],
+                                capture_output=True, text=True).stdout
+            assert qd.count("qdisc tbf") == 1, qd
+        again._close_handles()
+        assert transfer(topo, "tcp", topo.workers[0], topo.workers[2], 100_000)["bytes"] == 100_000
+    assert leftovers(topo.prefix) == []
+
+
+@needs_root
+def test_two_topologies_at_once_do_not_collide():
+    with Topology(workers=1, rate="100mbit") as a, Topology(workers=1, rate="100mbit") as b:
+        assert a.prefix != b.prefix and not a.subnet.overlaps(b.subnet)
+        assert transfer(a, "tcp", a.workers[0], a.switch, 100_000)["bytes"] == 100_000
+        assert transfer(b, "tcp", b.workers[0], b.switch, 100_000)["bytes"] == 100_000
+        # no path from one topology into the other
+        r = a.run(a.workers[0], [PY, "-c", f"import socket; socket.create_connection(('{b.switch.ip}', 9), 2)"])
+        assert r.returncode != 0 and "unreachable" in r.stderr.lower(), r.stderr
+        b_prefix = b.prefix
+        b.down()
+        assert leftovers(b_prefix) == []
+        assert leftovers(a.prefix) != []   # tearing down b left a alone
+        assert transfer(a, "tcp", a.switch, a.workers[0], 100_000)["bytes"] == 100_000
+
+
+# ---------------------------------------------------------------------------------------------
+# shaping accuracy
+
+RATES = ["10mbit", "100mbit", "1gbit"]
+SECONDS = 2.0
+
+
+@needs_root
+@pytest.mark.parametrize("rate", RATES)
+def test_tcp_transfer_reaches_the_configured_rate(rate):
+    bps = parse_rate(rate)
+    with Topology(workers=2, rate=rate) as topo:
+        w0, w1 = topo.workers
+        res = transfer(topo, "tcp", w0, w1, int(bps / 8 * SECONDS))
+    charged = res["w0"]["up_bytes"]            # bytes the upload shaper let through, with headers
+    wire = res["rate_bps"] * charged / res["bytes"]
+    report("TCP w0->w1", bps, res, wire)
+    assert res["w0"]["up_overlimits"] > 0      # the shaper, not the sender, set the pace
+    assert abs(wire / bps - 1) <= TOLERANCE, (wire, bps)
+    assert abs(res["rate_bps"] / bps - 1) <= TOLERANCE, (res["rate_bps"], bps)
+
+
+@needs_root
+@pytest.mark.parametrize("rate", RATES)
+def test_udp_transfer_reaches_the_configured_rate(rate):
+    """Worker -> switch (the INA data path): the worker's shaped upload is the bottleneck."""
+    bps = parse_rate(rate)
+    with Topology(workers=1, rate=rate) as topo:
+        res = transfer(topo, "udp", topo.workers[0], topo.switch, int(bps / 8 * SECONDS))
+    report("UDP w0->sw", bps, res, res["wire_rate_bps"])
+    assert res["w0"]["up_overlimits"] > 0
+    assert res["w0"]["up_drops"] == 0          # a local sender is held back by its socket buffer
+    assert abs(res["wire_rate_bps"] / bps - 1) <= TOLERANCE
+    assert abs(res["rate_bps"] / bps - 1) <= TOLERANCE
+
+
+@needs_root
+@pytest.mark.parametrize("rate", RATES)
+def test_udp_download_is_shaped_at_the_switch_port(rate):
+    """Switch -> worker at 1.25x the link rate: the download queue drops the excess, the worker
+    receives at the link rate."""
+    bps = parse_rate(rate)
+    with Topology(workers=1, rate=rate) as topo:
+        res = transfer(topo, "udp", topo.switch, topo.workers[0], int(bps / 8 * SECONDS * 1.25), pace=1.25 * bps)
+    report("UDP sw->w0 (overloaded 1.25x)", bps, res, res["wire_rate_bps"])
+    assert res["w0"]["down_drops"] > 0
+    assert abs(res["wire_rate_bps"] / bps - 1) <= TOLERANCE
+    assert abs(res["rate_bps"] / bps - 1) <= TOLERANCE
+
+
+@needs_root
+def test_rate_changes_take_effect_on_a_live_topology():
+    with Topology(workers=2, rate="100mbit") as topo:
+        w0, w1 = topo.workers
+        recv = topo.popen(w1, [PY, TRAFFIC, "tcp-recv", "--port", "5003", "--timeout", "60"],
+                          stdout=subprocess.PIPE, text=True)
+        assert read_line(recv.stdout, 10, "receiver").strip() == "READY"
+        topo.popen(w0, [PY, TRAFFIC, "tcp-send", "--to", w1.ip, "--port", "5003", "--bytes", str(10**10)],
+                   stdout=subprocess.DEVNULL)
+        wait_for(lambda: topo.counters()["w0"].up_bytes > 1_000_000, 10, "the stream to start")
+        measured = {"100mbit up": window_rate(topo, "w0", "up_bytes")}
+        topo.set_rate(w0, "20mbit", direction="up")
+        assert topo.rates()["w0"] == (20_000_000, 100_000_000)
+        measured["20mbit up"] = window_rate(topo, "w0", "up_bytes")
+        topo.set_rate(w0, "100mbit", direction="up")
+        topo.set_rate("w1", "30mbit", direction="down")
+        measured["30mbit down"] = window_rate(topo, "w1", "down_bytes")
+        topo.set_rate("all", "unlimited")
+        assert set(topo.rates().values()) == {(None, None)}
+        measured["unlimited"] = window_rate(topo, "w0", "tx_bytes")
+        print("\n[net] live rate changes:", {k: f"{v / 1e6:.1f} Mbit/s" for k, v in measured.items()})
+        for label, target in (("100mbit up", 100e6), ("20mbit up", 20e6), ("30mbit down", 30e6)):
+            assert abs(measured[label] / target - 1) <= TOLERANCE, (label, measured)
+        assert measured["unlimited"] > 300e6, measured
+        topo.set_rate("workers", "50mbit", direction="both")
+        assert {topo.rates()[h.name] for h in topo.workers} == {(50_000_000, 50_000_000)}
+        assert topo.rates()["sw"] == (None, None)
+        with pytest.raises(TopologyError, match="direction"):
+            topo.set_rate(w0, "10mbit", direction="sideways")
+        with pytest.raises(TopologyError, match="unknown host"):
+            topo.set_rate("gateway", "10mbit")
+
+
+# ---------------------------------------------------------------------------------------------
+# netem, CLI
+
+@needs_root
+def test_netem_is_detected_and_its_absence_reported():
+    probe = probe_netem(refresh=True)
+    assert not any(n.startswith("inanet-probe") for n in netns_names())   # the scratch namespace is gone
+    config = Path("/proc/config.gz")
+    if config.exists():
+        import gzip
+        text = gzip.decompress(config.read_bytes()).decode()
+        assert probe.available == ("CONFIG_NET_SCH_NETEM=y" in text or "CONFIG_NET_SCH_NETEM=m" in text)
+    if probe.available:
+        # 20 ms each way on the worker link: a refused connect to the switch takes >= 40 ms
+        with Topology(workers=1, rate="100mbit", delay=0.02) as topo:
+            r = topo.run(topo.workers[0], [PY, "-c", (
+                "import socket, time\nt = time.perf_counter()\ntry:\n"
+                f"    socket.create_connection(('{topo.switch.ip}', 9), 5)\n"
+                "except ConnectionRefusedError:\n    print(time.perf_counter() - t)\n")], timeout=30)
+            assert float(r.stdout) >= 0.036, (r.stdout, r.stderr)
+    else:
+        assert "switch's user-space impairment stage" in probe.detail
+        with pytest.raises(NetemUnavailable, match="impairment stage"):
+            Topology(workers=1, rate="100mbit", delay=0.005).up()
+        r = cli("up", "--workers", "1", "--prefix", "nonetem", "--loss", "1%", check=False)
+        assert r.returncode == 1 and "netem" in r.stderr and "impairment" in r.stderr, r.stderr
+        assert leftovers("nonetem") == []
+
+
+@needs_root
+def test_cli_up_status_exec_set_rate_down():
+    prefix = "cli" + os.urandom(2).hex()
+    try:
+        cli("up", "--workers", "2", "--rate", "40mbit", "--rate-down", "80mbit", "--prefix", prefix)
+        st = json.loads(cli("status", "--prefix", prefix, "--json").stdout)
+        assert [h["name"] for h in st["hosts"]] == ["sw", "w0", "w1"]
+        rates = {h["name"]: (h["up"] and h["up"]["rate_bps"], h["down"] and h["down"]["rate_bps"]) for h in st["hosts"]}
+        assert rates == {"sw": (None, None), "w0": (40_000_000, 80_000_000), "w1": (40_000_000, 80_000_000)}
+        w1 = next(h for h in st["hosts"] if h["name"] == "w1")
+        r = cli("exec", "w1", "--prefix", prefix, "--", PY, "-c",
+                "import os, socket, fcntl, struct; "
+                "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+                "ifr = struct.pack('256s', os.environ['GLOO_SOCKET_IFNAME'].encode()); "
+                "print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, ifr)[20:24]))")
+        assert r.stdout.strip() == w1["ip"]
+        assert cli("exec", "w1", "--prefix", prefix, "--", PY, "-c", "raise SystemExit(3)", check=False).returncode == 3
+        cli("set-rate", "w0", "10mbit", "--direction", "down", "--prefix", prefix)
+        text = cli("status", "--prefix", prefix).stdout
+        assert "w0 (worker)" in text and "10mbit" in text and st["subnet"] in text
+        # up again with the same prefix: idempotent, converges the rate back
+        cli("up", "--workers", "2", "--rate", "40mbit", "--rate-down", "80mbit", "--prefix", prefix)
+        st2 = json.loads(cli("status", "--prefix", prefix, "--json").stdout)
+        assert st2["subnet"] == st["subnet"] and st2["hosts"][1]["down"]["rate_bps"] == 80_000_000
+        bad = cli("exec", "w7", "--prefix", prefix, "--", "true", check=False)
+        assert bad.returncode == 1 and "w7" in bad.stderr
+    finally:
+        cli("down", "--prefix", prefix)
+    assert leftovers(prefix) == []
+    r = cli("status", "--prefix", prefix, check=False)
+    assert r.returncode == 1 and f"no topology with prefix {prefix!r}" in r.stderr
