@@ -6,9 +6,12 @@ them). Random numbers for stochastic rounding come from a counter-based hash (``
 seed and index): no state is carried between elements, so the loop stays vectorisable and a fixed
 seed gives the same codes on any machine.
 
-Numba widens arithmetic on 32-bit integers to 64 bits; every 32-bit step below is therefore
-truncated explicitly with ``np.uint32(...)``, which both keeps the hash a true 32-bit hash (a
-random number must lie in [0, 2**32)) and lets LLVM narrow the vector lanes back to 32 bits.
+Numba widens arithmetic on 32-bit integers to 64 bits, which halves the vector lanes (and once
+made the "32-bit" hash a 64-bit one, with random numbers far outside [0, 2**32)). So the hash is
+written directly in LLVM IR on i32 (``_rand``), the exponent arithmetic and variable shifts use the
+small 32-bit intrinsics ``iadd``/``isub``/``uadd``/``usub``/``ushl``/``ushr``, bit operations are
+truncated with ``np.uint32(...)``, and error conditions are max-reductions (one vector op) instead
+of counters; the callers count offending inputs with numpy only when there is an error.
 
 Probabilities: in-window natural-compression rounding is exact (23 random bits against the 23-bit
 mantissa). Where a probability has more bits than that (values below the exponent window,
@@ -18,8 +21,8 @@ step, and a nonzero value never has probability 0 of surviving.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
 from llvmlite import ir
+from numba import njit, types
 from numba.extending import intrinsic
 
 # -- scalar bit casts (the float's bits, without going through memory) ----------------------------
