@@ -10,8 +10,6 @@ import ctypes
 import ctypes.util
 import json
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -20,11 +18,14 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from net_measure import read_line, transfer  # noqa: E402  (tests/net_measure.py)
+
 from ina.net import (HOST_IFNAME, NetemUnavailable, RateError, Topology, TopologyError, format_rate,
                      list_topologies, missing_caps, parse_rate, probe_netem, tbf_params)
 
 HERE = Path(__file__).resolve().parent
-TRAFFIC = str(HERE / "net_traffic.py")
+TRAFFIC = str(HERE / "net_traffic.py")   # the socket endpoints that run inside the hosts
 BUILDER = str(HERE / "net_builder.py")
 PY = sys.executable
 REPO = str(HERE.parent)
@@ -39,14 +40,6 @@ TOLERANCE = 0.10
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-def read_line(stream, timeout: float, what: str) -> str:
-    """One line from a child's pipe, waiting at most ``timeout`` seconds."""
-    ready, _, _ = select.select([stream], [], [], timeout)
-    if not ready:
-        raise AssertionError(f"no line within {timeout}s while waiting for {what}")
-    return stream.readline()
-
 
 def netns_names() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
@@ -81,30 +74,6 @@ def cli(*args, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
     if check and r.returncode != 0:
         raise AssertionError(f"ina-net {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r
-
-
-def transfer(topo, proto, src, dst, nbytes, *, port=5001, pace=0.0, timeout=60.0) -> dict:
-    """Send ``nbytes`` from host ``src`` to host ``dst`` with real sockets inside their namespaces.
-
-    Returns the receiver's measurement plus the kernel counters of both links over the transfer.
-    """
-    recv = topo.popen(dst, [PY, TRAFFIC, f"{proto}-recv", "--port", str(port), "--timeout", str(timeout)],
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = read_line(recv.stdout, 10, f"{proto} receiver in {dst.name}")
-    assert line.strip() == "READY", (line, recv.stderr.read() if recv.poll() is not None else "")
-    c0 = topo.counters()
-    send = topo.popen(src, [PY, TRAFFIC, f"{proto}-send", "--to", dst.ip, "--port", str(port),
-                            "--bytes", str(nbytes), "--rate", str(pace), "--timeout", str(timeout)],
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sout, serr = send.communicate(timeout=timeout)
-    rout, rerr = recv.communicate(timeout=timeout)
-    c1 = topo.counters()
-    assert send.returncode == 0 and recv.returncode == 0, (sout, serr, rout, rerr)
-    res = json.loads(rout.strip().splitlines()[-1])
-    res["sender"] = json.loads(sout.strip().splitlines()[-1])
-    for h in {src.name, dst.name}:
-        res[h] = {k: getattr(c1[h], k) - getattr(c0[h], k) for k in c1[h].__dataclass_fields__ if k != "host"}
-    return res
 
 
 def window_rate(topo, host, field, seconds=0.6) -> float:
@@ -328,8 +297,7 @@ def test_tcp_transfer_reaches_the_configured_rate(rate):
     with Topology(workers=2, rate=rate) as topo:
         w0, w1 = topo.workers
         res = transfer(topo, "tcp", w0, w1, int(bps / 8 * SECONDS))
-    charged = res["w0"]["up_bytes"]            # bytes the upload shaper let through, with headers
-    wire = res["rate_bps"] * charged / res["bytes"]
+    wire = res["wire_rate_bps"]                # from the bytes the upload shaper charged, with headers
     report("TCP w0->w1", bps, res, wire)
     assert res["w0"]["up_overlimits"] > 0      # the shaper, not the sender, set the pace
     assert abs(wire / bps - 1) <= TOLERANCE, (wire, bps)

@@ -10,7 +10,9 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import shutil
 import subprocess
+import sys
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWNS = 0x00020000
@@ -103,22 +105,58 @@ def enter_netns(name: str, sysfs: bool = True) -> None:
         remount_sys()
 
 
+# Runs as `python -S -c _ENTER NSPATH SYSFS ARGV...`: joins the namespace, then execs ARGV (same pid).
+# A wrapper rather than a preexec_fn, because preexec_fn may deadlock in a multi-threaded parent
+# (torch, launchers with helper threads).
+_ENTER = r"""
+import ctypes, ctypes.util, os, sys
+path, sysfs, argv = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+def check(ret, what):
+    if ret != 0:
+        e = ctypes.get_errno()
+        sys.stderr.write("ina-net: entering %s: %s: %s\n" % (path, what, os.strerror(e)))
+        sys.exit(126)
+fd = os.open(path, os.O_RDONLY)
+check(libc.setns(fd, 0x40000000), "setns(CLONE_NEWNET)")
+os.close(fd)
+if sysfs:
+    check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"none", b"/", None, (1 << 14) | (1 << 19), None), "mount --make-rslave /")
+    libc.umount2(b"/sys", 2)
+    check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs /sys")
+try:
+    os.execvp(argv[0], argv)
+except OSError as e:
+    sys.stderr.write("ina-net: cannot run %s: %s\n" % (argv[0], e.strerror))
+    sys.exit(127)
+"""
+
+
 def popen_in_netns(name: str, argv, *, sysfs: bool = True, **kw) -> subprocess.Popen:
-    """``subprocess.Popen(argv, **kw)`` with the child inside network namespace ``name``."""
-    if kw.get("preexec_fn") is not None:
-        raise ValueError("popen_in_netns sets its own preexec_fn; wrap your code in the command")
-    try:
-        fd = os.open(netns_path(name), os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    """``subprocess.Popen(argv, **kw)`` with the child inside network namespace ``name``.
+
+    Safe in multi-threaded parents (no preexec_fn): a small wrapper joins the namespace and execs
+    ``argv``, so ``Popen.pid`` is the pid of ``argv`` itself.
+    """
+    argv = [os.fspath(a) for a in ([argv] if isinstance(argv, (str, bytes, os.PathLike)) else argv)]
+    if not argv:
+        raise ValueError("empty command")
+    if kw.get("shell"):
+        raise ValueError("shell=True is not supported: pass ['sh', '-c', CMD] instead")
+    if kw.get("executable") is not None:
+        raise ValueError("executable= is not supported: put the program in argv[0]")
+    path = netns_path(name)
+    if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, f"network namespace {name!r} does not exist "
-                                f"(is the topology up?)", netns_path(name)) from None
-
-    def _enter():
-        setns(fd, CLONE_NEWNET)
-        if sysfs:
-            remount_sys()
-
-    try:
-        return subprocess.Popen(argv, preexec_fn=_enter, **kw)
-    finally:
-        os.close(fd)
+                                f"(is the topology up?)", path)
+    env = kw.get("env")
+    search = env.get("PATH") if env is not None and "PATH" in env else None
+    cwd = kw.get("cwd")
+    prog = argv[0]
+    if os.sep not in prog:
+        if shutil.which(prog, path=search) is None:
+            raise FileNotFoundError(errno.ENOENT, f"command not found: {prog}", prog)
+    elif not os.access(os.path.join(os.fspath(cwd), prog) if cwd else prog, os.X_OK):
+        raise FileNotFoundError(errno.ENOENT, f"not an executable: {prog}", prog)
+    return subprocess.Popen([sys.executable, "-S", "-c", _ENTER, path, "1" if sysfs else "0", *argv], **kw)

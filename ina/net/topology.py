@@ -633,6 +633,15 @@ class Topology:
         raise TopologyError(f"every /24 of {SUBNET_POOL} is in use in the root namespace")
 
     def _ensure_netns(self, name: str) -> None:
+        if name in pr_netns.listnetns():
+            try:
+                self._h(name)
+            except OSError as e:   # a bare mount point left by a crash in the middle of creating it
+                log.warning("%s: %s is not a usable namespace (%s): recreating it", self.prefix, name, e)
+                with contextlib.suppress(OSError):
+                    pr_netns.remove(name)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(nsexec.netns_path(name))
         if name not in pr_netns.listnetns():
             log.info("%s: creating namespace %s", self.prefix, name)
             pr_netns.create(name)
@@ -856,11 +865,15 @@ class Topology:
     def popen(self, host, argv, *, sysfs: bool = True, **kw) -> subprocess.Popen:
         """Start ``argv`` inside ``host``'s namespace; keyword arguments go to subprocess.Popen.
 
-        The process is terminated on ``down()`` if it still runs. ``sysfs=False`` skips the
-        private /sys mount (slightly faster; /sys/class/net then shows the root namespace).
+        Without ``env=``, the child gets this process's environment plus ``host.env()``
+        (GLOO_SOCKET_IFNAME etc.). The process is terminated on ``down()`` if it still runs.
+        ``sysfs=False`` skips the private /sys mount (/sys/class/net then shows the root
+        namespace's interfaces).
         """
         self._require_up()
         h = self.host(host)
+        if kw.get("env") is None:
+            kw["env"] = {**os.environ, **h.env()}
         p = nsexec.popen_in_netns(h.netns, argv, sysfs=sysfs, **kw)
         log.debug("%s: started pid %d in %s: %s", self.prefix, p.pid, h.name, argv)
         self._procs.append((h, p))
