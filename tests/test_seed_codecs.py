@@ -298,6 +298,25 @@ def test_residuals_are_per_key_and_a_size_change_is_refused():
     assert codec.residual("b") is None
 
 
+@pytest.mark.parametrize("name", FEEDBACK)
+def test_a_call_without_key_is_stateless(name):
+    codec = C.get(name, **THRESH.get(name, {}))
+    x = np.linspace(-1e-2, 3e-2, 100, dtype=np.float32)
+    first = codec.decompress(codec.compress(x))
+    assert codec.residual(None) is None and len(codec._residuals) == 0
+    np.testing.assert_array_equal(codec.decompress(codec.compress(x)), first)   # no buffer carried over
+    codec.compress(x, key="t")
+    assert not np.array_equal(codec.decompress(codec.compress(x, key="t")), first)   # the key carries it
+
+
+def test_mqgrad_ranks_with_different_codec_seeds_agree_on_bits():
+    ranks = [C.get("mqgrad", seed=1000 + r, epsilon=0.5) for r in range(3)]
+    for m in range(200):
+        for c in ranks:
+            c.observe_loss(2.0 - 0.001 * m, elapsed_ms=10.0)
+        assert len({c.bits for c in ranks}) == 1
+
+
 # ----------------------------------------------------------------------------- switch path
 @pytest.mark.parametrize("name", SWITCH_LINEAR)
 def test_switch_sum_of_integer_codes_equals_the_sum_of_each_workers_decode(name):

@@ -23,6 +23,7 @@ thresholded transfer) per key. A stateful codec adds the residual of ``key`` to 
 the sum, and keeps ``sum - decoded`` for the next step, where ``decoded`` is bit for bit what the
 receiver reconstructs. So for every key, after any number of steps,
 ``sum(inputs) == sum(decoded) + residual`` (up to float32 rounding of the additions).
+A call without a key (``key=None``) is stateless: no buffer is read or written.
 """
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ class ResidualStore:
     """Per-key float32 residuals (error accumulation buffers) of a stateful codec.
 
     ``key`` names a tensor (e.g. a parameter name, or ``(name, chunk)`` on a chunked path); its
-    residual has that tensor's number of elements. ``None`` is an ordinary key (the default buffer).
-    Feeding a key a tensor of another size raises instead of mixing two tensors' errors.
+    residual has that tensor's number of elements. Feeding a key a tensor of another size raises
+    instead of mixing two tensors' errors.
     """
 
     def __init__(self):
@@ -125,8 +126,9 @@ class ResidualStore:
 class ErrorFeedbackMixin:
     """Gives a codec ``error_feedback`` (bool), ``residual(key)`` and ``reset(key)``.
 
-    Subclasses call :meth:`_accumulate` to get ``x + residual`` and :meth:`_keep` with the new
-    residual ``acc - decoded``.
+    Error feedback needs a ``key`` naming the tensor: a call with ``key=None`` is stateless (no
+    residual added or kept), so that two tensors can never share a buffer by accident. Subclasses
+    call :meth:`_accumulate` to get ``x + residual`` and :meth:`_keep` with ``acc - decoded``.
     """
 
     error_feedback: bool = False
@@ -136,13 +138,13 @@ class ErrorFeedbackMixin:
         self._residuals = ResidualStore()
 
     def _accumulate(self, x32: np.ndarray, key) -> np.ndarray:
-        if not self.error_feedback:
+        if not self.error_feedback or key is None:
             return x32
         r = self._residuals.get(key, x32.size)
         return x32 if r is None else x32 + r
 
     def _keep(self, key, residual: np.ndarray) -> None:
-        if self.error_feedback:
+        if self.error_feedback and key is not None:
             self._residuals.put(key, np.ascontiguousarray(residual, dtype=np.float32))
 
     def residual(self, key=None) -> np.ndarray | None:

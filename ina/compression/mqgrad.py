@@ -34,7 +34,9 @@ does: it keeps 2-3 bits while extra bits only cost time and raises them when the
 
 The controller is deterministic given its seed and the (loss, elapsed_ms) sequence, so replicas on
 every worker fed the same global loss and the same elapsed times agree on K. Pass ``elapsed_ms``
-explicitly for that; without it the controller measures wall-clock time between calls.
+explicitly for that; without it the controller measures wall-clock time between calls. The codec
+``MQGrad(seed=...)`` takes the per-rank seed for stochastic rounding and a separate
+``controller_seed`` (default 0, the same on every rank) for the agent.
 """
 from __future__ import annotations
 
@@ -298,8 +300,11 @@ class MQGrad(UniformQuantizer):
     description = "MQGrad: uniform quantization with bits (2..8) chosen every T iterations by a SARSA agent"
 
     def __init__(self, controller: MQGradController | None = None, stochastic: bool = False,
-                 seed: int | None = 0, **controller_options):
-        self.controller = controller if controller is not None else MQGradController(seed=seed, **controller_options)
+                 seed: int | None = 0, controller_seed: int = 0, **controller_options):
+        # the agent's seed is not the per-rank codec seed: replicas on every rank must agree on K
+        if controller is None:
+            controller = MQGradController(seed=controller_seed, **controller_options)
+        self.controller = controller
         super().__init__(self.controller.bits, stochastic=stochastic, seed=seed)
 
     @property

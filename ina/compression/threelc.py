@@ -29,7 +29,9 @@ updated with the shared M, so error feedback works the same on both paths.
 
 State: one error accumulation buffer per ``key`` (float32, the tensor's size) when
 ``error_feedback=True`` (the default, as in the paper); ``residual(key)`` / ``reset(key)`` inspect and
-clear it. Pass the same ``key`` to ``scale_exponent`` and ``encode_shared`` on the switch path.
+clear it. Pass a ``key`` naming the tensor (e.g. the parameter name) to every call: without one the
+call is stateless (plain 3-value quantization). Pass the same ``key`` to ``scale_exponent`` and
+``encode_shared`` on the switch path.
 """
 from __future__ import annotations
 

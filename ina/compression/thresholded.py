@@ -27,7 +27,9 @@ that; see docs/codecs.md). WGT is not switch-summable (the values are arbitrary 
 that differ between workers).
 
 State: one residual per ``key`` (float32) when ``error_feedback=True`` (the default; the method is
-defined with it). ``residual(key)`` / ``reset(key)``.
+defined with it). ``residual(key)`` / ``reset(key)``. Pass a ``key`` naming the tensor to every call
+(and the same one to ``scale_exponent`` and ``encode_shared``): without one the call is stateless
+and what stays below T is dropped.
 """
 from __future__ import annotations
 
