@@ -109,7 +109,9 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
     extra = {"sent": 0}
     from ina.compression.thresholded import _Thresholded, paper_bits, sent_fraction
     t_start = time.perf_counter()
+    epoch_bits = []
     for ep in range(epochs):
+        ep_bits, ep_values = bits, values
         order = rng.permutation(len(ytr))
         for b in range(0, len(order) - 31, 32):
             idx = order[b:b + 32]
@@ -137,12 +139,15 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
             opt.step()
         if snapshot is not None:
             snapshot(ep, model)
+        if codec is not None:
+            epoch_bits.append((bits - ep_bits) / max(values - ep_values, 1))
         log(f"{label or 'fp32'}: epoch {ep + 1}/{epochs} loss {loss.item():.4f} "
             f"test acc {accuracy(model, xte, yte):.4f} ({time.perf_counter() - t_start:.1f} s)")
     out = {"test_accuracy": accuracy(model, xte, yte), "final_loss": loss.item(), "values": values,
            "n_params": n_params}
     if codec is not None:
         out["bits_per_value"] = bits / max(values, 1)
+        out["bits_per_value_by_epoch"] = epoch_bits
         if isinstance(codec, _Thresholded):
             out["paper_bits_per_value"] = paper / max(values, 1)
             out["sent_fraction"] = extra["sent"] / max(values, 1)
@@ -222,6 +227,7 @@ def run(quick: bool, epochs: int | None) -> dict:
                             "bits_per_value": float(np.mean([r["bits_per_parameter"] for r in rs])),
                             "quantization_bits_per_value": float(np.mean([r["quantization_bits_per_parameter"]
                                                                           for r in rs])),
+                            "last_epoch_bits_per_value": rs[-1]["bits_per_parameter"],
                             "paper_bits_per_value": PAPER_EAQ[c], "paper_quantization_bits": PAPER_EAQ_RAW.get(c),
                             "per_epoch": rs, "switch_feasible": False, "aggregation": "host"})
 
@@ -236,7 +242,8 @@ def run(quick: bool, epochs: int | None) -> dict:
         row = {"codec": label, "name": codec.name, "switch_feasible": bool(codec.switch_summable),
                "aggregation": getattr(codec, "aggregation", "switch" if codec.switch_summable else "host"),
                "switch_bits_per_value": float(codec.bits_per_element) if codec.switch_summable else None,
-               "bits_per_value": res["bits_per_value"], "test_accuracy": res["test_accuracy"],
+               "bits_per_value": res["bits_per_value"], "bits_per_value_by_epoch": res["bits_per_value_by_epoch"],
+               "test_accuracy": res["test_accuracy"],
                "final_loss": res["final_loss"]}
         for k in ("paper_bits_per_value", "sent_fraction"):
             if k in res:
