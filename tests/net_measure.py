@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--rates", default="10mbit,100mbit,1gbit,2gbit,5gbit")
     p.add_argument("--mtus", default="1500,9000")
     p.add_argument("--seconds", type=float, default=2.0)
-    p.add_argument("--burst-times", default="0.001", help="bucket sizes to compare, in seconds of tokens")
+    p.add_argument("--burst-times", default="0.002", help="bucket sizes to compare, in seconds of tokens")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     rows = []

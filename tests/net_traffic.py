@@ -137,9 +137,11 @@ def udp_send(a):
                 time.sleep(ahead)   # pacing, not synchronisation
     if batch > 1:
         s.setsockopt(socket.SOL_UDP, UDP_SEGMENT, 0)
-    for _ in range(20):
+    for _ in range(20):   # several: the download queue may drop some; stop once the receiver is gone
         try:
             send(END)
+        except ConnectionRefusedError:
+            break
         except OSError as e:
             if e.errno != errno.ENOBUFS:
                 raise

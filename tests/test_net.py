@@ -121,8 +121,8 @@ def test_parse_rate_units_and_errors():
 
 def test_tbf_params_follow_the_rate():
     slow, fast = tbf_params("10mbit"), tbf_params("1gbit")
-    # at least two 1514-byte frames of bucket; 1 ms of tokens at high rates
-    assert slow.burst == 2 * 1514 and fast.burst == 125_000
+    # at least two 1514-byte frames of bucket; 2 ms of tokens at high rates
+    assert slow.burst == 2 * 1514 and fast.burst == 250_000
     assert fast.limit > slow.limit and fast.limit >= 0.02 * 125_000_000
     # a bucket smaller than a jumbo frame would stall it
     assert tbf_params("10mbit", mtu=9000).burst >= 2 * 9014
