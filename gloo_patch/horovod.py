@@ -92,7 +92,7 @@ class _HorovodIna:
             job = int(M.broadcast(t, root_rank=0, name="ina.job_id").item())
         self.job = job
         self.client = Client(switch=self.config.switch, rank=self.rank, world_size=size, job=job,
-                             timeout=self.config.timeout, slots=self.config.slots, elements=self.config.elements)
+                             **self.config.client_kwargs())
         if self.rank == 0:
             log.info("[ina horovod rank 0] INA backend on: %d ranks, job %d, %s. Through the switch: allreduce "
                      "(Sum/Average, global process set, float32/float16/bfloat16). On Gloo: everything else "

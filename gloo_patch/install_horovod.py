@@ -135,16 +135,19 @@ def download_sdist(workdir: Path) -> Path:
 
 
 def patch_cxx17(src: Path) -> None:
-    for rel, old, new, expected in CXX17_PATCHES:
-        path = src / rel
-        text = path.read_text()
+    """C++14 -> C++17 in both CMakeLists; checks every file before writing any (all or nothing)."""
+    texts = {}
+    for rel, old, _new, expected in CXX17_PATCHES:
+        text = (src / rel).read_text()
         n = text.count(old)
         if n != expected:
             raise SystemExit(
                 f"[install_horovod] error: expected {expected} occurrence(s) of '{old}' in {rel}, found {n}; "
                 "the sdist is not the one this patch was written for"
             )
-        path.write_text(text.replace(old, new))
+        texts[rel] = text
+    for rel, old, new, _expected in CXX17_PATCHES:
+        (src / rel).write_text(texts[rel].replace(old, new))
         log(f"patched {rel}: C++14 -> C++17")
 
 

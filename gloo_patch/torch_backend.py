@@ -25,7 +25,6 @@ same on every rank: DDP issues its buckets in order), so backward keeps computin
 flight. Every wait is bounded by ``INA_TIMEOUT``: a dead switch raises ``ina.AllreduceError`` on
 every rank instead of hanging.
 """
-from __future__ import annotations
 
 import datetime
 import queue
@@ -88,8 +87,7 @@ class _Lane:
         from ina import Client  # noqa: PLC0415 - import cost only when used
 
         self.config, self.rank, self.size, self.job = config, rank, size, job
-        self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, timeout=config.timeout,
-                             slots=config.slots, elements=config.elements)
+        self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, **config.client_kwargs())
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._t = threading.Thread(target=self._run, name=f"ina-lane-r{rank}-j{job}", daemon=True)
@@ -265,7 +263,7 @@ class InaHookState:
         job = self.config.job
         if job is None:
             t = torch.tensor([new_job_id() if rank == 0 else 0], dtype=torch.int64)
-            self.process_group.broadcast([t], 0).wait()
+            self.process_group.broadcast(t, 0).wait()
             job = int(t.item())
         self.fallbacks = FallbackLog(f"[ina rank {rank}] DDP comm hook:", announce=rank == 0)
         self.lane = _Lane(self.config, rank, size, job)
@@ -286,7 +284,7 @@ class InaHookState:
         raise TypeError("InaHookState holds a live switch connection and cannot be pickled")
 
 
-def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes)."""
     buf = bucket.buffer()
     if not offloadable_dtype(buf.dtype):

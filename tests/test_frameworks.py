@@ -1,0 +1,509 @@
+"""Framework integrations with real processes: horovodrun (Horovod 0.28.1 built by `make install`) and
+torchrun / multi-process DDP against a real `ina-switch`.
+
+What a user relies on:
+* after one step the reduced gradients equal Gloo's within the codec's error; for block floating
+  point (bfp32) they are bit-identical to the integer reference arithmetic computed here in numpy;
+* 200 steps on scikit-learn's digits reach a full-data loss within a stated tolerance of the Gloo run
+  (LOSS_TOL below), on every rank the same model;
+* every allreduce entry point is offloaded, and what is not offloadable falls back to Gloo with a
+  correct result and one log line per reason;
+* a switch killed mid-training makes every rank exit with a clear error within the INA timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+BIN = Path(sys.executable).parent
+EXAMPLES = ROOT / "examples"
+TESTS = ROOT / "tests"
+INT32_MAX = 2**31 - 1
+
+# final full-data loss after 200 steps: |INA - Gloo| <= LOSS_TOL[codec]; Gloo reaches ~0.44 from 2.30
+LOSS_TOL = {"bfp32": 0.01, "nc": 0.1}
+LEARNED = 0.8          # both runs must get below this (initial loss is ~2.30)
+RUN_TIMEOUT = 300      # bound on one launcher run
+INA_TIMEOUT = 20       # INA_TIMEOUT of the ranks (bounds every switch wait)
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A port free for both TCP and UDP (the switch uses the same number for both planes)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                u.bind(("0.0.0.0", port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no port free for both TCP and UDP")
+
+
+class Switch:
+    """A real `python -m switch_model serve` process on a free port."""
+
+    def __init__(self, log_path: Path):
+        self.port = free_port()
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([PY, "-m", "switch_model", "serve", "--port", str(self.port),
+                                      "--stats-interval", "0"], stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"switch exited ({self.proc.returncode}): {log_path.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"switch did not listen on {self.port} within 30 s") from None
+                time.sleep(0.05)
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def switch(tmp_path_factory):
+    sw = Switch(tmp_path_factory.mktemp("switch") / "switch.log")
+    yield sw
+    sw.stop()
+
+
+@pytest.fixture(scope="module")
+def horovod_ready():
+    p = subprocess.run([PY, "-m", "gloo_patch.install_horovod", "--check"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    if p.returncode != 0:
+        pytest.fail("Horovod is not installed for this venv: run `make install` "
+                    f"(python -m gloo_patch.install_horovod): {p.stdout}{p.stderr}")
+    p = subprocess.run([PY, "-m", "gloo_patch.autopatch", "--status"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    if p.returncode != 0:
+        pytest.fail(f"the INA_SWITCH autopatch hook is not installed: run `make install`: {p.stdout}")
+
+
+def ina_env(switch: Switch | None, codec: str | None, **extra) -> dict:
+    env = dict(os.environ)
+    for k in ("INA_SWITCH", "INA_CODEC", "INA_JOB", "INA_SEED", "INA_TIMEOUT"):
+        env.pop(k, None)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["OMP_NUM_THREADS"] = "1"
+    if switch is not None:
+        env.update(INA_SWITCH=switch.addr, INA_CODEC=codec, INA_SEED="7", INA_TIMEOUT=str(INA_TIMEOUT))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd: list[str], env: dict, what: str) -> subprocess.CompletedProcess:
+    try:
+        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{what} did not finish within {RUN_TIMEOUT} s:\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
+    if p.returncode != 0:
+        pytest.fail(f"{what} exited with {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+    return p
+
+
+def horovodrun(np_: int, script: list[str], env: dict, what: str) -> subprocess.CompletedProcess:
+    return run([str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", PY, *script], env, what)
+
+
+def torchrun(np_: int, script: list[str], env: dict, what: str) -> subprocess.CompletedProcess:
+    return run([PY, "-m", "torch.distributed.run", "--nproc-per-node", str(np_), "--master-port", str(free_port()),
+                *script], env, what)
+
+
+def load_run(out: Path, np_: int) -> tuple[list[dict], list[dict]]:
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)]
+    grads = [torch.load(out / f"grads_rank{r}.pt") for r in range(np_)]
+    return results, grads
+
+
+def bfp_reference(arrays: list[np.ndarray], average: bool) -> tuple[np.ndarray, float]:
+    """SwitchML block floating point in plain numpy: the shared exponent, int32 codes rounded half to
+    even, an int32 sum (what the switch's registers hold), the decode, the division for a mean."""
+    n = len(arrays)
+    xs = [np.asarray(a, np.float32).ravel() for a in arrays]
+    e = max(int(np.frexp(np.float32(np.abs(x).max()))[1]) for x in xs)   # floor(log2 max|x|) + 1
+    scale = INT32_MAX / (n * 2.0**e)
+    codes = [np.rint(x.astype(np.float64) * scale).astype(np.int64) for x in xs]
+    assert all(np.abs(c).max() <= INT32_MAX // n for c in codes)
+    total = np.sum(codes, axis=0)
+    assert np.abs(total).max() <= INT32_MAX, "int32 register overflow in the reference"
+    out = (total.astype(np.int32).astype(np.float64) * (1.0 / scale)).astype(np.float32)
+    if average:
+        out = out / np.float32(n)
+    return out, scale
+
+
+def check_bfp_step(grads: list[dict], gloo_grads: list[dict], flatten: bool) -> None:
+    """INA gradients after one step == the integer reference, bit for bit; and == Gloo's within bfp's error."""
+    n = len(grads)
+    names = list(grads[0]["local"])
+    groups = [names] if flatten else [[k] for k in names]   # DDP: one bucket; Horovod: one allreduce per tensor
+    for group in groups:
+        local = [np.concatenate([g["local"][k].float().numpy().ravel() for k in group]) for g in grads]
+        ref, scale = bfp_reference(local, average=True)
+        got = np.concatenate([grads[0]["reduced"][k].float().numpy().ravel() for k in group])
+        assert np.array_equal(got, ref), (f"{group}: not bit-identical to the integer reference; max diff "
+                                          f"{np.abs(got - ref).max():.3g}")
+        gloo = np.concatenate([gloo_grads[0]["reduced"][k].float().numpy().ravel() for k in group])
+        tol = 0.5 / scale + 4 * np.spacing(np.abs(gloo).astype(np.float32))   # n codes each within half a step, / n
+        assert np.all(np.abs(got - gloo) <= tol), f"{group}: further from Gloo than bfp's rounding allows"
+
+
+def check_nc_step(grads: list[dict], gloo_grads: list[dict]) -> None:
+    """Natural compression rounds every value to a neighbouring power of two (each rank, then the sum
+    at the switch): |result - mean| <= 3 * mean(|x_i|) element-wise; unbiased, so over a whole tensor
+    the relative L2 error stays near its expected ~0.4 (the bound 0.75 is a 5-sigma margin at n >= 2)."""
+    for k in grads[0]["local"]:
+        local = torch.stack([g["local"][k].float() for g in grads])
+        gloo = gloo_grads[0]["reduced"][k].float()
+        assert torch.allclose(gloo, local.mean(0), rtol=1e-5, atol=1e-7), f"{k}: Gloo baseline != local mean"
+        got = grads[0]["reduced"][k].float()
+        bound = 3 * local.abs().mean(0) + 1e-12
+        assert torch.all((got - gloo).abs() <= bound), f"{k}: an element is outside natural compression's range"
+        rel = float((got - gloo).norm() / gloo.norm())
+        assert rel < 0.75, f"{k}: relative error {rel:.3f} vs Gloo too large for natural compression"
+
+
+def check_training(results: list[dict], gloo_results: list[dict], codec: str) -> None:
+    finals = {r["final_loss"] for r in results}
+    sums = {r["checksum"] for r in results}
+    assert len(finals) == 1 and len(sums) == 1, f"ranks diverged: losses {finals}, checksums {sums}"
+    ina, gloo = results[0]["final_loss"], gloo_results[0]["final_loss"]
+    assert gloo < LEARNED and ina < LEARNED, f"did not learn: gloo {gloo:.4f}, ina {ina:.4f}"
+    assert abs(ina - gloo) <= LOSS_TOL[codec], f"{codec}: loss {ina:.4f} vs Gloo {gloo:.4f} (tol {LOSS_TOL[codec]})"
+
+
+def check_grads_agree(grads: list[dict]) -> None:
+    for k in grads[0]["reduced"]:
+        for g in grads[1:]:
+            assert torch.equal(g["reduced"][k], grads[0]["reduced"][k]), f"{k}: ranks got different results"
+
+
+_gloo_runs: dict = {}
+
+
+def gloo_baseline(kind: str, np_: int, tmp_root: Path) -> tuple[list[dict], list[dict]]:
+    key = (kind, np_)
+    if key not in _gloo_runs:
+        out = tmp_root / f"gloo_{kind}_{np_}"
+        if kind == "horovod":
+            horovodrun(np_, [str(EXAMPLES / "train_horovod.py"), "--out-dir", str(out)], ina_env(None, None),
+                       f"horovodrun -np {np_} (Gloo)")
+        else:
+            torchrun(np_, [str(EXAMPLES / "train_ddp.py"), "--backend", "gloo", "--out-dir", str(out)],
+                     ina_env(None, None), f"torchrun -np {np_} (gloo)")
+        _gloo_runs[key] = load_run(out, np_)
+    return _gloo_runs[key]
+
+
+# ---- configuration errors (in process) ----------------------------------------------------------------
+def test_bad_settings_are_named(monkeypatch):
+    from gloo_patch.common import InaConfig, InaConfigError
+
+    monkeypatch.delenv("INA_SWITCH", raising=False)
+    with pytest.raises(InaConfigError, match="INA_SWITCH is not set"):
+        InaConfig.from_env()
+    monkeypatch.setenv("INA_SWITCH", "localhost")
+    with pytest.raises(InaConfigError, match="INA_SWITCH='localhost': expected host:port"):
+        InaConfig.from_env()
+    monkeypatch.setenv("INA_SWITCH", "127.0.0.1:9999")
+    monkeypatch.setenv("INA_CODEC", "nope")
+    with pytest.raises(InaConfigError, match="INA_CODEC='nope': unknown codec"):
+        InaConfig.from_env()
+    monkeypatch.setenv("INA_CODEC", "bfp32")
+    monkeypatch.setenv("INA_JOB", "70000")
+    with pytest.raises(InaConfigError, match="INA_JOB='70000': must be in 1..65535"):
+        InaConfig.from_env()
+    monkeypatch.setenv("INA_JOB", "12")
+    cfg = InaConfig.from_env()
+    assert (cfg.switch, cfg.codec, cfg.job) == (("127.0.0.1", 9999), "bfp32", 12)
+
+
+def test_cxx17_patch_refuses_an_unexpected_sdist(tmp_path):
+    from gloo_patch import install_horovod as ih
+
+    (tmp_path / "horovod" / "torch").mkdir(parents=True)
+    (tmp_path / "CMakeLists.txt").write_text("project(horovod CXX)\nset(CMAKE_CXX_STANDARD 14)\n")
+    (tmp_path / "horovod" / "torch" / "CMakeLists.txt").write_text("set(CMAKE_CXX_STANDARD 11)\n")
+    with pytest.raises(SystemExit, match="horovod/torch/CMakeLists.txt"):
+        ih.patch_cxx17(tmp_path)
+    (tmp_path / "horovod" / "torch" / "CMakeLists.txt").write_text("if(X)\n    set(CMAKE_CXX_STANDARD 14)\nendif()\n")
+    ih.patch_cxx17(tmp_path)
+    assert "set(CMAKE_CXX_STANDARD 17)" in (tmp_path / "CMakeLists.txt").read_text()
+    assert "14" not in (tmp_path / "horovod" / "torch" / "CMakeLists.txt").read_text()
+
+
+# ---- Horovod ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("np_,codec", [(2, "bfp32"), (4, "nc")])
+def test_horovod_training_matches_gloo(np_, codec, switch, horovod_ready, tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()
+    gloo_results, gloo_grads = gloo_baseline("horovod", np_, root)
+    out = tmp_path_factory.mktemp(f"hvd_{codec}_{np_}")
+    p = horovodrun(np_, [str(EXAMPLES / "train_horovod.py"), "--out-dir", str(out)], ina_env(switch, codec),
+                   f"horovodrun -np {np_} with INA ({codec})")
+    assert "INA backend on" in p.stdout + p.stderr
+    results, grads = load_run(out, np_)
+    check_grads_agree(grads)
+    if codec == "bfp32":
+        check_bfp_step(grads, gloo_grads, flatten=False)
+    else:
+        check_nc_step(grads, gloo_grads)
+    check_training(results, gloo_results, codec)
+    st = results[0]["ina"]
+    assert st["fallback_calls"] == 0, st["fallback_reasons"]
+    assert st["offloaded_tensors"] == 200 * 6   # 6 parameter tensors per step, all through the switch
+    assert st["client"]["allreduces"] == st["offloaded_tensors"]
+
+
+def test_horovod_entry_points_dtypes_and_fallbacks(switch, horovod_ready, tmp_path):
+    p = horovodrun(2, [str(TESTS / "_fw_hvd_ops.py"), str(tmp_path)], ina_env(switch, "bfp32"),
+                   "horovodrun ops script")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(d["installed"] for d in ranks)
+    ins = [d["inputs"] for d in ranks]
+    for r in range(2):
+        o = ranks[r]["outputs"]
+        # offloaded: bit-identical to the reference, in the caller's dtype
+        for name, avg in [("avg_f32", True), ("sum_f16", False), ("sum_bf16", False), ("async_a", False),
+                          ("async_b", True), ("grouped_0", False), ("grouped_1", False)]:
+            ref, _ = bfp_reference([i[name].float().numpy() for i in ins], avg)
+            want = torch.from_numpy(ref).reshape(ins[0][name].shape).to(ins[0][name].dtype)
+            assert o[name].dtype == ins[0][name].dtype and o[name].shape == ins[0][name].shape, name
+            assert torch.equal(o[name], want), f"rank {r} {name}: not the integer reference"
+        ref, _ = bfp_reference([(i["scaled"] * 0.5).numpy() for i in ins], False)
+        assert torch.equal(o["scaled"], torch.from_numpy(ref) * 4.0), "prescale/postscale"
+        # fallbacks: Gloo's exact results
+        assert torch.equal(o["f64"], ins[0]["f64"] + ins[1]["f64"])
+        assert torch.equal(o["i32"], ins[0]["i32"] + ins[1]["i32"])
+        assert torch.equal(o["max"], torch.maximum(ins[0]["max"], ins[1]["max"]))
+        assert torch.equal(o["bcast"], torch.full((4,), 1.0))
+        assert torch.equal(o["gather"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    assert torch.equal(ranks[0]["outputs"]["ps0"], ins[0]["ps0"])
+    st = ranks[0]["stats"]
+    assert st["offloaded_tensors"] == 8 and st["client"]["allreduces"] == 8
+    reasons = st["fallback_reasons"]
+    assert reasons == {"allreduce: dtype float64 (offloaded: float32, float16, bfloat16)": 2,
+                       "allreduce: dtype int32 (offloaded: float32, float16, bfloat16)": 1,
+                       "allreduce: op Max (the switch only adds)": 1,
+                       "allreduce: process set 1 (only the global process set is offloaded)": 1}
+    # one log line per reason, from rank 0 only
+    err = p.stdout + p.stderr
+    assert err.count("falls back to Gloo: dtype float64") == 1
+    for why in ("dtype int32", "op Max", "process set 1"):
+        assert err.count(f"[0]<stderr>:[ina horovod rank 0] allreduce falls back to Gloo: {why}") == 1, why
+    assert "[ina horovod rank 1] allreduce falls back" not in err
+
+
+def test_horovod_wrapper_starts_a_switch(horovod_ready, tmp_path):
+    port = free_port()
+    env = ina_env(None, None)
+    p = run([PY, "-m", "gloo_patch.horovodrun", "--start-switch", "--switch-port", str(port), "--codec", "bfp32", "--",
+             "-np", "2", "-H", "localhost:2", "--gloo", PY, str(EXAMPLES / "train_horovod.py"), "--steps", "20",
+             "--out-dir", str(tmp_path)], env, "python -m gloo_patch.horovodrun --start-switch")
+    res = json.loads((tmp_path / "rank0.json").read_text())
+    assert res["ina"]["offloaded_tensors"] == 20 * 6 and res["ina"]["fallback_calls"] == 0
+    assert f"INA_SWITCH=127.0.0.1:{port}" in p.stderr
+    with pytest.raises(OSError):   # the wrapper stopped its switch
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+# ---- torch.distributed -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("np_,codec,mode", [(2, "bfp32", "ina"), (2, "bfp32", "hook"), (4, "nc", "ina")])
+def test_ddp_training_matches_gloo(np_, codec, mode, switch, tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()
+    gloo_results, gloo_grads = gloo_baseline("ddp", np_, root)
+    out = tmp_path_factory.mktemp(f"ddp_{mode}_{codec}_{np_}")
+    how = ["--backend", "ina"] if mode == "ina" else ["--backend", "gloo", "--ina-hook"]
+    torchrun(np_, [str(EXAMPLES / "train_ddp.py"), *how, "--out-dir", str(out)], ina_env(switch, codec),
+             f"torchrun -np {np_} {mode} ({codec})")
+    results, grads = load_run(out, np_)
+    check_grads_agree(grads)
+    if codec == "bfp32":
+        # one DDP bucket; n is a power of two, so DDP's divide-by-n before (backend) or after (hook) the
+        # sum is exact and the reference's sum-then-divide is bit-identical for both
+        check_bfp_step(grads, gloo_grads, flatten=True)
+    else:
+        check_nc_step(grads, gloo_grads)
+    check_training(results, gloo_results, codec)
+    st = results[0]["ina"]
+    assert st["fallback_calls"] == 0, st["fallback_reasons"]
+    assert st["offloaded_calls"] >= 200     # one bucket per step (plus nothing else for DDP)
+
+
+def launch_ranks(n: int, cmd: list[str], env: dict, logs: Path) -> list[subprocess.Popen]:
+    """n real processes with an env:// rendezvous (what torchrun/mp.spawn set up), each with its own logs."""
+    port = free_port()
+    procs = []
+    for r in range(n):
+        e = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=open(logs / f"out{r}.txt", "w"),
+                                      stderr=open(logs / f"err{r}.txt", "w")))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{what}: a rank was still running after {timeout:g} s (hang)")
+    return codes
+
+
+def test_ddp_collectives_offloaded_and_delegated(switch, tmp_path):
+    procs = launch_ranks(2, [PY, str(TESTS / "_fw_ddp_ops.py"), str(tmp_path)], ina_env(switch, "bfp32"), tmp_path)
+    codes = wait_all(procs, RUN_TIMEOUT, "ddp ops script")
+    assert codes == [0, 0], [(tmp_path / f"err{r}.txt").read_text()[-3000:] for r in range(2)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ins = [d["inputs"] for d in ranks]
+    for r in range(2):
+        d = ranks[r]
+        assert d["backend"] == "ina"
+        o = d["outputs"]
+        for name, avg in [("sum_f32", False), ("avg_f32", True), ("sum_f16", False), ("avg_bf16", True),
+                          ("async", False)]:
+            ref, _ = bfp_reference([i[name].float().numpy() for i in ins], avg)
+            assert torch.equal(o[name], torch.from_numpy(ref).to(ins[0][name].dtype)), f"rank {r} {name}"
+        assert torch.equal(o["f64"], ins[0]["f64"] + ins[1]["f64"])
+        assert torch.equal(o["avg_f64"], (ins[0]["avg_f64"] + ins[1]["avg_f64"]) / 2)
+        assert torch.equal(o["max"], torch.maximum(ins[0]["max"], ins[1]["max"]))
+        assert torch.equal(o["i64"], ins[0]["i64"] + ins[1]["i64"])
+        assert torch.equal(o["broadcast"], torch.full((3,), 1.0))
+        assert torch.equal(o["all_gather"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+        assert torch.equal(o["all_to_all"], torch.tensor([float(r), 10.0 + r]))
+        assert torch.equal(o["reduce_scatter"], torch.tensor([3.0 * r]))
+    assert torch.equal(ranks[0]["outputs"]["reduce"], torch.full((2,), 3.0))
+    st = ranks[0]["stats"]
+    assert st["offloaded_tensors"] == 5 and st["client"]["allreduces"] == 5
+    assert st["fallback_reasons"] == {
+        "allreduce: dtype float64 (offloaded: float32, float16, bfloat16)": 2,
+        "allreduce: reduce op MAX (the switch only adds)": 1,
+        "allreduce: dtype int64 (offloaded: float32, float16, bfloat16)": 1}
+    err0 = (tmp_path / "err0.txt").read_text()
+    assert err0.count("falls back to Gloo: dtype float64") == 1
+    assert "falls back" not in (tmp_path / "err1.txt").read_text()
+
+
+# ---- the switch dies mid-training ---------------------------------------------------------------------------
+def _reader(stream, q: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        q.put(line)
+    q.put(None)
+
+
+def _wait_for_line(q: queue.Queue, needle: str, timeout: float, seen: list[str]) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = q.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            pytest.fail(f"no {needle!r} within {timeout:g} s:\n{''.join(seen[-40:])}")
+        if line is None:
+            pytest.fail(f"output ended before {needle!r}:\n{''.join(seen[-60:])}")
+        seen.append(line)
+        if needle in line:
+            return
+
+
+KILL_TIMEOUT = 5   # INA_TIMEOUT in the failure tests
+
+
+def test_horovod_switch_killed_mid_training(horovod_ready, tmp_path):
+    sw = Switch(tmp_path / "switch.log")
+    try:
+        env = ina_env(sw, "nc", INA_TIMEOUT=KILL_TIMEOUT)
+        p = subprocess.Popen([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", PY,
+                              str(EXAMPLES / "train_horovod.py"), "--steps", "1000000", "--progress-every", "10"],
+                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        q: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(p.stdout, q), daemon=True).start()
+        seen: list[str] = []
+        _wait_for_line(q, "[train_horovod] step 30 ", RUN_TIMEOUT, seen)
+        sw.kill()
+        t_kill = time.monotonic()
+        try:
+            rc = p.wait(timeout=KILL_TIMEOUT + 60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail("horovodrun still running 65 s after the switch was killed (hang)")
+        elapsed = time.monotonic() - t_kill
+        while (line := q.get(timeout=30)) is not None:
+            seen.append(line)
+        text = "".join(seen)
+        assert rc != 0
+        for r in range(2):
+            assert f"[{r}]<stderr>:[ina horovod rank {r}] allreduce through switch {sw.addr}" in text, text[-4000:]
+        assert "no progress for 5 s" in text
+        assert elapsed < KILL_TIMEOUT + 60
+    finally:
+        sw.stop()
+
+
+def test_ddp_switch_killed_mid_training(tmp_path):
+    sw = Switch(tmp_path / "switch.log")
+    try:
+        env = ina_env(sw, "nc", INA_TIMEOUT=KILL_TIMEOUT)
+        cmd = [PY, "-u", str(EXAMPLES / "train_ddp.py"), "--backend", "ina", "--steps", "1000000",
+               "--progress-every", "10"]
+        port = free_port()
+        procs = []
+        for r in range(2):
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                                          stderr=open(tmp_path / f"err{r}.txt", "w"), text=True))
+        q: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(procs[0].stdout, q), daemon=True).start()
+        _wait_for_line(q, "[train_ddp] step 30 ", RUN_TIMEOUT, [])
+        sw.kill()
+        codes = wait_all(procs, KILL_TIMEOUT + 60, "DDP ranks after the switch was killed")
+        assert all(c != 0 for c in codes), codes
+        for r in range(2):
+            err = (tmp_path / f"err{r}.txt").read_text()
+            assert f"[ina rank {r}] allreduce through switch {sw.addr} failed" in err, err[-3000:]
+            assert "AllreduceError" in err or "no progress" in err, err[-3000:]
+    finally:
+        sw.stop()
