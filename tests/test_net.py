@@ -78,9 +78,9 @@ def cli(*args, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
 
 def window_rate(topo, host, field, seconds=0.6) -> float:
     """bit/s of a kernel byte counter of ``host`` over a measurement window."""
-    c0, t0 = getattr(topo.counters()[host], field), time.monotonic()
+    c0, t0 = getattr(topo.counters(host)[host], field), time.monotonic()
     time.sleep(seconds)   # the measurement window itself, not a synchronisation
-    c1, t1 = getattr(topo.counters()[host], field), time.monotonic()
+    c1, t1 = getattr(topo.counters(host)[host], field), time.monotonic()
     return (c1 - c0) * 8 / (t1 - t0)
 
 

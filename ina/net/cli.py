@@ -95,11 +95,13 @@ def cmd_up(a) -> int:
     topo = Topology(workers=a.workers, rate=a.rate, rate_down=a.rate_down, prefix=a.prefix,
                     switch_rate=a.switch_rate, mtu=a.mtu, subnet=a.subnet, delay=a.delay, loss=a.loss,
                     keep=True)
+    existed = topo.prefix in list_topologies()
     try:
         topo.up()
     except BaseException:
-        log.error("bring-up of %s failed: removing what was built", topo.prefix)
-        teardown(topo.prefix)
+        if not existed and topo.prefix in list_topologies():   # never remove a topology we did not build
+            log.error("bring-up of %s failed: removing what was built", topo.prefix)
+            teardown(topo.prefix)
         raise
     st = topo.status()
     topo._close_handles()

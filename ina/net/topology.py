@@ -421,7 +421,8 @@ def probe_netem(refresh: bool = False) -> NetemProbe:
                 result = NetemProbe(False, (
                     f"netem qdisc not available in this kernel (adding one to {where} failed: "
                     f"{os.strerror(e.code)}; the kernel lacks CONFIG_NET_SCH_NETEM): delay and loss "
-                    f"are emulated by the switch's user-space impairment stage; links only shape rate"))
+                    f"are emulated by the switch's user-space impairment stage (ina-switch --loss/"
+                    f"--delay-ms); links only shape rate"))
     finally:
         with contextlib.suppress(OSError):
             pr_netns.remove(scratch)
@@ -492,6 +493,7 @@ class Topology:
         self.switch: Host | None = None
         self.workers: list[Host] = []
         self._handles: dict[str | None, IPRoute] = {}
+        self._indices: dict[tuple[str, str], int] = {}
         self._procs: list[tuple[Host, subprocess.Popen]] = []
         self._is_up = False
 
@@ -542,7 +544,18 @@ class Topology:
             ipr = self._handles[netns] = _open(netns)
         return ipr
 
+    def _index(self, netns: str, ifname: str) -> int | None:
+        """ifindex of a link of this topology (cached: it does not change while the link exists)."""
+        key = (netns, ifname)
+        idx = self._indices.get(key)
+        if idx is None:
+            idx = _lookup(self._h(netns), ifname)
+            if idx is not None:
+                self._indices[key] = idx
+        return idx
+
     def _close_handles(self) -> None:
+        self._indices.clear()
         for ipr in self._handles.values():
             with contextlib.suppress(Exception):
                 ipr.close()
@@ -573,9 +586,11 @@ class Topology:
             if not probe.available:
                 raise NetemUnavailable(
                     f"delay={self.delay} loss={self.loss} asked of the kernel, but {probe.detail}. "
-                    f"Build the topology without delay/loss and configure them on the switch "
-                    f"(its impairment stage) instead.")
+                    f"Build the topology without delay/loss and give them to the switch's impairment "
+                    f"stage instead (`ina-switch serve --loss P --delay-ms D`, or `ina-switch impair` "
+                    f"on a running switch).")
         t0 = time.monotonic()
+        self._indices.clear()
         with _build_lock():
             self.subnet = self._choose_subnet()
             self._make_hosts()
@@ -734,10 +749,10 @@ class Topology:
         out = []
         if direction in ("up", "both"):
             ipr = self._h(h.netns)
-            out.append((ipr, _lookup(ipr, h.ifname), f"{h.name} up ({h.ifname} egress)"))
+            out.append((ipr, self._index(h.netns, h.ifname), f"{h.name} up ({h.ifname} egress)"))
         if direction in ("down", "both"):
             ipr = self._h(self.fabric_netns)
-            out.append((ipr, _lookup(ipr, h.port), f"{h.name} down ({h.port} egress)"))
+            out.append((ipr, self._index(self.fabric_netns, h.port), f"{h.name} down ({h.port} egress)"))
         for _, idx, label in out:
             if idx is None:
                 raise TopologyError(f"{self.prefix}: link for {label} is missing: is the topology up?")
@@ -826,12 +841,12 @@ class Topology:
             out[h.name] = {"up": _tbf_of(_root_qdisc(hi, hidx)), "down": _tbf_of(_root_qdisc(fi, fidx))}
         return out
 
-    def counters(self) -> dict[str, LinkCounters]:
+    def counters(self, *hosts) -> dict[str, LinkCounters]:
         """Per-link byte/packet counters from the kernel (the host side of each veth) and the
-        drop/backlog counters of both shaping queues."""
+        counters of both shaping queues; of every host, or only of ``hosts`` (names or Hosts)."""
         self._require_up()
         out = {}
-        for h in self.hosts:
+        for h in ([self.host(x) for x in hosts] if hosts else self.hosts):
             (hi, hidx, _), (fi, fidx, _) = self._targets(h, "both")
             link = hi.link("get", index=hidx)[0]
             s = link.get_attr("IFLA_STATS64")
