@@ -10,7 +10,6 @@ import json
 import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

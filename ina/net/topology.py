@@ -38,7 +38,7 @@ from pyroute2 import netns as pr_netns
 from pyroute2.netlink.exceptions import NetlinkError
 
 from . import nsexec
-from .nsexec import PrivilegeError, require_privileges
+from .nsexec import require_privileges
 from .shaping import (BURST_TIME, DOWN_QUEUE_FRAMES, QUEUE_TIME, UP_QUEUE_FRAMES, TbfParams, format_rate,
                       parse_rate, tbf_params)
 
