@@ -7,7 +7,9 @@
 Steps (each printed as it happens):
   1. `pip download --no-deps --no-binary :all: horovod==0.28.1` (the sdist, never a prebuilt wheel);
   2. raise the C++ standard from 14 to 17 in the top-level CMakeLists.txt and in
-     horovod/torch/CMakeLists.txt (the release forces C++14; PyTorch >= 2.1 headers need C++17);
+     horovod/torch/CMakeLists.txt (the release forces C++14; PyTorch >= 2.1 headers need C++17), and
+     make process-set Gloo contexts honour HOROVOD_GLOO_IFACE (see PATCHES: without it, ranks placed in
+     separate network namespaces cannot connect);
   3. `pip wheel --no-build-isolation` with Gloo and PyTorch, without MPI/TensorFlow/MXNet, so the build
      compiles against the torch installed in this interpreter (build isolation would fetch another);
   4. cache the wheel under ~/.cache/ina-emu/wheels/<horovod>-torch<torch>-<python tag>/ and install it;
@@ -38,11 +40,24 @@ BUILD_ENV = {
     "HOROVOD_WITHOUT_MXNET": "1",
     "HOROVOD_GPU_OPERATIONS": "",  # CPU build
 }
-# (file inside the sdist, exact line to replace, replacement, expected count)
-CXX17_PATCHES = [
-    ("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)", 1),
-    ("horovod/torch/CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)", 1),
+# Source patches: (file inside the sdist, exact text, replacement, expected count, why).
+PATCHES = [
+    ("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)", 1,
+     "C++14 -> C++17 (PyTorch >= 2.1 headers need C++17)"),
+    ("horovod/torch/CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)", 1,
+     "C++14 -> C++17 (PyTorch >= 2.1 headers need C++17)"),
+    # Horovod 0.28.1 builds the Gloo device of every process set (the global one included, since
+    # 0.23) with an empty interface, so inside a network namespace it resolves the hostname to
+    # 127.0.0.1 and ranks in different emulated hosts cannot connect: use HOROVOD_GLOO_IFACE there too.
+    ("horovod/common/gloo/gloo_context.cc",
+     "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+     "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;",
+     "  gloo_iface_ = global_context.gloo_iface_;  // ina-emu: process sets honour HOROVOD_GLOO_IFACE\n"
+     "  attr device_attr;\n  device_attr.iface = gloo_iface_;\n  device_attr.ai_family = AF_UNSPEC;\n"
+     "  auto dev = CreateDevice(device_attr);\n\n  global_ctx = global_context.ctx;", 1,
+     "process-set Gloo contexts use HOROVOD_GLOO_IFACE (ranks in separate network namespaces)"),
 ]
+PATCH_LEVEL = "p2"   # bump when PATCHES change: part of the wheel cache key
 MIN_CMAKE = (3, 13)
 
 
@@ -62,7 +77,7 @@ def python_tag() -> str:
 
 def cache_dir() -> Path:
     root = Path(os.environ.get("INA_EMU_CACHE", Path.home() / ".cache" / "ina-emu"))
-    key = f"horovod-{HOROVOD_VERSION}-torch{torch_version()}-{python_tag()}"
+    key = f"horovod-{HOROVOD_VERSION}{PATCH_LEVEL}-torch{torch_version()}-{python_tag()}"
     return root / "wheels" / key
 
 
@@ -134,21 +149,22 @@ def download_sdist(workdir: Path) -> Path:
     return src
 
 
-def patch_cxx17(src: Path) -> None:
-    """C++14 -> C++17 in both CMakeLists; checks every file before writing any (all or nothing)."""
-    texts = {}
-    for rel, old, _new, expected in CXX17_PATCHES:
-        text = (src / rel).read_text()
+def patch_sources(src: Path) -> None:
+    """Apply PATCHES; checks every file before writing any (all or nothing)."""
+    texts: dict[str, str] = {}
+    for rel, old, _new, expected, _why in PATCHES:
+        text = texts.get(rel) if rel in texts else (src / rel).read_text()
         n = text.count(old)
         if n != expected:
             raise SystemExit(
-                f"[install_horovod] error: expected {expected} occurrence(s) of '{old}' in {rel}, found {n}; "
-                "the sdist is not the one this patch was written for"
+                f"[install_horovod] error: expected {expected} occurrence(s) of {old.splitlines()[0]!r} in {rel}, "
+                f"found {n}; the sdist is not the one these patches were written for"
             )
-        texts[rel] = text
-    for rel, old, new, _expected in CXX17_PATCHES:
-        (src / rel).write_text(texts[rel].replace(old, new))
-        log(f"patched {rel}: C++14 -> C++17")
+        texts[rel] = text.replace(old, _new)
+    for rel, text in texts.items():
+        (src / rel).write_text(text)
+    for rel, _old, _new, _expected, why in PATCHES:
+        log(f"patched {rel}: {why}")
 
 
 def build_wheel(src: Path, outdir: Path, cmake: str, log_path: Path) -> Path:
@@ -233,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tempfile.mkdtemp(prefix="horovod-build-"))
         try:
             src = download_sdist(work)
-            patch_cxx17(src)
+            patch_sources(src)
             built = build_wheel(src, work / "dist", cmake, target / "build.log")
             for old in target.glob("*.whl"):
                 old.unlink()

@@ -196,13 +196,15 @@ class InaProcessGroup(dist.ProcessGroup):
         work = self.gloo.allreduce(tensors, opts)
         if not avg:
             return work
-        size = self.size()
-
-        def divide(f):
-            for t in tensors:
-                t.div_(size)
-            return tensors
-        return _InaWork(work.get_future().then(divide))
+        # Divide here, not in a .then() callback: a Python callback on a Gloo future runs (and is freed)
+        # on Gloo's worker thread, which then needs the GIL while this group's C++ trampoline holds it
+        # for the next collective's enqueue: a deadlock.
+        work.wait()
+        for t in tensors:
+            t.div_(self.size())
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(tensors)
+        return _InaWork(fut)
 
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):

@@ -257,18 +257,31 @@ def test_bad_settings_are_named(monkeypatch):
     assert (cfg.switch, cfg.codec, cfg.job) == (("127.0.0.1", 9999), "bfp32", 12)
 
 
-def test_cxx17_patch_refuses_an_unexpected_sdist(tmp_path):
+def test_source_patches_are_all_or_nothing(tmp_path):
     from gloo_patch import install_horovod as ih
 
-    (tmp_path / "horovod" / "torch").mkdir(parents=True)
-    (tmp_path / "CMakeLists.txt").write_text("project(horovod CXX)\nset(CMAKE_CXX_STANDARD 14)\n")
-    (tmp_path / "horovod" / "torch" / "CMakeLists.txt").write_text("set(CMAKE_CXX_STANDARD 11)\n")
-    with pytest.raises(SystemExit, match="horovod/torch/CMakeLists.txt"):
-        ih.patch_cxx17(tmp_path)
-    (tmp_path / "horovod" / "torch" / "CMakeLists.txt").write_text("if(X)\n    set(CMAKE_CXX_STANDARD 14)\nendif()\n")
-    ih.patch_cxx17(tmp_path)
-    assert "set(CMAKE_CXX_STANDARD 17)" in (tmp_path / "CMakeLists.txt").read_text()
-    assert "14" not in (tmp_path / "horovod" / "torch" / "CMakeLists.txt").read_text()
+    def tree(broken: str | None):
+        for rel, old, _new, _n, _why in ih.PATCHES:
+            f = tmp_path / rel
+            f.parent.mkdir(parents=True, exist_ok=True)
+            if not f.exists() or rel == broken:
+                f.write_text("# header\n")
+        for rel, old, _new, _n, _why in ih.PATCHES:
+            if rel != broken:
+                f = tmp_path / rel
+                f.write_text(f.read_text() + old + "\n")
+
+    broken = ih.PATCHES[-1][0]
+    tree(broken)
+    before = {rel: (tmp_path / rel).read_text() for rel, *_ in ih.PATCHES}
+    with pytest.raises(SystemExit, match=broken):
+        ih.patch_sources(tmp_path)
+    assert before == {rel: (tmp_path / rel).read_text() for rel, *_ in ih.PATCHES}, "a file was written"
+    (tmp_path / broken).write_text("# header\n" + ih.PATCHES[-1][1] + "\n")
+    ih.patch_sources(tmp_path)
+    assert (tmp_path / "CMakeLists.txt").read_text().count("set(CMAKE_CXX_STANDARD 17)") == 1
+    assert "set(CMAKE_CXX_STANDARD 14)" not in (tmp_path / "horovod/torch/CMakeLists.txt").read_text()
+    assert "gloo_iface_ = global_context.gloo_iface_;" in (tmp_path / broken).read_text()
 
 
 # ---- Horovod ---------------------------------------------------------------------------------------------
@@ -507,3 +520,47 @@ def test_ddp_switch_killed_mid_training(tmp_path):
             assert "AllreduceError" in err or "no progress" in err, err[-3000:]
     finally:
         sw.stop()
+
+
+# ---- each rank in its own emulated host ---------------------------------------------------------------------
+def test_horovod_ranks_in_emulated_hosts(horovod_ready, tmp_path):
+    """horovodrun + gloo_patch.netns_rank: rank r runs in host w<r> of an ina.net topology, the switch in
+    host sw; Horovod's Gloo and the INA traffic both cross the ranks' shaped links."""
+    from ina.net import Topology, missing_caps
+
+    if missing_caps():
+        pytest.skip(f"building network namespaces needs {missing_caps()}")
+    with Topology(workers=2, rate="200mbit") as topo:
+        sw_host = topo.host("sw")
+        port = 9999
+        log = open(tmp_path / "switch.log", "w")
+        sw = topo.popen("sw", [PY, "-m", "switch_model", "serve", "--port", str(port), "--stats-interval", "0"],
+                        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 30
+            while topo.run("w0", [PY, "-c", f"import socket; socket.create_connection(('{sw_host.ip}', {port}), 1)"],
+                           timeout=20).returncode != 0:
+                assert sw.poll() is None, (tmp_path / "switch.log").read_text()
+                assert time.monotonic() < deadline, "switch in host sw not reachable from w0 within 30 s"
+            before = topo.counters()
+            env = ina_env(None, None, INA_SWITCH=f"{sw_host.ip}:{port}", INA_CODEC="bfp32", INA_SEED=7,
+                          INA_TIMEOUT=INA_TIMEOUT)
+            p = horovodrun(2, ["-m", "gloo_patch.netns_rank", "--prefix", topo.prefix, "--", PY,
+                               str(EXAMPLES / "train_horovod.py"), "--steps", "20", "--out-dir", str(tmp_path)],
+                           env, "horovodrun with ranks in emulated hosts")
+            after = topo.counters()
+        finally:
+            sw.terminate()
+            sw.wait(timeout=10)
+            log.close()
+    for r in range(2):
+        assert f"[netns_rank] rank {r} -> host w{r}" in p.stderr + p.stdout
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["ina"]["offloaded_tensors"] == 20 * 6
+        sent = res["ina"]["client"]["bytes_sent"]
+        up = after[f"w{r}"].tx_bytes - before[f"w{r}"].tx_bytes
+        assert up >= sent, f"w{r}: link carried {up} B, the INA client alone sent {sent} B"
+    # Gloo traffic crossed the links too: the parameter broadcast from rank 0 (~36 kB) reached w1
+    down1 = after["w1"].rx_bytes - before["w1"].rx_bytes
+    res1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert down1 >= res1["ina"]["client"]["bytes_received"] + 30_000
