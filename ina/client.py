@@ -1,0 +1,314 @@
+"""The streaming allreduce client: feeds a tensor's chunks through the switch's slots.
+
+One allreduce is:
+
+1. **exponent negotiation**: one packet with no payload whose exponent field is this worker's
+   scale exponent; the switch's max-exponent register returns the max over workers;
+2. **encode** the whole tensor with the shared :class:`~ina.compression.ScaleContext`;
+3. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2;
+   the window equals the job's slots and is self-clocking (the result of chunk c frees its slot
+   for chunk c + slots); a chunk whose result is late is retransmitted with exponential backoff;
+4. **reassemble** the results (multicast by the switch) and **decode** them into the caller's tensor.
+
+Every wait is bounded. If the switch or a worker is gone, :class:`AllreduceError` is raised within
+``timeout`` seconds, naming what is missing (which ranks the switch is still waiting for, how
+many chunks are incomplete).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import burst as B
+from . import compression
+from .compression.base import ScaleContext, to_numpy_f32
+from .control import ControlChannel, ControlError
+from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
+                   payload_view)
+
+log = logging.getLogger("ina.client")
+
+
+class AllreduceError(RuntimeError):
+    """An allreduce could not complete; the message says what was missing."""
+
+
+@dataclass
+class ClientStats:
+    allreduces: int = 0
+    packets_sent: int = 0
+    bytes_sent: int = 0
+    packets_received: int = 0
+    bytes_received: int = 0
+    retransmissions: int = 0
+    stale_results: int = 0
+    elements: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Client:
+    """A worker of one job at one switch.
+
+    ``Client(switch=("host", port), rank=r, world_size=n, job=j)`` joins job ``j`` at the switch
+    (a rendezvous: it returns once all ``n`` ranks joined, or raises after ``timeout``).
+    ``elements`` is the chunk length (elements per packet) and ``slots`` the job's share of the
+    switch's slot pool, i.e. the window of chunks in flight.
+    """
+
+    def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
+                 elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
+                 rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        host, port = switch
+        self.switch = (host, int(port))
+        self.rank, self.world_size, self.job = rank, world_size, job
+        self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
+        self.stats = ClientStats()
+        self._codecs: dict[str, compression.Codec] = {}
+        self._codec_options = codec_options or {}
+        self._seed = seed if seed is not None else int(np.random.default_rng().integers(0, 2**31))
+        self._broken: str | None = None
+        self.sock = B.udp_socket("0.0.0.0", 0)
+        self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0))
+        local_ip = self.ctl.sock.getsockname()[0]
+        try:
+            cfg = self.ctl.request({"op": "join", "job": job, "rank": rank, "world_size": world_size,
+                                    "host": local_ip, "udp_port": self.sock.getsockname()[1], "slots": slots,
+                                    "elements": elements, "raw": raw, "timeout": timeout},
+                                   timeout=timeout + 5.0)["config"]
+        except ControlError as e:
+            self.sock.close()
+            self.ctl.close()
+            raise AllreduceError(f"rank {rank} could not join job {job} at switch {host}:{port}: {e}") from None
+        self.slots = int(cfg["slots"])
+        self.elements = int(cfg["elements"])
+        self.raw = bool(cfg["raw"])
+        self.register_bits = int(cfg["register_bits"])
+        self.switch_addr = B.sockaddr(host, int(port))
+        B.set_recv_timeout(self.sock, 0.002)
+        self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
+        self.tx = B.TxBatch(self.sock, capacity=1024)
+        self._next_chunk = 0
+        log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
+                 self.slots, self.elements)
+
+    # ----------------------------------------------------------------------------------------------
+    def codec(self, name: str) -> compression.Codec:
+        c = self._codecs.get(name)
+        if c is None:
+            opts = dict(self._codec_options.get(name, {}))
+            opts.setdefault("seed", self._seed * 1_000_003 + self.rank)
+            c = self._codecs[name] = compression.get(name, **opts)
+        return c
+
+    def allreduce(self, tensor, codec: str = "nc", average: bool = False):
+        """Sum (or average) ``tensor`` over the job's workers through the switch, in place.
+
+        ``tensor`` is a torch tensor (any float dtype, shape and device) or a numpy float array.
+        Returns the same object.
+        """
+        if self._broken:
+            raise AllreduceError(f"client of job {self.job} rank {self.rank} is unusable after an earlier "
+                                 f"failure: {self._broken}")
+        c = self.codec(codec)
+        if not c.switch_summable:
+            raise ValueError(f"codec {codec!r} cannot be summed by an integer switch; switch-summable codecs: "
+                             + ", ".join(n for n in compression.available() if compression.get(n).switch_summable))
+        x32 = to_numpy_f32(tensor)
+        n = x32.size
+        if n == 0:
+            return tensor
+        try:
+            exponent = c.scale_exponent(x32)          # raises ValueError on NaN/Inf before anything is sent
+            if not -32768 <= exponent <= 32767:
+                raise ValueError(f"scale exponent {exponent} does not fit the 16-bit exponent field")
+            _, exps = self._stream(None, PayloadType.NONE, c.wire_id, exponent, n_chunks=1)
+            ctx = ScaleContext(int(exps.max()), self.world_size, self.register_bits, seed=c.next_seed())
+            codes = c.encode_shared(x32, ctx)
+            res_type = self._result_type(c)
+            res, _ = self._stream(codes, c.payload_type, c.wire_id, ctx.exponent, result_type=res_type)
+            out = c.decode_sum(res.reshape(-1)[:n], ctx, raw=res_type != c.payload_type or self.raw)
+        except AllreduceError as e:
+            self._broken = str(e)
+            raise
+        if average:
+            out = out / np.float32(self.world_size)
+        self.stats.allreduces += 1
+        self.stats.elements += n
+        _write_back(tensor, out)
+        return tensor
+
+    def _result_type(self, c) -> PayloadType:
+        if c.payload_type == PayloadType.NC8:
+            if not self.raw:
+                return PayloadType.NC8
+            return PayloadType.INT64 if self.register_bits == 64 else PayloadType.INT32
+        return PayloadType.INT32
+
+    # ----------------------------------------------------------------------------------------------
+    def _stream(self, codes, ptype: PayloadType, codec_id: int, exponent: int, n_chunks: int | None = None,
+                result_type: PayloadType = PayloadType.NONE):
+        """Send all chunks of ``codes`` through the slots; return (results (n_chunks, E), exponents)."""
+        E = self.elements if ptype != PayloadType.NONE else 0
+        if codes is not None:
+            n_chunks = max(1, math.ceil(codes.size / E))
+        S = self.slots
+        width = PAYLOAD_WIDTH[ptype]
+        pkt_len = HEADER_SIZE + width * E
+        c0 = self._next_chunk
+        self._next_chunk += n_chunks
+        ids = c0 + np.arange(n_chunks, dtype=np.int64)
+        # the packets, built once; a retransmission resends the same row with the RETRANSMIT flag
+        pkts = np.zeros((n_chunks, max(pkt_len, HEADER_SIZE)), np.uint8)
+        hv = header_view(pkts)
+        hv["version"] = VERSION
+        hv["msg_type"] = int(MsgType.DATA)
+        hv["job"] = self.job
+        hv["rank"] = self.rank
+        hv["slot"] = (ids % S) | (((ids // S) & 1) << 15)
+        hv["codec"] = codec_id
+        hv["payload_type"] = int(ptype)
+        hv["exponent"] = exponent
+        hv["chunk"] = ids & 0xFFFFFFFF
+        if codes is not None:
+            cnt = np.full(n_chunks, E, np.int64)
+            cnt[-1] = codes.size - E * (n_chunks - 1)
+            hv["count"] = cnt
+            pv = payload_view(pkts, ptype, E)          # (n_chunks, E), strided over the packet rows
+            full = n_chunks * E
+            if codes.size == full:
+                pv[...] = codes.reshape(n_chunks, E)
+            else:                                       # last chunk is zero-padded
+                pv[:-1] = codes[: E * (n_chunks - 1)].reshape(n_chunks - 1, E)
+                pv[-1, : codes.size - E * (n_chunks - 1)] = codes[E * (n_chunks - 1):]
+        rwidth = PAYLOAD_WIDTH[result_type]
+        res_len = HEADER_SIZE + rwidth * E
+        res = np.zeros((n_chunks, E), PAYLOAD_DTYPE[result_type] if E else np.uint8)
+        exps = np.zeros(n_chunks, np.int64)
+        done = np.zeros(n_chunks, bool)
+        sent_at = np.zeros(n_chunks)
+        tries = np.zeros(n_chunks, np.int64)
+        overflow = 0
+        # initial window
+        first = min(S, n_chunks)
+        self._send(pkts, np.arange(first), pkt_len)
+        now = time.monotonic()
+        sent_at[:first] = now
+        low = 0                       # every chunk below `low` is done
+        n_done = 0
+        last_progress = now
+        next_check = now + self.rto
+        while n_done < n_chunks:
+            k = self.rx.recv(wait=True)
+            now = time.monotonic()
+            if k:
+                self.stats.packets_received += k
+                self.stats.bytes_received += int(self.rx.lens[:k].sum())
+                buf = self.rx.buf[:k]
+                h = header_view(buf)
+                mt = h["msg_type"]
+                if (mt == int(MsgType.ABORT)).any():
+                    ab = h[(mt == int(MsgType.ABORT)) & (h["job"] == self.job)]
+                    if ab.size:
+                        raise AllreduceError(f"job {self.job} was aborted by the switch: rank {int(ab['rank'][0])} "
+                                             f"left the job; {n_chunks - n_done} of {n_chunks} chunks incomplete")
+                ok = (mt == int(MsgType.RESULT)) & (h["job"] == self.job) & (self.rx.lens[:k] == res_len)
+                j = h["chunk"].astype(np.int64) - (c0 & 0xFFFFFFFF)
+                ok &= (j >= 0) & (j < n_chunks)
+                stale = int(np.count_nonzero(~ok))
+                jj = j[ok]
+                if jj.size:
+                    fresh = ~done[jj]
+                    idx = np.nonzero(ok)[0][fresh]
+                    jj, first_pos = np.unique(jj[fresh], return_index=True)
+                    idx = idx[first_pos]
+                    stale += int(np.count_nonzero(ok)) - jj.size
+                    if jj.size:
+                        if E:
+                            res[jj] = payload_view(buf[idx], result_type, E)
+                        exps[jj] = h["exponent"][idx]
+                        overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
+                        done[jj] = True
+                        n_done += jj.size
+                        last_progress = now
+                        nxt = jj + S                      # self-clocking: each result frees its slot
+                        nxt = nxt[nxt < n_chunks]
+                        if nxt.size:
+                            self._send(pkts, nxt, pkt_len)
+                            sent_at[nxt] = now
+                        while low < n_chunks and done[low]:
+                            low += 1
+                self.stats.stale_results += stale
+            if now >= next_check and n_done < n_chunks:
+                next_check = now + self.rto / 2
+                hi = min(n_chunks, low + S)
+                win = np.arange(low, hi)
+                w = win[(~done[low:hi]) & (sent_at[low:hi] > 0)]
+                late = w[now - sent_at[w] > np.minimum(self.rto * 2.0 ** tries[w], self.max_rto)]
+                if late.size:
+                    hv["flags"][late] |= int(Flag.RETRANSMIT)
+                    self._send(pkts, late, pkt_len)
+                    sent_at[late] = now
+                    tries[late] += 1
+                    self.stats.retransmissions += late.size
+                if now - last_progress > self.timeout:
+                    raise AllreduceError(self._stall_message(n_chunks, n_done, c0))
+        if overflow:
+            raise AllreduceError(f"job {self.job}: {overflow} chunk(s) came back with the OVERFLOW flag: a switch "
+                                 "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
+        return res, exps
+
+    def _send(self, pkts, rows, pkt_len):
+        self.tx.send(pkts, rows, pkt_len, self.switch_addr, 0)
+        self.stats.packets_sent += len(rows)
+        self.stats.bytes_sent += len(rows) * pkt_len
+
+    def _stall_message(self, n_chunks, n_done, c0) -> str:
+        msg = (f"job {self.job} rank {self.rank}: no progress for {self.timeout:g} s; "
+               f"{n_chunks - n_done} of {n_chunks} chunks incomplete (chunk ids from {c0})")
+        try:
+            st = self.ctl.request({"op": "status", "job": self.job}, timeout=min(5.0, self.timeout))["status"]
+        except ControlError as e:
+            return msg + f"; the switch does not answer either: {e}"
+        if not st.get("active"):
+            return msg + f"; the switch no longer knows job {self.job} (it was torn down)"
+        missing = sorted({r for w in st.get("waiting", []) for r in w["missing_ranks"]})
+        if missing:
+            return msg + f"; the switch is waiting for rank(s) {missing} in {st['incomplete_slots']} slot(s)"
+        return msg + "; the switch has no incomplete slot (results are being lost on the way back)"
+
+    # ----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Leave the job (the switch frees its slots once every worker left)."""
+        if self.ctl is None:
+            return
+        try:
+            self.ctl.request({"op": "leave"}, timeout=5.0)
+        except ControlError as e:
+            log.warning("rank %d: leaving job %d: %s", self.rank, self.job, e)
+        finally:
+            self.ctl.close()
+            self.ctl = None
+            self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _write_back(tensor, out: np.ndarray) -> None:
+    if isinstance(tensor, np.ndarray):
+        np.copyto(tensor, out.reshape(tensor.shape), casting="unsafe")
+        return
+    import torch
+    with torch.no_grad():
+        tensor.copy_(torch.from_numpy(out).reshape(tensor.shape))

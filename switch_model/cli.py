@@ -1,0 +1,112 @@
+"""ina-switch: run the software switch as a service, read its counters, change impairments."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+from ina.wire import DEFAULT_PORT
+
+
+def _impair_args(p, prefix: str, help_dir: str) -> None:
+    p.add_argument(f"--{prefix}loss", type=float, help=f"{help_dir}: packet loss probability")
+    p.add_argument(f"--{prefix}duplicate", type=float, help=f"{help_dir}: duplication probability")
+    p.add_argument(f"--{prefix}reorder", type=float, help=f"{help_dir}: reordering probability")
+    p.add_argument(f"--{prefix}delay-ms", type=float, help=f"{help_dir}: fixed one-way delay (ms)")
+
+
+def _collect(args, prefix: str) -> dict:
+    out = {}
+    for k in ("loss", "duplicate", "reorder", "delay_ms"):
+        v = getattr(args, f"{prefix}{k}", None)
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ina-switch", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the switch service (UDP data plane + TCP control plane on --port)")
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    s.add_argument("--slots", type=int, default=512, help="aggregator slots in the pool (each with a shadow copy)")
+    s.add_argument("--elements", type=int, default=1024, help="registers per slot (max elements per packet)")
+    s.add_argument("--register-bits", type=int, default=64, choices=(32, 64))
+    s.add_argument("--sram-mb", type=float, default=64.0, help="register memory budget in MiB")
+    s.add_argument("--burst", type=int, default=64, help="packets per receive burst")
+    s.add_argument("--seed", type=int, default=0, help="seed of the switch's stochastic re-encoding and impairments")
+    _impair_args(s, "", "both directions")
+    _impair_args(s, "ingress-", "worker->switch")
+    _impair_args(s, "egress-", "switch->worker")
+    s.add_argument("--stats-interval", type=float, default=10.0, help="seconds between rate log lines (0: off)")
+    s.add_argument("--log-level", default="INFO")
+    st = sub.add_parser("stats", help="print the counters of a running switch (JSON)")
+    st.add_argument("--host", default="127.0.0.1")
+    st.add_argument("--port", type=int, default=DEFAULT_PORT)
+    im = sub.add_parser("impair", help="change a running switch's impairments")
+    im.add_argument("--host", default="127.0.0.1")
+    im.add_argument("--port", type=int, default=DEFAULT_PORT)
+    _impair_args(im, "", "both directions")
+    _impair_args(im, "ingress-", "worker->switch")
+    _impair_args(im, "egress-", "switch->worker")
+    args = ap.parse_args(argv)
+
+    if args.cmd in ("stats", "impair"):
+        from ina.control import ControlError, request
+        try:
+            if args.cmd == "stats":
+                reply = request(args.host, args.port, {"op": "stats"})["stats"]
+            else:
+                both = _collect(args, "")
+                reply = request(args.host, args.port, {"op": "impair", "ingress": {**both, **_collect(args, "ingress_")},
+                                                       "egress": {**both, **_collect(args, "egress_")}})["impairments"]
+        except ControlError as e:
+            print(f"ina-switch {args.cmd}: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps(reply, indent=2))
+        return 0
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    from .control import ControlPlane
+    from .impair import ImpairmentConfig
+    from .pipeline import Switch, SwitchConfig
+    both = _collect(args, "")
+    try:
+        cfg = SwitchConfig(host=args.host, port=args.port, slots=args.slots, elements=args.elements,
+                           register_bits=args.register_bits, sram_mb=args.sram_mb, burst=args.burst, seed=args.seed,
+                           ingress=ImpairmentConfig(**{**both, **_collect(args, "ingress_"), "seed": args.seed}),
+                           egress=ImpairmentConfig(**{**both, **_collect(args, "egress_"), "seed": args.seed + 1}),
+                           stats_interval=args.stats_interval)
+        sw = Switch(cfg)
+    except (ValueError, OSError) as e:
+        print(f"ina-switch serve: {e}", file=sys.stderr)
+        return 2
+    print(f"ina-switch: register memory {cfg.register_memory() / 2**20:.2f} MiB of {cfg.sram_mb:g} MiB "
+          f"({cfg.slots} slots x 2 sets x {cfg.elements} x {cfg.register_bits}-bit); "
+          f"listening on udp+tcp {cfg.host}:{sw.port}", file=sys.stderr, flush=True)
+    cp = ControlPlane(sw, args.host)
+    cp.start()
+
+    def on_signal(signum, frame):
+        logging.getLogger("ina.switch").info("signal %d: shutting down", signum)
+        sw.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sw._dp_thread = __import__("threading").current_thread()
+    sw._running = True
+    try:
+        sw.serve_forever()
+    finally:
+        sw._running = False
+        cp.stop()
+        sw.sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The switch's control plane: job registration (a rendezvous of the job's workers), liveness,
+stats and impairment settings, as JSON lines over TCP on the data plane's port number.
+
+Each worker keeps its join connection open for the life of the job: if it closes without a
+"leave" (the worker died), the job is torn down, its slots freed and the other workers get an
+ABORT packet naming the rank that left.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socketserver
+import threading
+import time
+
+log = logging.getLogger("ina.switch.control")
+
+
+class _Pending:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.members: dict[int, tuple] = {}
+        self.cond = threading.Condition()
+        self.result: dict | None = None
+        self.error: str | None = None
+
+
+class ControlPlane:
+    def __init__(self, switch, host: str = "0.0.0.0"):
+        self.switch = switch
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._left: dict[int, set] = {}
+        plane = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self):
+                plane._serve_connection(self)
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+        self.server = Server((host, switch.port), Handler)
+
+    def start(self) -> threading.Thread:
+        t = threading.Thread(target=self.server.serve_forever, name="control", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    # --------------------------------------------------------------------------------------------
+    def _serve_connection(self, h) -> None:
+        joined: tuple | None = None   # (job, rank) once this connection joined a job
+        left = False
+        peer = h.client_address
+        try:
+            for line in h.rfile:
+                try:
+                    msg = json.loads(line)
+                    op = msg.get("op")
+                    if op == "join":
+                        if joined:
+                            raise ValueError(f"this connection already joined job {joined[0]} as rank {joined[1]}")
+                        reply = self._join(msg, peer)
+                        joined = (int(msg["job"]), int(msg["rank"]), reply["config"]["incarnation"])
+                    elif op == "leave":
+                        if not joined:
+                            raise ValueError("leave without join")
+                        self._leave(*joined[:2])
+                        left = True
+                        reply = {}
+                    elif op == "stats":
+                        reply = {"stats": self.switch.call(lambda sw: sw.stats())}
+                    elif op == "status":
+                        reply = {"status": self.switch.call(lambda sw: sw.job_status(int(msg["job"])))}
+                    elif op == "impair":
+                        reply = {"impairments": self.switch.call(
+                            lambda sw: sw.set_impairments(msg.get("ingress"), msg.get("egress")))}
+                    else:
+                        raise ValueError(f"unknown op {op!r} (join, leave, status, stats, impair)")
+                    out = {"ok": True, **reply}
+                except (ValueError, KeyError, TypeError, TimeoutError) as e:
+                    out = {"ok": False, "error": str(e) if not isinstance(e, KeyError) else f"missing field {e}"}
+                h.wfile.write(json.dumps(out).encode() + b"\n")
+                h.wfile.flush()
+                if left:
+                    break
+        except OSError:
+            pass
+        finally:
+            if joined and not left:
+                self._worker_gone(*joined)
+
+    def _join(self, msg: dict, peer) -> dict:
+        job, rank, n = int(msg["job"]), int(msg["rank"]), int(msg["world_size"])
+        host = msg.get("host") or peer[0]
+        addr = (host, int(msg["udp_port"]))
+        spec = {"world_size": n, "slots": int(msg.get("slots", 64)), "elements": int(msg.get("elements", 1024)),
+                "raw": bool(msg.get("raw", False))}
+        timeout = float(msg.get("timeout", 30.0))
+        if not 0 <= rank < n:
+            raise ValueError(f"rank {rank} out of range for world_size {n}")
+        with self._lock:
+            if job in self.switch.job_info:
+                raise ValueError(f"job {job} is already running on this switch")
+            p = self._pending.get(job)
+            if p is None:
+                p = self._pending[job] = _Pending(spec)
+            if p.spec != spec:
+                raise ValueError(f"job {job}: rank {rank} asks for {spec}, other ranks joined with {p.spec}")
+            if rank in p.members:
+                raise ValueError(f"job {job}: rank {rank} has already joined")
+            p.members[rank] = addr
+            log.info("job %d: rank %d joined from %s:%d (%d/%d)", job, rank, addr[0], addr[1], len(p.members), n)
+            if len(p.members) == n:
+                del self._pending[job]
+                try:
+                    info = self.switch.call(lambda sw: sw.install_job(job, n, spec["slots"], spec["elements"],
+                                                                      spec["raw"], [p.members[r] for r in range(n)]))
+                    p.result = {"job": job, "slot_lo": info.slot_lo, "slots": info.slots, "elements": info.elements,
+                                "raw": info.raw, "register_bits": self.switch.cfg.register_bits, "world_size": n,
+                                "incarnation": info.created}
+                    self._left[job] = set()
+                except (ValueError, TimeoutError) as e:
+                    p.error = str(e)
+                with p.cond:
+                    p.cond.notify_all()
+        deadline = time.monotonic() + timeout
+        with p.cond:
+            while p.result is None and p.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                p.cond.wait(left)
+        if p.result is not None:
+            return {"config": p.result}
+        if p.error is not None:
+            raise ValueError(p.error)
+        with self._lock:
+            p.members.pop(rank, None)
+            missing = sorted(set(range(n)) - set(p.members) - {rank})
+            if not p.members and self._pending.get(job) is p:
+                del self._pending[job]
+        raise ValueError(f"job {job}: timed out after {timeout:g} s waiting for ranks {missing} to join")
+
+    def _leave(self, job: int, rank: int) -> None:
+        with self._lock:
+            left = self._left.setdefault(job, set())
+            left.add(rank)
+            info = self.switch.job_info.get(job)
+            done = info is not None and len(left) >= info.n_workers
+        log.info("job %d: rank %d left", job, rank)
+        if done:
+            self.switch.call(lambda sw: sw.remove_job(job, "all workers left"))
+            with self._lock:
+                self._left.pop(job, None)
+
+    def _worker_gone(self, job: int, rank: int, incarnation: float) -> None:
+        info = self.switch.job_info.get(job)
+        if info is None or info.created != incarnation:
+            return   # that job is already gone (another rank's departure tore it down)
+        log.warning("job %d: rank %d closed its control connection without leaving; tearing the job down", job, rank)
+        try:
+            self.switch.call(lambda sw: sw.remove_job(job, f"rank {rank} disconnected", notify_rank=rank)
+                             if sw.job_info.get(job) is info else False)
+        except TimeoutError as e:
+            log.error("could not tear down job %d: %s", job, e)
+        with self._lock:
+            self._left.pop(job, None)

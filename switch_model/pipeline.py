@@ -1,0 +1,434 @@
+"""The switch: register resources, job table, and the packet pipeline.
+
+A packet's life, one burst at a time, run to completion in a poll loop (DPDK style)::
+
+    rx         recvmmsg a burst into the preallocated receive ring (no per-packet allocation)
+    ingress    user-space impairments worker -> switch (loss, duplication, reordering, delay)
+    parse      validate headers against the job table; bad packets get a drop reason
+    aggregate  the integer ALU: SwitchML slot protocol; first packet writes, the others add
+    harvest    completed slots: result packet into the slot's shadow-copy row; plan multicast
+    tx         egress impairments, then sendmmsg: multicast results, unicast replays
+
+``Switch.poll_once`` is exactly that list. The data-plane kernels are in dataplane.py.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ina import burst as B
+from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, Flag, MsgType, pack
+
+from . import dataplane as D
+from .impair import Impairment, ImpairmentConfig
+
+log = logging.getLogger("ina.switch")
+
+COUNTERS = list(D.DROP_REASONS) + ["overflow", "harvested", "replays", "rx_packets", "rx_bytes",
+                                   "tx_packets", "tx_bytes", "aborts_sent"]
+C = {name: i for i, name in enumerate(COUNTERS)}
+STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
+MAX_ACTIVE_JOBS = 64
+
+
+@dataclass
+class SwitchConfig:
+    host: str = "0.0.0.0"
+    port: int = 9999
+    slots: int = 512              # aggregator slots in the pool (each has two sets: the shadow copy)
+    elements: int = 1024          # registers per slot = the largest elements-per-packet a job may use
+    register_bits: int = 64       # register width: 32 or 64
+    sram_mb: float = 64.0         # register memory budget; bigger configurations are refused
+    burst: int = 64               # packets per rx burst
+    seed: int = 0                 # randomness of the switch-side stochastic re-encoding
+    ingress: ImpairmentConfig = field(default_factory=ImpairmentConfig)
+    egress: ImpairmentConfig = field(default_factory=ImpairmentConfig)
+    stats_interval: float = 10.0  # seconds between log lines with rates (0: never)
+
+    def register_memory(self) -> int:
+        """Bytes of switch SRAM: registers of both sets plus per-set metadata
+        (64-bit worker bitmap, counter, max exponent, round chunk id: 8 + 4 + 2 + 4 bytes)."""
+        sets = self.slots * 2
+        return sets * self.elements * self.register_bits // 8 + sets * 18
+
+    def validate(self) -> None:
+        if self.register_bits not in (32, 64):
+            raise ValueError(f"register_bits must be 32 or 64, got {self.register_bits}")
+        if not 1 <= self.slots <= 0x7FFF:
+            raise ValueError(f"slots must be in 1..32767 (15-bit pool index), got {self.slots}")
+        if not 1 <= self.elements <= 16384:
+            raise ValueError(f"elements per slot must be in 1..16384, got {self.elements}")
+        mem = self.register_memory()
+        if mem > self.sram_mb * 2**20:
+            raise ValueError(f"configuration needs {mem / 2**20:.1f} MiB of register memory "
+                             f"({self.slots} slots x 2 sets x {self.elements} x {self.register_bits}-bit), "
+                             f"over the SRAM budget of {self.sram_mb:g} MiB (--sram-mb)")
+
+
+@dataclass
+class Job:
+    job: int
+    n_workers: int
+    slot_lo: int
+    slots: int
+    elements: int
+    raw: bool
+    addr_block: int
+    addrs: list
+    created: float = field(default_factory=time.time)
+
+
+class Switch:
+    """A software programmable switch with an integer-only aggregation data plane."""
+
+    def __init__(self, config: SwitchConfig, sock=None):
+        config.validate()
+        self.cfg = cfg = config
+        self.sock = sock or B.udp_socket(cfg.host, cfg.port)
+        self.port = self.sock.getsockname()[1]
+        B.set_recv_timeout(self.sock, 0.02)
+        stride = HEADER_SIZE + 8 * cfg.elements
+        self.rx = B.RxRing(self.sock, cfg.burst, stride)
+        self.txq = B.TxBatch(self.sock, capacity=cfg.burst * MAX_WORKERS)
+        # --- registers and per-set metadata (index = slot * 2 + shadow set) ---
+        S2 = cfg.slots * 2
+        self.regs = np.zeros((S2, cfg.elements), np.int64)
+        self.bitmap = np.zeros(S2, np.uint64)
+        self.count = np.zeros(S2, np.int64)
+        self.maxexp = np.zeros(S2, np.int64)
+        self.round_chunk = np.full(S2, -1, np.int64)
+        self.complete = np.zeros(S2, np.uint8)
+        self.ptype = np.zeros(S2, np.int64)
+        self.codec = np.zeros(S2, np.int64)
+        self.nvalid = np.zeros(S2, np.int64)
+        self.ovf = np.zeros(S2, np.uint8)
+        self.results = np.zeros((S2, stride), np.uint8)     # shadow copies of completed results
+        self.result_len = np.zeros(S2, np.int64)
+        self.slot_owner = np.full(cfg.slots, -1, np.int64)
+        # --- job table (the switch's match-action table) and worker addresses ---
+        self.jobs = np.zeros((D.MAX_JOBS, D.J_COLUMNS), np.int64)
+        self.addrs = np.zeros(MAX_ACTIVE_JOBS * MAX_WORKERS, B.SOCKADDR_IN)
+        self._free_blocks = list(range(MAX_ACTIVE_JOBS))
+        self.job_info: dict[int, Job] = {}
+        # --- per-burst scratch (preallocated) ---
+        nb = cfg.burst
+        self.verdict = np.zeros(nb, np.int64)
+        self.slot2 = np.zeros(nb, np.int64)
+        self.rank = np.zeros(nb, np.int64)
+        self.jobcol = np.zeros(nb, np.int64)
+        self.action = np.zeros(nb, np.int64)
+        cap = nb * MAX_WORKERS
+        self.tx_row = np.zeros(cap, np.int64)
+        self.tx_len = np.zeros(cap, np.int64)
+        self.tx_addr = np.zeros(cap, np.int64)
+        self._replay_buf = np.zeros((nb, stride), np.uint8)
+        self.counters = np.zeros(len(COUNTERS), np.int64)
+        self.ingress = Impairment(cfg.ingress)
+        self.egress = Impairment(cfg.egress)
+        self._imp_buf = np.zeros((4 * nb, stride), np.uint8)
+        self._imp_lens = np.zeros(4 * nb, np.int64)
+        self._commands: list = []
+        self._cmd_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.started = time.time()
+        self._rate_mark = (time.time(), 0, 0, 0)
+        self.rates = {"rx_pps": 0.0, "rx_bps": 0.0, "tx_pps": 0.0, "tx_bps": 0.0}
+        self._warm_up()
+
+    # ------------------------------------------------------------------------------------------
+    # the pipeline
+    # ------------------------------------------------------------------------------------------
+    def poll_once(self) -> int:
+        """Run one burst through every stage. Returns the number of packets received."""
+        n = self.stage_rx()
+        buf, lens, n_in = self.stage_ingress(n)
+        if n_in:
+            self.stage_parse(buf, lens, n_in)
+            self.stage_aggregate(buf, n_in)
+            m = self.stage_harvest(n_in)
+            self.stage_tx(m)
+        elif self.egress.active:
+            self.stage_tx(0)
+        return n
+
+    def stage_rx(self) -> int:
+        n = self.rx.recv(wait=not (self.ingress.active or self.egress.active))
+        if n:
+            self.counters[C["rx_packets"]] += n
+            self.counters[C["rx_bytes"]] += int(np.minimum(self.rx.lens[:n], self.rx.stride).sum())
+        return n
+
+    def stage_ingress(self, n: int):
+        if not self.ingress.active:
+            return self.rx.buf, self.rx.lens, n
+        pkts = [(self.rx.buf[i, : min(self.rx.lens[i], self.rx.stride)].tobytes(), int(self.rx.lens[i]))
+                for i in range(n)]
+        out = self.ingress.apply(pkts, time.monotonic())
+        k = min(len(out), self._imp_buf.shape[0])
+        if len(out) > k:   # more than the side pool holds: the rest waits for the next poll
+            for pkt, tag in out[k:]:
+                self.ingress._held.insert(0, (0.0, -1, pkt, tag))
+        for i, (pkt, ln) in enumerate(out[:k]):
+            self._imp_buf[i, : len(pkt)] = np.frombuffer(pkt, np.uint8)
+            self._imp_lens[i] = ln
+        return self._imp_buf, self._imp_lens, k
+
+    def stage_parse(self, buf, lens, n: int) -> None:
+        D.parse(buf, lens, n, self.jobs, self.verdict, self.slot2, self.rank, self.jobcol, self.counters)
+
+    def stage_aggregate(self, buf, n: int) -> None:
+        D.aggregate(buf, n, self.verdict, self.slot2, self.rank, self.jobcol, self.jobs, self.regs, self.bitmap,
+                    self.count, self.maxexp, self.round_chunk, self.complete, self.ptype, self.codec, self.nvalid,
+                    self.ovf, self.cfg.register_bits, self.counters, self.action)
+
+    def stage_harvest(self, n: int) -> int:
+        return D.harvest(n, self.action, self.slot2, self.rank, self.jobcol, self.jobs, self.regs, self.maxexp,
+                         self.round_chunk, self.ptype, self.codec, self.nvalid, self.ovf, self.cfg.register_bits,
+                         self.cfg.seed, self.results, self.result_len, self.tx_row, self.tx_len, self.tx_addr,
+                         self.counters, C["harvested"], C["replays"])
+
+    def stage_tx(self, m: int) -> None:
+        rows, lens, addr = self.tx_row[:m], self.tx_len[:m], self.tx_addr[:m]
+        buf = self.results
+        if m and (lens < 0).any():     # replays: copy the stored result and set the REPLAY flag
+            buf = self._replay_buf if m <= self._replay_buf.shape[0] else np.zeros((m, self.results.shape[1]), np.uint8)
+            buf[:m] = self.results[rows]
+            rep = lens < 0
+            fl = buf[:m, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]
+            fl[rep] |= int(Flag.REPLAY)
+            rows, lens = np.arange(m), np.abs(lens)
+        if self.egress.active:
+            pkts = [(buf[r, :ln].tobytes(), int(a)) for r, ln, a in zip(rows, lens, addr)]
+            out = self.egress.apply(pkts, time.monotonic())
+            if not out:
+                return
+            width = max(len(p) for p, _ in out)
+            buf = np.zeros((len(out), width), np.uint8)
+            for i, (p, _) in enumerate(out):
+                buf[i, : len(p)] = np.frombuffer(p, np.uint8)
+            rows = np.arange(len(out))
+            lens = np.array([len(p) for p, _ in out])
+            addr = np.array([a for _, a in out])
+        if len(rows):
+            self.txq.send(buf, rows, lens, self.addrs, addr)
+            self.counters[C["tx_packets"]] += len(rows)
+            self.counters[C["tx_bytes"]] += int(np.sum(lens))
+
+    # ------------------------------------------------------------------------------------------
+    # service loop, control plane hooks
+    # ------------------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        log.info("switch serving on udp %s:%d: %d slots x 2 sets x %d registers of %d bits (%.1f MiB of %g MiB SRAM)",
+                 self.cfg.host, self.port, self.cfg.slots, self.cfg.elements, self.cfg.register_bits,
+                 self.cfg.register_memory() / 2**20, self.cfg.sram_mb)
+        while not self._stop.is_set():
+            self._run_commands()
+            self.poll_once()
+            self._update_rates()
+        self._run_commands()
+        log.info("switch stopped: %s", self.summary())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def call(self, fn, timeout: float = 10.0):
+        """Run ``fn(self)`` in the data-plane thread between bursts and return its result."""
+        if threading.current_thread() is getattr(self, "_dp_thread", None) or not getattr(self, "_running", False):
+            return fn(self)
+        done = threading.Event()
+        box = {}
+
+        def wrapped(sw):
+            try:
+                box["r"] = fn(sw)
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                box["e"] = e
+            done.set()
+
+        with self._cmd_lock:
+            self._commands.append(wrapped)
+        if not done.wait(timeout):
+            raise TimeoutError(f"data plane did not run a control command within {timeout:g} s")
+        if "e" in box:
+            raise box["e"]
+        return box.get("r")
+
+    def _run_commands(self) -> None:
+        if self._commands:
+            with self._cmd_lock:
+                cmds, self._commands = self._commands, []
+            for c in cmds:
+                c(self)
+
+    def start_thread(self) -> threading.Thread:
+        def run():
+            self._dp_thread = threading.current_thread()
+            self._running = True
+            try:
+                self.serve_forever()
+            finally:
+                self._running = False
+        t = threading.Thread(target=run, name="dataplane", daemon=True)
+        t.start()
+        return t
+
+    # jobs ----------------------------------------------------------------------------------------
+    def free_slots(self) -> int:
+        return int((self.slot_owner < 0).sum())
+
+    def _find_range(self, want: int) -> int:
+        free = self.slot_owner < 0
+        run = 0
+        for i, f in enumerate(free):
+            run = run + 1 if f else 0
+            if run == want:
+                return i - want + 1
+        return -1
+
+    def install_job(self, job: int, n_workers: int, slots: int, elements: int, raw: bool, addrs: list) -> Job:
+        """Allocate a slot range and a job-table entry (data-plane thread)."""
+        if not 0 <= job < D.MAX_JOBS:
+            raise ValueError(f"job id {job} out of range 0..{D.MAX_JOBS - 1}")
+        if self.jobs[job, D.J_ACTIVE]:
+            raise ValueError(f"job {job} is already registered")
+        if not 1 <= n_workers <= MAX_WORKERS:
+            raise ValueError(f"a job has 1..{MAX_WORKERS} workers (one 64-bit worker bitmap), got {n_workers}")
+        if not 1 <= elements <= self.cfg.elements:
+            raise ValueError(f"elements per packet {elements} exceeds the switch's {self.cfg.elements} registers per slot")
+        if slots < 1:
+            raise ValueError(f"a job needs at least one slot, asked for {slots}")
+        if not self._free_blocks:
+            raise ValueError(f"too many active jobs (at most {MAX_ACTIVE_JOBS})")
+        lo = self._find_range(slots)
+        if lo < 0:
+            raise ValueError(f"not enough free slots for job {job}: asked for {slots}, "
+                             f"{self.free_slots()} of {self.cfg.slots} are free (not necessarily contiguous)")
+        block = self._free_blocks.pop(0)
+        base = block * MAX_WORKERS
+        for r, (h, p) in enumerate(addrs):
+            self.addrs[base + r] = B.sockaddr(h, p)[0]
+        self.slot_owner[lo: lo + slots] = job
+        self._reset_sets(lo, slots)
+        row = self.jobs[job]
+        row[D.J_NWORKERS], row[D.J_SLOT_LO], row[D.J_SLOTS] = n_workers, lo, slots
+        row[D.J_ELEMENTS], row[D.J_RAW], row[D.J_ADDR_BASE] = elements, int(raw), base
+        row[D.J_ACTIVE] = 1
+        info = Job(job, n_workers, lo, slots, elements, raw, block, list(addrs))
+        self.job_info[job] = info
+        log.info("job %d installed: %d workers, slots %d..%d, %d elements per packet, results %s",
+                 job, n_workers, lo, lo + slots - 1, elements, "raw sums" if raw else "re-encoded codes")
+        return info
+
+    def _reset_sets(self, lo: int, slots: int) -> None:
+        sl = slice(2 * lo, 2 * (lo + slots))
+        self.round_chunk[sl] = -1
+        self.complete[sl] = 0
+        self.bitmap[sl] = 0
+        self.count[sl] = 0
+        self.ovf[sl] = 0
+
+    def remove_job(self, job: int, reason: str, notify_rank: int | None = None) -> bool:
+        """Free a job's slots and table entry; with ``notify_rank`` tell the other workers (ABORT)."""
+        info = self.job_info.pop(job, None)
+        if info is None:
+            return False
+        self.jobs[job] = 0
+        self.slot_owner[info.slot_lo: info.slot_lo + info.slots] = -1
+        self._reset_sets(info.slot_lo, info.slots)
+        if notify_rank is not None:
+            pkt = pack(msg_type=MsgType.ABORT, job=job, rank=notify_rank)
+            for r, addr in enumerate(info.addrs):
+                if r != notify_rank:
+                    try:
+                        self.sock.sendto(pkt, tuple(addr))
+                        self.counters[C["aborts_sent"]] += 1
+                    except OSError as e:
+                        log.warning("could not send ABORT of job %d to rank %d at %s: %s", job, r, addr, e)
+        self._free_blocks.append(info.addr_block)
+        log.info("job %d removed (%s); slots %d..%d freed", job, reason, info.slot_lo, info.slot_lo + info.slots - 1)
+        return True
+
+    def job_status(self, job: int) -> dict:
+        info = self.job_info.get(job)
+        if info is None:
+            return {"job": job, "active": False}
+        sl = slice(2 * info.slot_lo, 2 * (info.slot_lo + info.slots))
+        pending = np.nonzero((self.round_chunk[sl] >= 0) & (self.complete[sl] == 0))[0]
+        waiting = []
+        for k in pending[:16]:
+            s = 2 * info.slot_lo + int(k)
+            have = int(self.bitmap[s])
+            missing = [r for r in range(info.n_workers) if not (have >> r) & 1]
+            waiting.append({"pool_index": int(k) // 2, "shadow": int(k) % 2, "chunk": int(self.round_chunk[s]),
+                            "missing_ranks": missing})
+        return {"job": job, "active": True, "workers": info.n_workers, "slot_lo": info.slot_lo,
+                "slots": info.slots, "elements": info.elements, "raw": info.raw,
+                "incomplete_slots": int(pending.size), "waiting": waiting}
+
+    # impairments ----------------------------------------------------------------------------------
+    def set_impairments(self, ingress: dict | None = None, egress: dict | None = None) -> dict:
+        if ingress is not None:
+            self.ingress.set(ImpairmentConfig(**{**self.ingress.config.to_dict(), **ingress}))
+        if egress is not None:
+            self.egress.set(ImpairmentConfig(**{**self.egress.config.to_dict(), **egress}))
+        log.info("impairments now ingress=%s egress=%s", self.ingress.config.to_dict(), self.egress.config.to_dict())
+        return {"ingress": self.ingress.config.to_dict(), "egress": self.egress.config.to_dict()}
+
+    # observability -----------------------------------------------------------------------------------
+    def _update_rates(self) -> None:
+        now = time.time()
+        t0, rxp, rxb, txb = self._rate_mark
+        dt = now - t0
+        if dt >= 1.0:
+            c = self.counters
+            rxp1, rxb1, txp1, txb1 = (int(c[C["rx_packets"]]), int(c[C["rx_bytes"]]), int(c[C["tx_packets"]]),
+                                      int(c[C["tx_bytes"]]))
+            self.rates = {"rx_pps": (rxp1 - rxp) / dt, "rx_bps": 8 * (rxb1 - rxb) / dt,
+                          "tx_pps": (txp1 - self.rates.get("_txp", 0)) / dt, "tx_bps": 8 * (txb1 - txb) / dt,
+                          "_txp": txp1}
+            if self.cfg.stats_interval and int(now) % max(1, int(self.cfg.stats_interval)) == 0 and rxp1 != rxp:
+                log.info("rx %.0f pkt/s %.1f Mbit/s, tx %.1f Mbit/s, %d jobs, %d/%d slots in use, drops %d",
+                         self.rates["rx_pps"], self.rates["rx_bps"] / 1e6, self.rates["tx_bps"] / 1e6,
+                         len(self.job_info), self.cfg.slots - self.free_slots(), self.cfg.slots, self.drops())
+            self._rate_mark = (now, rxp1, rxb1, txb1)
+
+    def drops(self) -> int:
+        return int(self.counters[1: len(D.DROP_REASONS)].sum())
+
+    def stats(self) -> dict:
+        c = {name: int(self.counters[i]) for i, name in enumerate(COUNTERS)}
+        drops = {name: c.pop(name) for name in D.DROP_REASONS[1:]}
+        c["parsed_ok"] = c.pop("ok")
+        sets_busy = int(((self.round_chunk >= 0) & (self.complete == 0)).sum())
+        return {
+            "uptime_s": round(time.time() - self.started, 3),
+            "config": {"port": self.port, "slots": self.cfg.slots, "elements": self.cfg.elements,
+                       "register_bits": self.cfg.register_bits,
+                       "register_memory_mib": round(self.cfg.register_memory() / 2**20, 3),
+                       "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst},
+            "stages": list(STAGES),
+            "counters": c,
+            "drops": drops,
+            "rates": {k: round(v, 1) for k, v in self.rates.items() if not k.startswith("_")},
+            "occupancy": {"slots_allocated": self.cfg.slots - self.free_slots(), "slots_total": self.cfg.slots,
+                          "sets_aggregating": sets_busy},
+            "jobs": {str(j): {"workers": i.n_workers, "slot_lo": i.slot_lo, "slots": i.slots,
+                              "elements": i.elements, "raw": i.raw} for j, i in self.job_info.items()},
+            "impairments": {"ingress": {**self.ingress.config.to_dict(), **self.ingress.counters()},
+                            "egress": {**self.egress.config.to_dict(), **self.egress.counters()}},
+        }
+
+    def summary(self) -> str:
+        c = self.counters
+        return (f"rx {int(c[C['rx_packets']])} packets, tx {int(c[C['tx_packets']])} packets, "
+                f"{int(c[C['harvested']])} slots harvested, {self.drops()} dropped")
+
+    def _warm_up(self) -> None:
+        """Compile (or load from cache) the kernels before serving, with an empty burst."""
+        self.stage_parse(self.rx.buf, self.rx.lens, 0)
+        self.stage_aggregate(self.rx.buf, 0)
+        self.stage_harvest(0)
