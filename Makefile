@@ -23,6 +23,7 @@ install: $(STAMP) horovod
 
 demo: install
 	$(PY) -m experiments.demo
+	$(PY) -m experiments.sweep --quick
 
 test: install
 	$(PY) -m pytest -q tests

@@ -1,0 +1,489 @@
+"""ina-sweep: the papers' evaluation on emulated links (bandwidth sweep of Gloo ring vs INA codecs).
+
+    ina-sweep --quick                       # < 3 minutes: ResNet-110 size / 4, 2 and 4 workers, core methods
+    ina-sweep                               # the full sweep (long: hours at 10 Mbit/s with VGG-16 sizes)
+    ina-sweep --out results/x --rates 100mbit --workers 4 --methods gloo,ina:nc --sizes 1.7M
+
+One emulated topology (``ina.net.Topology``, MTU 9000) with a switch host running ``ina-switch``
+(unshaped switch link: one port per worker) and up to 8 worker hosts, each with its own shaped
+link. For every worker count, long-lived worker processes (``experiments.sweep_worker``) are
+started inside the worker hosts; for every link rate (changed live with ``set_rate``), tensor
+size and method they do warm-up allreduces, then timed repetitions. The launcher reads the links'
+kernel counters (``topo.counters()``) right before and after the timed part: bytes on the wire are
+measured, not estimated.
+
+Workloads:
+
+* ``allreduce``: gradient-sized tensors (ResNet-110 1.7M, AlexNet 61M, VGG-16 138M parameters;
+  ``--quick`` uses only ResNet-110's count divided by ``--scale``, default 4: 425,000 elements);
+* ``throughput``: training throughput with synthetic data, modelled as per-step compute (a
+  forward+backward of a synthetic fully connected model with that parameter count, batch 32,
+  measured on this machine, one process) plus the measured allreduce time of that size, without
+  overlap: samples/s = workers * batch / (compute + allreduce);
+* ``accuracy``: data-parallel SGD on scikit-learn's digits for a fixed number of steps, Gloo vs
+  every INA codec; test accuracy against steps and wall time.
+
+Outputs in ``--out`` (default ``results/sweep-<timestamp>``): ``results.json`` + ``results.csv``
+(raw, one record per configuration), ``*.png`` plots and ``report.md``. A re-run with the same
+``--out`` skips configurations already in ``results.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import json
+import logging
+import math
+import os
+import selectors
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("ina.sweep")
+
+MODELS = {"resnet110": 1_700_000, "alexnet": 61_000_000, "vgg16": 138_000_000}
+RATES = ["10mbit", "100mbit", "1gbit", "unlimited"]
+CORE_METHODS = ["gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd"]
+NOT_SEED = {"bfp32", "nc", "nc-det", "nd", "rd"}
+SWITCH_PORT = 9999
+SWITCH_SLOTS, SWITCH_ELEMENTS = 256, 8192
+BATCH = 32
+
+
+def seed_methods() -> list[str]:
+    """Every switch-summable codec of the seed papers (3LC, thresholded, MQGrad, TernGrad, QSGD ...)."""
+    from ina import compression
+    return [f"ina:{n}" for n in compression.available() if n not in NOT_SEED and compression.get(n).switch_summable]
+
+
+def all_methods() -> list[str]:
+    return CORE_METHODS + ["ina:rd"] + seed_methods()
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().lower()
+    mult = {"k": 1e3, "m": 1e6, "g": 1e9}.get(s[-1:], 1)
+    v = float(s[:-1] if s[-1:] in "kmg" else s) * mult
+    if v < 1 or v != int(v):
+        raise argparse.ArgumentTypeError(f"size {s!r}: expected a positive element count such as 1.7M or 4096")
+    return int(v)
+
+
+def rate_bps(rate: str) -> float | None:
+    from ina.net import parse_rate
+    return parse_rate(rate)
+
+
+def key_of(rec: dict) -> str:
+    return "|".join(str(rec[k]) for k in ("workload", "method", "workers", "rate", "elements"))
+
+
+# ------------------------------------------------------------------------------------------------
+# link-bound ideal
+def payload_widths(method: str) -> tuple[int, int]:
+    """Bytes per element (upload, download) of a method's payload on the wire."""
+    if method == "gloo":
+        return 4, 4
+    from ina import compression
+    from ina.wire import PAYLOAD_WIDTH, PayloadType
+    c = compression.get(method[4:])
+    up = PAYLOAD_WIDTH[c.payload_type]
+    down = 1 if c.payload_type == PayloadType.NC8 else 4      # the client's result type (not raw)
+    return up, down
+
+
+def ideal_time(method: str, n: int, elements: int, rate: str) -> float | None:
+    """Link-bound time: ring 2(n-1)/n*S/rate; INA max(S_up, S_down)/rate (both directions concurrent)."""
+    bps = rate_bps(rate)
+    if bps is None:
+        return None
+    up, down = payload_widths(method)
+    if method == "gloo":
+        return 2 * (n - 1) / n * elements * 4 * 8 / bps
+    return max(up, down) * elements * 8 / bps
+
+
+# ------------------------------------------------------------------------------------------------
+class WorkerGroup:
+    """n long-lived sweep workers inside the first n worker hosts of ``topo``."""
+
+    def __init__(self, topo, n: int, out: Path, args):
+        self.topo, self.n = topo, n
+        self.timeout = args.timeout
+        self.sel = selectors.DefaultSelector()
+        self.bufs = {}
+        self.procs = []
+        master_port = 29500 + n
+        for r in range(n):
+            h = topo.workers[r]
+            errf = open(out / f"worker-n{n}-r{r}.log", "w")
+            p = topo.popen(h, [sys.executable, "-m", "experiments.sweep_worker", "--rank", str(r), "--world", str(n),
+                               "--master", topo.workers[0].ip, "--master-port", str(master_port),
+                               "--switch", f"{topo.switch.ip}:{SWITCH_PORT}", "--mtu", str(topo.mtu),
+                               "--slots", str(args.slots), "--timeout", str(args.timeout)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, cwd=str(Path(__file__).parent.parent),
+                           text=True, bufsize=1)
+            p._errf = errf
+            os.set_blocking(p.stdout.fileno(), False)
+            self.sel.register(p.stdout, selectors.EVENT_READ, r)
+            self.bufs[r] = ""
+            self.procs.append(p)
+        self.expect_all("hello", what=f"{n} workers to start and join the Gloo group", timeout=args.timeout + 60)
+
+    def send(self, obj) -> None:
+        line = obj if isinstance(obj, str) else json.dumps(obj)
+        for p in self.procs:
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+    def expect_all(self, field: str, what: str, timeout: float) -> list[dict]:
+        """One JSON line with ``field`` from every worker, within ``timeout`` seconds."""
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}: ranks "
+                                   f"{sorted(set(range(self.n)) - set(got))} did not answer (see worker-*.log)")
+            for k, _ in self.sel.select(timeout=min(left, 1.0)):
+                r = k.data
+                chunk = k.fileobj.read()
+                if chunk == "":
+                    self.sel.unregister(k.fileobj)
+                    raise RuntimeError(f"worker rank {r} exited (code {self.procs[r].poll()}) while waiting for "
+                                       f"{what}; see worker-n{self.n}-r{r}.log")
+                self.bufs[r] += chunk
+                while "\n" in self.bufs[r]:
+                    line, self.bufs[r] = self.bufs[r].split("\n", 1)
+                    msg = json.loads(line)
+                    if "error" in msg:
+                        raise RuntimeError(f"worker rank {r}: {msg['error']} (while waiting for {what})")
+                    if field in msg:
+                        got[r] = msg
+            for r, p in enumerate(self.procs):
+                if r not in got and p.poll() is not None and not self.bufs[r]:
+                    raise RuntimeError(f"worker rank {r} exited with code {p.returncode} while waiting for "
+                                       f"{what}; see worker-n{self.n}-r{r}.log")
+        return [got[r] for r in range(self.n)]
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                p.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+            p._errf.close()
+
+
+def _link_bytes(topo, n: int, rate: str) -> dict:
+    c = topo.counters(*[w.name for w in topo.workers[:n]], topo.switch.name)
+    shaped = rate_bps(rate) is not None
+    up = sum((v.up_bytes if shaped else v.tx_bytes) for k, v in c.items() if k != topo.switch.name)
+    down = sum((v.down_bytes if shaped else v.rx_bytes) for k, v in c.items() if k != topo.switch.name)
+    drops = sum(v.up_drops + v.down_drops for k, v in c.items() if k != topo.switch.name)
+    return {"up": up, "down": down, "drops": drops,
+            "sw_tx": c[topo.switch.name].tx_bytes, "sw_rx": c[topo.switch.name].rx_bytes}
+
+
+def ina_rto(method: str, rate: str, slots: int, mtu: int) -> float | None:
+    """Retransmission timeout above the queueing delay of a full window on the shaped link: a window of
+    ``slots`` packets waits up to window/rate in the upload queue (and as much in the download queue);
+    a 20 ms RTO at 100 Mbit/s with 64 x 8 kB in flight (42 ms) retransmits spuriously."""
+    bps = rate_bps(rate)
+    if method == "gloo" or bps is None:
+        return None
+    from .sweep_worker import ina_elements
+    up, down = payload_widths(method)
+    e = ina_elements(method[4:], mtu)
+    window = slots * e * max(up, down) * 8 / bps
+    return 0.02 + 3 * window
+
+
+def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements: int, args, job: int, cid: int) -> dict:
+    reps = args.reps
+    bps = rate_bps(rate)
+    est = (ideal_time(method, n, elements, rate) or 0.01) * 3 + 2
+    cmd = {"op": "bench", "id": cid, "method": method, "elements": elements, "warmup": args.warmup, "reps": reps,
+           "job": job, "rto": ina_rto(method, rate, args.slots, topo.mtu)}
+    t0 = time.monotonic()
+    group.send(cmd)
+    group.expect_all("ready", f"warm-up of {method} n={n} {rate} {elements} elements", args.timeout + est * args.warmup)
+    c0 = _link_bytes(topo, n, rate)
+    group.send("go")
+    res = group.expect_all("done", f"timed {method} n={n} {rate} {elements} elements", args.timeout + est * reps)
+    c1 = _link_bytes(topo, n, rate)
+    times = [max(r["times"][i] for r in res) for i in range(reps)]    # a rep ends when the slowest rank has it
+    med = sorted(times)[len(times) // 2]
+    rec = {"workload": "allreduce", "method": method, "workers": n, "rate": rate, "rate_bps": bps,
+           "elements": elements, "reps": reps, "warmup": args.warmup, "times": times, "time_median": med,
+           "time_mean": sum(times) / reps, "time_min": min(times),
+           "ideal_time": ideal_time(method, n, elements, rate),
+           "wire_up_bytes_per_worker": (c1["up"] - c0["up"]) / (n * reps),
+           "wire_down_bytes_per_worker": (c1["down"] - c0["down"]) / (n * reps),
+           "wire_drops": c1["drops"] - c0["drops"],
+           "switch_link_tx_bytes": (c1["sw_tx"] - c0["sw_tx"]) / reps,
+           "rel_error": max(r["rel_error"] for r in res), "wall": time.monotonic() - t0}
+    if "client" in res[0]:
+        rec["client_bytes_sent_per_worker"] = sum(r["client"]["bytes_sent"] for r in res) / (n * reps)
+        rec["client_retransmissions"] = sum(r["client"]["retransmissions"] for r in res)
+    rec["bound_ratio"] = med / rec["ideal_time"] if rec["ideal_time"] else None
+    return rec
+
+
+def run_train(group: WorkerGroup, method: str, n: int, rate: str, args, job: int, cid: int) -> dict:
+    cmd = {"op": "train", "id": cid, "method": method, "steps": args.acc_steps, "eval_every": max(1, args.acc_steps // 10),
+           "job": job, "seed": 0, "lr": 0.05, "batch": BATCH}
+    t0 = time.monotonic()
+    group.send(cmd)
+    res = group.expect_all("done", f"training with {method} n={n} {rate}", args.timeout + 600)
+    curve = res[0]["curve"]
+    return {"workload": "accuracy", "method": method, "workers": n, "rate": rate, "rate_bps": rate_bps(rate),
+            "elements": res[0]["params"], "steps": args.acc_steps, "curve": curve,
+            "final_accuracy": curve[-1]["accuracy"], "train_time": curve[-1]["time"],
+            "comm_time": curve[-1]["comm_time"], "wall": time.monotonic() - t0}
+
+
+def measure_compute(elements: int) -> float:
+    """Seconds per forward+backward of a synthetic fully connected model with ``elements`` parameters
+    (batch 32, synthetic data, one process on this machine)."""
+    import torch
+    torch.manual_seed(0)
+    width = max(8, int(math.sqrt(elements / 2)))
+    depth_in = max(1, elements // width - width)    # Linear(depth_in -> width) + Linear(width -> width)
+    m = torch.nn.Sequential(torch.nn.Linear(depth_in, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+    x = torch.randn(BATCH, depth_in)
+    m(x).square().mean().backward()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        m.zero_grad()
+        m(x).square().mean().backward()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[1]
+
+
+# ------------------------------------------------------------------------------------------------
+def load_results(out: Path) -> list[dict]:
+    p = out / "results.json"
+    if not p.exists():
+        return []
+    return json.loads(p.read_text())["records"]
+
+
+def save_results(out: Path, meta: dict, records: list[dict]) -> None:
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    tmp.replace(out / "results.json")
+    cols = ["workload", "method", "workers", "rate", "rate_bps", "elements", "model", "reps", "time_median",
+            "time_mean", "time_min", "ideal_time", "bound_ratio", "speedup_vs_gloo", "wire_up_bytes_per_worker",
+            "wire_down_bytes_per_worker", "wire_drops", "client_bytes_sent_per_worker", "client_retransmissions",
+            "rel_error", "compute_time", "samples_per_s", "steps", "final_accuracy", "train_time", "comm_time"]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in records:
+            w.writerow(r)
+
+
+def derive(records: list[dict], sizes: dict[str, int], compute: dict) -> list[dict]:
+    """Speedups vs Gloo and the modelled training throughput (added to the allreduce records)."""
+    by = {(r["workload"], r["method"], r["workers"], r["rate"], r["elements"]): r for r in records}
+    inv = {v: k for k, v in sizes.items()}
+    out = [r for r in records if r["workload"] != "throughput"]
+    for r in records:
+        if r["workload"] != "allreduce":
+            continue
+        g = by.get(("allreduce", "gloo", r["workers"], r["rate"], r["elements"]))
+        r["speedup_vs_gloo"] = g["time_median"] / r["time_median"] if g else None
+        r["model"] = inv.get(r["elements"])
+        ct = compute.get(str(r["elements"]))
+        if ct is not None:
+            t = {k: v for k, v in r.items() if k in ("method", "workers", "rate", "rate_bps", "elements", "model",
+                                                    "time_median", "ideal_time", "wire_up_bytes_per_worker",
+                                                    "wire_down_bytes_per_worker")}
+            t.update(workload="throughput", compute_time=ct, batch=BATCH,
+                     samples_per_s=r["workers"] * BATCH / (ct + r["time_median"]),
+                     speedup_vs_gloo=(g and (ct + g["time_median"]) / (ct + r["time_median"])))
+            out.append(t)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ina-sweep", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sweep for the demo (< 3 minutes)")
+    ap.add_argument("--out", type=Path, help="results folder (default results/sweep-<timestamp>); re-run resumes")
+    ap.add_argument("--rates", help=f"comma-separated link rates (default {','.join(RATES)})")
+    ap.add_argument("--workers", help="comma-separated worker counts (default 2,4,8; quick 2,4)")
+    ap.add_argument("--methods", help="comma-separated: gloo, ina:<codec>, 'core', 'seed', 'all' (default all; "
+                                      "quick: core)")
+    ap.add_argument("--sizes", help="comma-separated element counts or model names (default the three models)")
+    ap.add_argument("--scale", type=float, help="divide model sizes by this (quick default 4)")
+    ap.add_argument("--reps", type=int, help="timed repetitions per configuration (default 5; quick 3)")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up allreduces per configuration")
+    ap.add_argument("--acc-steps", type=int, help="SGD steps of the accuracy workload (default 300; quick 100; 0: skip)")
+    ap.add_argument("--acc-rate", default="100mbit", help="link rate of the accuracy runs")
+    ap.add_argument("--acc-workers", type=int, help="workers of the accuracy runs (default 4; quick 2)")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the modelled training throughput")
+    ap.add_argument("--max-ring-time", type=float, default=120.0,
+                    help="skip a configuration whose link-bound time exceeds this many seconds per allreduce")
+    ap.add_argument("--mtu", type=int, default=9000)
+    ap.add_argument("--slots", type=int, default=64, help="INA window (slots per job)")
+    ap.add_argument("--timeout", type=float, default=60.0, help="bound of every wait (seconds)")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    q = args.quick
+    rates = (args.rates or ",".join(RATES)).split(",")
+    for r in rates:
+        rate_bps(r)     # validates (RateError names the bad spelling)
+    workers = [int(x) for x in (args.workers or ("2,4" if q else "2,4,8")).split(",")]
+    mspec = args.methods or ("core" if q else "all")
+    methods: list[str] = []
+    for m in mspec.split(","):
+        methods += {"core": CORE_METHODS, "seed": seed_methods(), "all": all_methods()}.get(m, [m])
+    from ina import compression
+    for m in methods:
+        if m != "gloo":
+            if not m.startswith("ina:") or m[4:] not in compression.available():
+                ap.error(f"method {m!r}: expected gloo or ina:<codec> with codec one of {compression.available()}")
+            if not compression.get(m[4:]).switch_summable:
+                ap.error(f"method {m!r}: codec is not switch-summable")
+    methods = list(dict.fromkeys(methods))
+    scale = args.scale or (4.0 if q else 1.0)
+    sizes: dict[str, int] = {}
+    for s in (args.sizes or ("resnet110" if q else ",".join(MODELS))).split(","):
+        if s in MODELS:
+            sizes[s] = max(1, int(MODELS[s] / scale))
+        else:
+            sizes[s] = parse_size(s)
+    reps = args.reps or (3 if q else 5)
+    args.reps = reps
+    args.acc_steps = args.acc_steps if args.acc_steps is not None else (100 if q else 300)
+    acc_workers = args.acc_workers or (2 if q else 4)
+
+    out = args.out or Path("results") / f"sweep-{_dt.datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    records = [r for r in load_results(out) if r["workload"] != "throughput"]
+    done = {key_of(r) for r in records}
+    prev_meta = json.loads((out / "results.json").read_text())["meta"] if (out / "results.json").exists() else {}
+    compute = dict(prev_meta.get("compute_time", {}))
+    meta = {"command": "ina-sweep " + " ".join(argv if argv is not None else sys.argv[1:]), "quick": q, "scale": scale,
+            "sizes": sizes, "rates": rates, "workers": workers, "methods": methods, "reps": reps, "warmup": args.warmup,
+            "mtu": args.mtu, "slots": args.slots, "acc_steps": args.acc_steps, "acc_rate": args.acc_rate,
+            "acc_workers": acc_workers, "batch": BATCH, "started": _dt.datetime.now().isoformat(timespec="seconds"),
+            "compute_time": compute}
+    if prev_meta.get("runs"):
+        meta["runs"] = prev_meta["runs"] + [meta["command"]]
+    else:
+        meta["runs"] = [meta["command"]]
+
+    # the plan
+    plan = []
+    for n in workers:
+        for rate in rates:
+            for sname, el in sizes.items():
+                for m in methods:
+                    k = f"allreduce|{m}|{n}|{rate}|{el}"
+                    it = ideal_time(m, n, el, rate)
+                    if k in done:
+                        continue
+                    if it is not None and it > args.max_ring_time:
+                        continue
+                    plan.append(("allreduce", n, rate, el, m))
+        if args.acc_steps and n == acc_workers:
+            for m in methods:
+                if f"accuracy|{m}|{n}|{args.acc_rate}|" not in "\n".join(done) and not any(
+                        d.startswith(f"accuracy|{m}|{n}|{args.acc_rate}|") for d in done):
+                    plan.append(("accuracy", n, args.acc_rate, 0, m))
+    from tqdm import tqdm
+    t_start = time.monotonic()
+    if not args.no_throughput:
+        for el in sizes.values():
+            if str(el) not in compute:
+                compute[str(el)] = measure_compute(el)
+    if plan:
+        from ina.net import Topology
+        with Topology(workers=max(w for w, *_ in [(p[1],) for p in plan]), rate=rates[0], mtu=args.mtu) as topo:
+            swlog = open(out / "switch.log", "w")
+            sw = topo.popen(topo.switch, [sys.executable, "-m", "switch_model", "serve", "--port", str(SWITCH_PORT),
+                                          "--slots", str(SWITCH_SLOTS), "--elements", str(SWITCH_ELEMENTS),
+                                          "--stats-interval", "0", "--log-level", "WARNING"],
+                            stdout=swlog, stderr=subprocess.STDOUT, cwd=str(Path(__file__).parent.parent))
+            _wait_switch(out / "switch.log", sw, 30.0)
+            bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
+            job = int(time.time()) % 1000 * 10
+            cid = 0
+            try:
+                for n in workers:
+                    mine = [p for p in plan if p[1] == n]
+                    if not mine:
+                        continue
+                    bar.set_postfix_str(f"starting {n} workers")
+                    group = WorkerGroup(topo, n, out, args)
+                    cur_rate = None
+                    try:
+                        for wl, _, rate, el, m in mine:
+                            if rate != cur_rate:
+                                topo.set_rate("workers", rate)
+                                cur_rate = rate
+                            bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,}")
+                            job += 1
+                            cid += 1
+                            if wl == "allreduce":
+                                rec = run_bench(group, topo, m, n, rate, el, args, job, cid)
+                            else:
+                                rec = run_train(group, m, n, rate, args, job, cid)
+                            records.append(rec)
+                            meta["elapsed"] = time.monotonic() - t_start
+                            save_results(out, meta, derive(records, sizes, compute))
+                            bar.update(1)
+                    finally:
+                        group.close()
+            finally:
+                bar.close()
+                sw.terminate()
+                try:
+                    sw.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    sw.kill()
+                swlog.close()
+    else:
+        print(f"ina-sweep: every configuration is already in {out / 'results.json'}; regenerating the report",
+              file=sys.stderr)
+    meta["elapsed"] = time.monotonic() - t_start
+    final = derive(records, sizes, compute)
+    save_results(out, meta, final)
+    from .sweep_report import write_report
+    write_report(out, meta, final, plots=not args.no_plots)
+    print(f"ina-sweep: {len(plan)} configuration(s) run in {meta['elapsed']:.0f}s; results in {out}/ "
+          f"(results.json, results.csv, report.md{', *.png' if not args.no_plots else ''})", file=sys.stderr)
+    return 0
+
+
+def _wait_switch(logf: Path, proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "listening on" in logf.read_text():
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"ina-switch exited with code {proc.returncode}: {logf.read_text()[-2000:]}")
+        time.sleep(0.05)
+    raise RuntimeError(f"ina-switch did not report 'listening on' within {timeout}s; log: {logf.read_text()[-2000:]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

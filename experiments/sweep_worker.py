@@ -1,0 +1,215 @@
+"""One worker of the bandwidth sweep: a long-lived process inside an emulated host.
+
+Started by ``experiments.sweep`` (``topo.popen(worker, [python, -m, experiments.sweep_worker, ...])``).
+It joins a Gloo process group (torch.distributed, TCP rendezvous at worker 0) and then serves
+JSON-line commands on stdin, answering JSON lines on stdout:
+
+``{"op": "bench", "id", "method", "elements", "warmup", "reps", "job"}``
+    warm-up allreduces (numba caches, socket buffers, TCP windows), then ``{"ready": id}``; waits
+    for the line ``go`` (the launcher reads the link counters in between), then ``reps`` timed
+    allreduces, each after a Gloo barrier, and answers ``{"done": id, "times": [...], ...}``.
+``{"op": "train", "id", "method", "steps", "eval_every", "job", "seed", "lr", "batch"}``
+    data-parallel SGD of a small MLP on scikit-learn's digits; answers the accuracy curve.
+``{"op": "quit"}``
+
+``method`` is ``"gloo"`` (torch.distributed all_reduce of fp32, Gloo's ring) or ``"ina:<codec>"``
+(ina.Client through the switch). Everything that waits has a bound (``--timeout``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+
+
+def _out(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def ina_elements(codec: str, mtu: int) -> int:
+    """Elements per packet so that one INA datagram fits one frame (no IP fragmentation)."""
+    from ina import compression
+    from ina.wire import HEADER_SIZE, PAYLOAD_WIDTH
+    width = max(1, PAYLOAD_WIDTH[compression.get(codec).payload_type])
+    fit = (mtu - 28 - HEADER_SIZE) // width
+    e = 1
+    while e * 2 <= fit:
+        e *= 2
+    return min(e, 8192)
+
+
+class Worker:
+    def __init__(self, a):
+        import torch
+        import torch.distributed as dist
+        self.a, self.torch, self.dist = a, torch, dist
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.master_port}", rank=a.rank,
+                                world_size=a.world, timeout=timedelta(seconds=a.timeout))
+        self.clients = {}
+
+    def client(self, codec: str, job: int):
+        from ina import Client
+        key = (codec, job)
+        if key not in self.clients:
+            for k in list(self.clients):       # one job at a time: leave the previous one
+                self.clients.pop(k).close()
+            host, port = self.a.switch.rsplit(":", 1)
+            self.clients[key] = Client(switch=(host, int(port)), rank=self.a.rank, world_size=self.a.world,
+                                       job=job, elements=ina_elements(codec, self.a.mtu), slots=self.a.slots,
+                                       timeout=self.a.timeout, seed=1234)
+        return self.clients[key]
+
+    def reducer(self, method: str, job: int):
+        if method == "gloo":
+            dist = self.dist
+
+            def red(t, average=False):
+                dist.all_reduce(t)
+                if average:
+                    t /= self.a.world
+                return t
+            return red, None
+        if not method.startswith("ina:"):
+            raise ValueError(f"unknown method {method!r}: expected 'gloo' or 'ina:<codec>'")
+        cl = self.client(method[4:], job)
+        return (lambda t, average=False: cl.allreduce(t, codec=method[4:], average=average)), cl
+
+    # ----------------------------------------------------------------------------------------------
+    def bench(self, cmd):
+        torch = self.torch
+        n = int(cmd["elements"])
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]))
+        if cl and cmd.get("rto"):
+            cl.rto = float(cmd["rto"])
+            cl.max_rto = max(cl.max_rto, 4 * cl.rto)
+        g = torch.Generator().manual_seed(1000 + self.a.rank)
+        x = torch.randn(n, generator=g) * 1e-2
+        ref = x.clone()
+        for _ in range(int(cmd["warmup"])):
+            x.copy_(ref)
+            red(x)
+        self.dist.barrier()
+        s0 = cl.stats.as_dict() if cl else None
+        _out({"ready": cmd["id"]})
+        line = sys.stdin.readline().strip()
+        if line != "go":
+            raise RuntimeError(f"expected 'go' from the launcher, got {line!r}")
+        times = []
+        for _ in range(int(cmd["reps"])):
+            x.copy_(ref)
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            red(x)
+            times.append(time.perf_counter() - t0)
+        self.dist.barrier()
+        # correctness check: the sum over ranks, recomputed here from the same seeds
+        want = torch.zeros(n)
+        for r in range(self.a.world):
+            want += torch.randn(n, generator=torch.Generator().manual_seed(1000 + r)) * 1e-2
+        rel = float((x - want).norm() / want.norm())
+        res = {"done": cmd["id"], "times": times, "rel_error": rel}
+        if cl:
+            s1 = cl.stats.as_dict()
+            res["client"] = {k: s1[k] - s0[k] for k in s1}
+        _out(res)
+
+    # ----------------------------------------------------------------------------------------------
+    def train(self, cmd):
+        torch = self.torch
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+        X, y = load_digits(return_X_y=True)
+        X = (X / 16.0).astype(np.float32)
+        Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.3, random_state=0, stratify=y)
+        Xtr, ytr = torch.from_numpy(Xtr), torch.from_numpy(ytr)
+        Xte, yte = torch.from_numpy(Xte), torch.from_numpy(yte)
+        seed = int(cmd.get("seed", 0))
+        torch.manual_seed(seed)                          # same init on every rank
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        params = list(model.parameters())
+        sizes = [p.numel() for p in params]
+        opt = torch.optim.SGD(params, lr=float(cmd.get("lr", 0.1)), momentum=0.9)
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]))
+        flat = torch.zeros(sum(sizes))
+        red(flat.clone())                                # warm-up (numba caches, connections)
+        rng = np.random.default_rng(seed * 100 + self.a.rank)
+        batch = int(cmd.get("batch", 32))
+        steps, every = int(cmd["steps"]), int(cmd["eval_every"])
+        curve, comm, t_start = [], 0.0, None
+
+        def evaluate(step):
+            with torch.no_grad():
+                acc = float((model(Xte).argmax(1) == yte).float().mean())
+            curve.append({"step": step, "time": 0.0 if t_start is None else time.perf_counter() - t_start,
+                          "comm_time": comm, "accuracy": acc})
+
+        self.dist.barrier()
+        evaluate(0)
+        t_start = time.perf_counter()
+        for step in range(1, steps + 1):
+            idx = torch.from_numpy(rng.integers(0, len(Xtr), batch))
+            loss = torch.nn.functional.cross_entropy(model(Xtr[idx]), ytr[idx])
+            opt.zero_grad()
+            loss.backward()
+            torch.cat([p.grad.reshape(-1) for p in params], out=flat)
+            t0 = time.perf_counter()
+            red(flat, average=True)
+            comm += time.perf_counter() - t0
+            off = 0
+            for p, k in zip(params, sizes):
+                p.grad.copy_(flat[off:off + k].view_as(p.grad))
+                off += k
+            opt.step()
+            if step % every == 0 or step == steps:
+                evaluate(step)
+        _out({"done": cmd["id"], "curve": curve, "params": sum(sizes)})
+
+    def serve(self):
+        _out({"hello": self.a.rank})
+        for line in sys.stdin:
+            line = line.strip()
+            if not line:
+                continue
+            cmd = json.loads(line)
+            op = cmd.get("op")
+            try:
+                if op == "quit":
+                    break
+                elif op == "bench":
+                    self.bench(cmd)
+                elif op == "train":
+                    self.train(cmd)
+                else:
+                    raise ValueError(f"unknown op {op!r}")
+            except Exception as e:  # report, then keep serving is unsafe (collectives desync): exit
+                _out({"error": f"{type(e).__name__}: {e}", "id": cmd.get("id")})
+                raise
+        for c in self.clients.values():
+            c.close()
+        self.dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--master-port", type=int, default=29500)
+    ap.add_argument("--switch", required=True, help="host:port of the switch")
+    ap.add_argument("--mtu", type=int, default=9000)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    Worker(a).serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""ina-sweep end to end on a real emulated topology: a tiny sweep (one rate, 2 workers, one small
+size, 2 methods) writes raw results, plots and the report; a re-run with the same --out resumes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+
+
+def sweep(out: Path, methods: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(out), "--rates", "100mbit",
+                           "--workers", "2", "--sizes", "60000", "--methods", methods, "--reps", "2",
+                           "--acc-steps", "20", "--acc-workers", "2", "--timeout", "30"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_tiny_sweep_outputs_and_resume(tmp_path):
+    out = tmp_path / "sweep"
+    p = sweep(out, "gloo,ina:nc")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "4 configuration(s) run" in p.stderr
+    data = json.loads((out / "results.json").read_text())
+    ar = {r["method"]: r for r in data["records"] if r["workload"] == "allreduce"}
+    assert set(ar) == {"gloo", "ina:nc"}
+    for r in ar.values():
+        assert r["workers"] == 2 and r["rate"] == "100mbit" and r["elements"] == 60000
+        assert len(r["times"]) == 2 and all(t > 0 for t in r["times"])
+        assert r["ideal_time"] > 0
+    # bytes come from the links: the ring sends 2(n-1)/n * 4 bytes per element, nc one byte per element
+    assert 0.9 * 4 * 60000 < ar["gloo"]["wire_up_bytes_per_worker"] < 1.2 * 4 * 60000
+    ratio = ar["ina:nc"]["wire_up_bytes_per_worker"] / ar["gloo"]["wire_up_bytes_per_worker"]
+    assert 0.2 < ratio < 0.35, ratio
+    assert ar["gloo"]["rel_error"] < 1e-5                      # the ring's sum is the true sum
+    acc = {r["method"]: r for r in data["records"] if r["workload"] == "accuracy"}
+    assert set(acc) == {"gloo", "ina:nc"} and all(r["curve"][-1]["step"] == 20 for r in acc.values())
+    tp = [r for r in data["records"] if r["workload"] == "throughput"]
+    assert {r["method"] for r in tp} == {"gloo", "ina:nc"} and all(r["samples_per_s"] > 0 for r in tp)
+    csv_lines = (out / "results.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("workload,method,workers") and len(csv_lines) == 1 + len(data["records"])
+    png = out / "speedup_vs_bandwidth.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "accuracy.png").exists()
+    report = (out / "report.md").read_text()
+    assert "Speedup over Gloo ring fp32" in report and "INA nc" in report and "](speedup_vs_bandwidth.png)" in report
+
+    # resume: only the new method runs, the completed configurations are kept as they were
+    p2 = sweep(out, "gloo,ina:nc,ina:bfp32")
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    assert "2 configuration(s) run" in p2.stderr          # bfp32 allreduce + bfp32 accuracy
+    data2 = json.loads((out / "results.json").read_text())
+    ar2 = {r["method"]: r for r in data2["records"] if r["workload"] == "allreduce"}
+    assert set(ar2) == {"gloo", "ina:nc", "ina:bfp32"}
+    assert ar2["gloo"]["times"] == ar["gloo"]["times"] and ar2["ina:nc"]["times"] == ar["ina:nc"]["times"]
+    assert "INA bfp32" in (out / "report.md").read_text()
+    p3 = sweep(out, "gloo,ina:nc,ina:bfp32")
+    assert p3.returncode == 0 and "already in" in p3.stderr
+
+
+def test_bad_method_is_named(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(tmp_path), "--methods", "gloo,ina:nope"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "ina:nope" in p.stderr
