@@ -1,0 +1,291 @@
+"""Test harness for the switch and the allreduce client: real processes, real UDP on loopback.
+
+* :class:`SwitchProc` starts ``python -m switch_model serve`` as a subprocess on a free port and
+  waits for readiness by polling the control port (bounded);
+* :func:`run_workers` runs worker processes (``tests/sw_worker.py``) and collects their results;
+* :func:`make_input` / :func:`bfp_reference` are the shared input generator and the independent
+  numpy reference of block floating point's integer arithmetic.
+
+Imported by the tests and by the worker script (which only needs :func:`make_input`).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+WORKER = Path(__file__).resolve().parent / "sw_worker.py"
+INT32_MAX = 2**31 - 1
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs and the numpy reference
+# ------------------------------------------------------------------------------------------------
+def make_input(op: dict, rank: int) -> np.ndarray:
+    """The float32 values rank ``rank`` feeds into allreduce ``op`` (exactly representable in op's dtype).
+
+    dist "normal": standard normal times 2**(rank % 3 - 1) (so ranks have different exponents);
+    "uniform": uniform in [0.1, 1) (positive, no powers of two: rounding bias would show);
+    "const07": 0.7 everywhere;
+    "zero": all zeros; "big": normal times 2**20; "tiny": normal times 2**-30.
+    """
+    shape = tuple(op.get("shape", (1000,)))
+    rng = np.random.default_rng([int(op.get("seed", 0)), rank])
+    dist = op.get("dist", "normal")
+    size = int(np.prod(shape)) if shape else 1
+    if dist == "normal":
+        x = rng.standard_normal(size) * 2.0 ** (rank % 3 - 1)
+    elif dist == "uniform":
+        x = rng.uniform(0.1, 1.0, size)
+    elif dist == "const07":
+        x = np.full(size, 0.7)
+    elif dist == "zero":
+        x = np.zeros(size)
+    elif dist == "big":
+        x = rng.standard_normal(size) * 2.0**20
+    elif dist == "tiny":
+        x = rng.standard_normal(size) * 2.0**-30
+    else:
+        raise ValueError(f"unknown dist {dist!r}")
+    x = x.astype(np.float32).reshape(shape)
+    dtype = op.get("dtype", "float32")
+    if dtype == "float16":
+        x = x.astype(np.float16).astype(np.float32)
+    elif dtype == "bfloat16":   # round to nearest even on the top 16 bits, as torch does
+        u = x.view(np.uint32).astype(np.uint64)
+        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        x = u.astype(np.uint32).view(np.float32).reshape(shape)
+    return x
+
+
+def frexp_exponent(x32: np.ndarray) -> int:
+    """floor(log2 max|x|) + 1 by frexp (max|x| = m * 2**e with m in [0.5, 1)); -126 for zeros."""
+    m = float(np.max(np.abs(x32.astype(np.float64)))) if x32.size else 0.0
+    if m == 0.0:
+        return -126
+    return int(np.frexp(m)[1])
+
+
+def bfp_reference(xs: list[np.ndarray], average: bool = False) -> np.ndarray:
+    """Block floating point sum of the ranks' float32 tensors, the integer arithmetic in numpy.
+
+    e = max over workers of floor(log2 max|x|) + 1; codes = rint(float64(x) * (2**31-1)/(n*2**e))
+    as int32; the switch's int64 register sum; float32(sum * (n*2**e)/(2**31-1)).
+    """
+    n = len(xs)
+    e = max(frexp_exponent(x) for x in xs)
+    scale = INT32_MAX / (n * 2.0**e)
+    codes = [np.rint(x.astype(np.float64).reshape(-1) * scale) for x in xs]
+    for c in codes:
+        assert np.all(np.abs(c) <= INT32_MAX // n)       # the reference's own invariant
+    total = np.zeros(xs[0].size, np.int64)
+    for c in codes:
+        total += c.astype(np.int32).astype(np.int64)
+    assert np.all(np.abs(total) <= INT32_MAX)             # fits the INT32 result payload
+    out = (total.astype(np.float64) * (1.0 / scale)).astype(np.float32)
+    if average:
+        out = out / np.float32(n)
+    return out.reshape(xs[0].shape)
+
+
+def cast_like(ref32: np.ndarray, dtype: str) -> np.ndarray:
+    """The float32 result as it reads back from a tensor of ``dtype`` (as float32)."""
+    if dtype in ("float32", "float64"):
+        return ref32
+    if dtype == "float16":
+        return ref32.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        import torch
+        return torch.from_numpy(np.ascontiguousarray(ref32)).to(torch.bfloat16).float().numpy()
+    raise ValueError(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# the switch as a subprocess
+# ------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A port that is free for both UDP and TCP on 127.0.0.1 (the switch binds both)."""
+    for _ in range(50):
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        u.bind(("127.0.0.1", 0))
+        port = u.getsockname()[1]
+        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            t.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            t.close()
+            u.close()
+    raise RuntimeError("no port free for both UDP and TCP")
+
+
+def control(port: int, msg: dict, timeout: float = 10.0) -> dict:
+    from ina.control import request
+    return request("127.0.0.1", port, msg, timeout=timeout)
+
+
+def stats(port: int) -> dict:
+    return control(port, {"op": "stats"})["stats"]
+
+
+def wait_until(pred, timeout: float, what: str, interval: float = 0.02):
+    """Poll ``pred()`` until it returns a truthy value; raise naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    ev = __import__("threading").Event()
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        ev.wait(interval)     # a bounded poll interval, not a synchronisation sleep
+
+
+class SwitchProc:
+    """``python -m switch_model serve`` on a free port of 127.0.0.1; stderr goes to ``log_path``."""
+
+    def __init__(self, *args: str, log_path: Path, ready_timeout: float = 60.0):
+        self.args = list(args)
+        self.log_path = Path(log_path)
+        for attempt in range(3):
+            self.port = free_port()
+            self._log = open(self.log_path, "wb")
+            self.proc = subprocess.Popen(
+                [PY, "-m", "switch_model", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--stats-interval", "0", *self.args],
+                cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+            try:
+                self._wait_ready(ready_timeout)
+                return
+            except _PortTaken:
+                self._log.close()
+                continue
+        raise RuntimeError("could not start the switch: ports kept being taken")
+
+    def _wait_ready(self, timeout: float) -> None:
+        from ina.control import ControlError
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.proc.wait(timeout=0.05)       # returns early only if the switch died
+            except subprocess.TimeoutExpired:
+                pass
+            if self.proc.returncode is not None:
+                log = self.log()
+                if "Address already in use" in log:
+                    raise _PortTaken()
+                raise AssertionError(f"switch exited with {self.proc.returncode} before it was ready:\n{log}")
+            try:
+                control(self.port, {"op": "stats"}, timeout=2.0)
+                return
+            except ControlError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"switch not ready on port {self.port} within {timeout:g} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stats(self) -> dict:
+        return stats(self.port)
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"switch did not exit within {timeout:g} s of SIGTERM:\n{self.log()}")
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+class _PortTaken(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# workers
+# ------------------------------------------------------------------------------------------------
+class Workers:
+    """``n`` worker processes of one job, each running ``tests/sw_worker.py`` on a spec file."""
+
+    def __init__(self, tmp: Path, port: int, n: int, job: int, ops: list, client: dict | None = None,
+                 ranks=None, loop: int = 1, name: str | None = None):
+        self.tmp = Path(tmp)
+        self.n = n
+        self.job = job
+        self.name = name or f"job{job}"
+        self.procs = {}
+        self.files = {}
+        for r in (range(n) if ranks is None else ranks):
+            base = self.tmp / f"{self.name}-rank{r}"
+            spec = {"port": port, "rank": r, "world_size": n, "job": job, "ops": ops,
+                    "client": client or {}, "loop": loop, "out": str(base) + ".npz",
+                    "meta": str(base) + ".json", "progress": str(base) + ".progress"}
+            Path(str(base) + ".spec.json").write_text(json.dumps(spec))
+            log = open(str(base) + ".log", "wb")
+            self.files[r] = base
+            self.procs[r] = subprocess.Popen([PY, str(WORKER), str(base) + ".spec.json"], cwd=ROOT,
+                                             stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+
+    def progress(self, r: int) -> int:
+        p = Path(str(self.files[r]) + ".progress")
+        return len(p.read_text().splitlines()) if p.exists() else 0
+
+    def log(self, r: int) -> str:
+        return Path(str(self.files[r]) + ".log").read_text(errors="replace")
+
+    def wait(self, timeout: float = 60.0, check: bool = True) -> dict:
+        """Wait for every worker (bounded); return {rank: meta dict} with meta["results"] arrays."""
+        deadline = time.monotonic() + timeout
+        out = {}
+        for r, p in self.procs.items():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"{self.name} rank {r} did not finish within {timeout:g} s:\n{self.log(r)[-3000:]}")
+        for r, p in self.procs.items():
+            meta_path = Path(str(self.files[r]) + ".json")
+            meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+            meta["returncode"] = p.returncode
+            if check and (p.returncode != 0 or meta.get("error")):
+                raise AssertionError(f"{self.name} rank {r} failed (exit {p.returncode}): {meta.get('error')}\n"
+                                     f"{self.log(r)[-3000:]}")
+            npz = Path(str(self.files[r]) + ".npz")
+            if npz.exists():
+                with np.load(npz) as z:
+                    meta["results"] = [z[f"r{i}"] for i in range(len(z.files))]
+            out[r] = meta
+        return out
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def expected_inputs(op: dict, n: int) -> list[np.ndarray]:
+    return [make_input(op, r) for r in range(n)]
+

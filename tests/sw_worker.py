@@ -1,0 +1,83 @@
+"""A worker process for the switch tests: ``python tests/sw_worker.py SPEC.json``.
+
+The spec names the switch port, rank, world size, job, Client options and a list of allreduce
+ops (codec, shape, dtype, tensor kind, average, input distribution; see sw_harness.make_input).
+The ops run ``loop`` times in order (loop 0: until an error). Results go to an .npz (one float32
+array per completed allreduce, in order), metadata (client stats, the job's slot range,
+the error if any, timestamps) to a .json; one line per completed allreduce to a .progress file.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sw_harness import make_input  # noqa: E402
+
+
+def to_tensor(x32: np.ndarray, op: dict):
+    dtype = op.get("dtype", "float32")
+    if op.get("kind", "numpy") == "numpy":
+        return x32.astype(dtype)          # float16/32/64 (bfloat16 only as torch)
+    import torch
+    if op.get("transpose"):      # a non-contiguous view with x32's values
+        return torch.from_numpy(np.ascontiguousarray(x32.T)).to(getattr(torch, dtype)).T
+    return torch.from_numpy(np.ascontiguousarray(x32)).to(getattr(torch, dtype))
+
+
+def to_f32(t) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t.astype(np.float32)
+    return t.detach().float().numpy().copy()
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    from ina.client import AllreduceError, Client
+    from ina.control import request
+    meta = {"rank": spec["rank"], "error": None, "error_type": None}
+    results = []
+    progress = open(spec["progress"], "a")
+    client = None
+    try:
+        client = Client(("127.0.0.1", spec["port"]), rank=spec["rank"], world_size=spec["world_size"],
+                        job=spec["job"], **spec["client"])
+        meta["joined_at"] = time.time()
+        meta["job_info"] = request("127.0.0.1", spec["port"], {"op": "stats"})["stats"]["jobs"].get(str(spec["job"]))
+        ops = spec["ops"]
+        loop = int(spec.get("loop", 1))
+        it = 0
+        while loop == 0 or it < loop:
+            for op in ops:
+                t = to_tensor(make_input(op, spec["rank"]), op)
+                ret = client.allreduce(t, codec=op.get("codec", "bfp32"), average=bool(op.get("average", False)))
+                assert ret is t, "allreduce must return the caller's tensor"
+                if spec.get("keep_results", True):
+                    results.append(to_f32(t))
+                progress.write(f"{it} {time.time()}\n")
+                progress.flush()
+            it += 1
+            if loop == 0 and it > 100000:
+                break
+    except AllreduceError as e:
+        meta["error"], meta["error_type"] = str(e), "AllreduceError"
+        meta["error_at"] = time.time()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        meta["error"], meta["error_type"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}", type(e).__name__
+        meta["error_at"] = time.time()
+    finally:
+        if client is not None:
+            meta["stats"] = client.stats.as_dict()
+            client.close()
+    np.savez(spec["out"], **{f"r{i}": r for i, r in enumerate(results)})
+    Path(spec["meta"]).write_text(json.dumps(meta))
+    return 0 if meta["error"] is None else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

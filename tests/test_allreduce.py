@@ -1,0 +1,259 @@
+"""End-to-end allreduce through the software switch: real worker processes, real UDP on loopback.
+
+The switch runs as ``python -m switch_model serve`` (a subprocess on a free port); each worker is
+its own process (tests/sw_worker.py) with an ``ina.Client``. Block floating point must be
+bit-identical to an independent numpy reference of the same integer arithmetic
+(sw_harness.bfp_reference); natural compression must be an unbiased estimate of the true sum.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sw_harness import (PY, ROOT, SwitchProc, Workers, bfp_reference, cast_like, expected_inputs,  # noqa: E402
+                        wait_until)
+
+CLIENT = {"elements": 128, "slots": 8, "timeout": 20.0}
+
+
+@pytest.fixture(scope="module")
+def switch(tmp_path_factory):
+    sw = SwitchProc("--slots", "128", "--elements", "256", log_path=tmp_path_factory.mktemp("sw") / "switch.log")
+    yield sw
+    rc = sw.terminate()
+    assert rc == 0, sw.log()
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def check_bfp(ops, out, n):
+    """Every rank's result of every op is bit-identical to the numpy reference."""
+    for r, meta in out.items():
+        assert len(meta["results"]) == len(ops), f"rank {r}: {len(meta['results'])} results for {len(ops)} ops"
+        for i, op in enumerate(ops):
+            ref = cast_like(bfp_reference(expected_inputs(op, n), bool(op.get("average"))), op.get("dtype", "float32"))
+            got = meta["results"][i]
+            assert got.shape == ref.shape, f"op {i} {op}: shape {got.shape} != {ref.shape}"
+            diff = np.count_nonzero(bits(got) != bits(ref))
+            assert diff == 0, (f"rank {r} op {i} {op}: {diff} of {ref.size} elements differ from the numpy reference; "
+                               f"max abs diff {np.max(np.abs(got.astype(np.float64) - ref)):.3g}")
+
+
+# chunk = 128 elements, window = 8 slots: sizes below, at and above one chunk and one window
+BROAD_OPS = [
+    {"shape": [1000], "seed": 1},                                            # 7 chunks + 104
+    {"shape": [37, 53], "seed": 2, "kind": "torch"},                         # 1961: 16 chunks, wraps the window
+    {"shape": [3, 5, 7], "seed": 3, "kind": "torch", "dtype": "float64"},
+    {"shape": [], "seed": 4},                                                # 0-d array
+    {"shape": [1], "seed": 5, "kind": "torch"},
+    {"shape": [384], "seed": 6},                                             # exactly 3 chunks
+    {"shape": [2, 1, 129], "seed": 7, "dtype": "float64"},
+    {"shape": [500], "seed": 8, "average": True, "kind": "torch"},
+    {"shape": [300], "seed": 9, "dist": "zero"},
+    {"shape": [64, 10], "seed": 10, "kind": "torch", "dtype": "float16"},
+    {"shape": [257], "seed": 11, "kind": "torch", "dtype": "bfloat16", "average": True},
+    {"shape": [33, 31], "seed": 12, "kind": "torch", "transpose": True},     # non-contiguous tensor
+    {"shape": [700], "seed": 13, "dist": "big", "average": True},
+    {"shape": [700], "seed": 14, "dist": "tiny"},
+    {"shape": [5000], "seed": 15},                                           # 40 chunks: 5 windows, both shadow sets
+]
+SMALL_OPS = [
+    {"shape": [1000], "seed": 21},
+    {"shape": [17, 19], "seed": 22, "kind": "torch", "average": True},
+    {"shape": [4096], "seed": 23, "kind": "torch", "dtype": "float64"},
+]
+
+
+@pytest.mark.parametrize("n,ops", [(2, BROAD_OPS), (4, SMALL_OPS + BROAD_OPS[:4]), (8, SMALL_OPS)],
+                         ids=["2workers", "4workers", "8workers"])
+def test_bfp32_bit_identical_to_numpy_reference(switch, tmp_path, n, ops):
+    ops = [{"codec": "bfp32", **op} for op in ops]
+    out = Workers(tmp_path, switch.port, n, job=100 + n, ops=ops, client=CLIENT).wait(timeout=90)
+    check_bfp(ops, out, n)
+    # every rank read back the same multicast results
+    for i in range(len(ops)):
+        assert all(np.array_equal(bits(out[0]["results"][i]), bits(out[r]["results"][i])) for r in out)
+
+
+def test_reference_detects_a_wrong_result():
+    """The comparison above can fail: one code step off in one element is a bit difference."""
+    op = {"shape": [1000], "seed": 1}
+    xs = expected_inputs(op, 2)
+    ref = bfp_reference(xs)
+    wrong = ref.copy()
+    wrong[17] = np.nextafter(wrong[17], np.float32(np.inf))
+    assert np.count_nonzero(bits(wrong) != bits(ref)) == 1
+    # and the reference is not trivially the float sum: it carries block floating point's rounding
+    exact = xs[0].astype(np.float64) + xs[1]
+    assert not np.array_equal(bits(ref), bits(exact.astype(np.float32)))
+    step = 2 * 2.0 ** max(np.frexp(np.abs(x).max())[1] for x in xs) / (2**31 - 1)    # one code step
+    assert np.all(np.abs(ref - exact) <= 2 * step / 2 + np.spacing(np.abs(ref)))
+
+
+# ------------------------------------------------------------------------------------------------
+# natural compression: unbiased estimates of the sum
+# ------------------------------------------------------------------------------------------------
+def mean_error_in_standard_errors(results, exact) -> tuple[float, float]:
+    """Mean relative error of the results over all elements and repetitions, in standard errors."""
+    z = np.concatenate([(r.astype(np.float64).reshape(-1) - exact) / np.abs(exact) for r in results])
+    se = z.std(ddof=1) / np.sqrt(z.size)
+    return float(z.mean() / se) if se > 0 else float("inf") * np.sign(z.mean()), float(z.mean())
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["reencoded-sums", "raw-sums"])
+def test_natural_compression_is_unbiased(switch, tmp_path, raw):
+    """nc: mean relative error over 8 repetitions x 20,000 elements within 4 standard errors of 0.
+    nc-det (deterministic rounding) on a constant 0.7 is biased and the same statistic flags it."""
+    n, reps = 4, 8
+    ops = [{"codec": "nc", "shape": [20000], "seed": 31, "dist": "uniform"},
+           {"codec": "nc", "shape": [5000], "seed": 32, "dist": "const07"},
+           {"codec": "nc-det", "shape": [5000], "seed": 32, "dist": "const07"}]
+    out = Workers(tmp_path, switch.port, n, job=200 + raw, ops=ops, client={**CLIENT, "raw": raw, "seed": 7},
+                  loop=reps).wait(timeout=90)
+    res = out[0]["results"]
+    assert len(res) == reps * len(ops)
+    for r in out:   # the switch multicast one result per chunk: every rank decoded the same sums
+        assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(res, out[r]["results"]))
+    for k, op in enumerate(ops):
+        exact = np.sum([x.astype(np.float64).reshape(-1) for x in expected_inputs(op, n)], axis=0)
+        runs = res[k::len(ops)]
+        t, mean = mean_error_in_standard_errors(runs, exact)
+        if op["codec"] == "nc":
+            assert abs(t) < 4, f"{op}: mean relative error {mean:.2e} is {t:.1f} standard errors from 0"
+            # an estimate, not the exact sum: the stochastic rounding is really there
+            assert not np.array_equal(runs[0].astype(np.float64), exact)
+            assert not np.array_equal(bits(runs[0]), bits(runs[1]))
+        else:
+            assert abs(t) > 4, f"{op}: the statistic should flag deterministic rounding as biased (t={t:.1f})"
+
+
+# ------------------------------------------------------------------------------------------------
+# two jobs on one switch at once
+# ------------------------------------------------------------------------------------------------
+def test_two_concurrent_jobs_use_disjoint_slots(switch, tmp_path):
+    ops_a = [{"codec": "bfp32", "shape": [3000], "seed": 40 + i} for i in range(10)]
+    ops_b = [{"codec": "bfp32", "shape": [29, 71], "seed": 60 + i, "kind": "torch"} for i in range(10)]
+    a = Workers(tmp_path, switch.port, 2, job=300, ops=ops_a, client=CLIENT, loop=2, name="A")
+    b = Workers(tmp_path, switch.port, 3, job=301, ops=ops_b, client={**CLIENT, "slots": 5}, loop=2, name="B")
+    out_a, out_b = a.wait(timeout=90), b.wait(timeout=90)
+    ja, jb = out_a[0]["job_info"], out_b[0]["job_info"]
+    ra = set(range(ja["slot_lo"], ja["slot_lo"] + ja["slots"]))
+    rb = set(range(jb["slot_lo"], jb["slot_lo"] + jb["slots"]))
+    assert len(ra) == 8 and len(rb) == 5 and not ra & rb, (ja, jb)
+    # both ran at the same time (their allreduce spans overlap) and both are exact
+    check_bfp(ops_a * 2, out_a, 2)
+    check_bfp(ops_b * 2, out_b, 3)
+    st = switch.stats()
+    assert "300" not in st["jobs"] and "301" not in st["jobs"]     # both left: slots freed
+
+
+# ------------------------------------------------------------------------------------------------
+# loss, duplication, reordering
+# ------------------------------------------------------------------------------------------------
+def test_100_allreduces_under_loss_duplication_reordering_are_exact(tmp_path):
+    """5% loss and 1% duplication in each direction plus reordering: 100 consecutive bfp32
+    allreduces complete and equal, bit for bit, the same allreduces without impairments."""
+    sw = SwitchProc("--slots", "32", "--elements", "64", "--loss", "0.05", "--duplicate", "0.01",
+                    "--reorder", "0.05", "--seed", "11", log_path=tmp_path / "switch.log")
+    try:
+        imp = sw.stats()["impairments"]
+        assert imp["ingress"]["loss"] == 0.05 and imp["egress"]["duplicate"] == 0.01
+        ops = [{"codec": "bfp32", "shape": [150 + 7 * i], "seed": 500 + i} for i in range(100)]
+        client = {"elements": 64, "slots": 4, "timeout": 20.0, "rto": 0.01, "max_rto": 0.1}
+        lossy = Workers(tmp_path, sw.port, 3, job=7, ops=ops, client=client, name="lossy").wait(timeout=120)
+        st = sw.stats()
+        for d in ("ingress", "egress"):
+            c = st["impairments"][d]
+            assert c["dropped"] > 0 and c["reordered"] > 0, (d, c)
+        assert st["impairments"]["ingress"]["duplicated"] + st["impairments"]["egress"]["duplicated"] > 0
+        assert sum(m["stats"]["retransmissions"] for m in lossy.values()) > 0    # loss recovery ran
+        # switch the impairments off at run time with the CLI, then the same allreduces loss-free
+        r = subprocess.run([PY, "-m", "switch_model", "impair", "--port", str(sw.port), "--loss", "0",
+                            "--duplicate", "0", "--reorder", "0"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0, r.stderr
+        now = json.loads(r.stdout)
+        assert now["ingress"]["loss"] == 0 and now["egress"]["reorder"] == 0
+        clean = Workers(tmp_path, sw.port, 3, job=8, ops=ops, client=client, name="clean").wait(timeout=120)
+        after = sw.stats()["impairments"]
+        for d in ("ingress", "egress"):   # nothing was dropped, duplicated or held back this time
+            for k in ("dropped", "duplicated", "reordered"):
+                assert after[d][k] == st["impairments"][d][k], (d, k)
+        for i in range(len(ops)):
+            for r in range(3):
+                assert np.array_equal(bits(lossy[r]["results"][i]), bits(clean[r]["results"][i])), (i, r)
+        check_bfp(ops, clean, 3)
+    finally:
+        sw.terminate()
+
+
+# ------------------------------------------------------------------------------------------------
+# a worker dies or hangs
+# ------------------------------------------------------------------------------------------------
+def _wait_progress(w: Workers, ranks, k: int, timeout: float = 60.0):
+    wait_until(lambda: all(w.progress(r) >= k for r in ranks), timeout,
+               f"ranks {list(ranks)} of {w.name} to complete {k} allreduces")
+
+
+def test_killed_worker_others_raise_slots_freed_next_job_succeeds(switch, tmp_path):
+    timeout = 5.0
+    base = switch.stats()["occupancy"]["slots_allocated"]
+    ops = [{"codec": "nc", "shape": [20000], "seed": 70}]
+    w = Workers(tmp_path, switch.port, 3, job=400, ops=ops, client={**CLIENT, "timeout": timeout}, loop=0,
+                name="victims")
+    try:
+        _wait_progress(w, range(3), 3)
+        assert switch.stats()["occupancy"]["slots_allocated"] == base + 8
+        t_kill = time.time()
+        w.procs[2].send_signal(signal.SIGKILL)
+        out = w.wait(timeout=timeout + 10, check=False)
+    finally:
+        w.kill()
+    assert out[2]["returncode"] == -signal.SIGKILL
+    for r in (0, 1):
+        m = out[r]
+        assert m["error_type"] == "AllreduceError", m
+        assert "rank 2" in m["error"], m["error"]
+        assert m["error_at"] - t_kill < timeout, f"rank {r} raised {m['error_at'] - t_kill:.1f} s after the kill"
+    wait_until(lambda: switch.stats()["occupancy"]["slots_allocated"] == base, 10, "the switch to free job 400's slots")
+    assert "400" not in switch.stats()["jobs"]
+    # the next job on the same switch (same job id, too) succeeds
+    ops2 = [{"codec": "bfp32", "shape": [2000], "seed": 71}]
+    check_bfp(ops2, Workers(tmp_path, switch.port, 2, job=400, ops=ops2, client=CLIENT, name="next").wait(60), 2)
+
+
+def test_hung_worker_others_raise_within_timeout_naming_it(switch, tmp_path):
+    """A worker that stops sending but keeps its control connection (SIGSTOP): the others raise
+    after the configured timeout, naming the rank the switch is waiting for."""
+    timeout = 2.0
+    base = switch.stats()["occupancy"]["slots_allocated"]
+    ops = [{"codec": "bfp32", "shape": [20000], "seed": 80}]
+    w = Workers(tmp_path, switch.port, 3, job=401, ops=ops, client={**CLIENT, "timeout": timeout}, loop=0,
+                name="stalled")
+    try:
+        _wait_progress(w, range(3), 2)
+        t_stop = time.time()
+        w.procs[1].send_signal(signal.SIGSTOP)
+        for r in (0, 2):
+            w.procs[r].wait(timeout=timeout + 15)
+        out = {r: json.loads((tmp_path / f"stalled-rank{r}.json").read_text()) for r in (0, 2)}
+    finally:
+        w.procs[1].send_signal(signal.SIGCONT)
+        w.kill()
+    for r in (0, 2):
+        m = out[r]
+        assert m["error_type"] == "AllreduceError", m
+        assert "waiting for rank(s) [1]" in m["error"], m["error"]
+        # bounded: the timeout after the last progress, plus the status query
+        assert m["error_at"] - t_stop < timeout + 3.0, m["error_at"] - t_stop
+    wait_until(lambda: switch.stats()["occupancy"]["slots_allocated"] == base, 10, "the switch to free job 401's slots")
