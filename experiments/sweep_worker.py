@@ -33,10 +33,13 @@ def _out(obj) -> None:
 
 
 def ina_elements(codec: str, mtu: int) -> int:
-    """Elements per packet so that one INA datagram fits one frame (no IP fragmentation)."""
+    """Elements per packet so that both the INA datagram and its result fit one frame (no IP
+    fragmentation): results are NC8 (1 byte) for NC8 codes and INT32 (4 bytes) otherwise, so an
+    INT8 codec's 1-byte upload still needs 4-byte-sized chunks for the download."""
     from ina import compression
-    from ina.wire import HEADER_SIZE, PAYLOAD_WIDTH
-    width = max(1, PAYLOAD_WIDTH[compression.get(codec).payload_type])
+    from ina.wire import HEADER_SIZE, PAYLOAD_WIDTH, PayloadType
+    pt = compression.get(codec).payload_type
+    width = max(1, PAYLOAD_WIDTH[pt], 1 if pt == PayloadType.NC8 else 4)
     fit = (mtu - 28 - HEADER_SIZE) // width
     e = 1
     while e * 2 <= fit:
