@@ -13,6 +13,8 @@ import socketserver
 import threading
 import time
 
+from ina.wire import MAX_WORKERS
+
 log = logging.getLogger("ina.switch.control")
 
 
@@ -104,6 +106,18 @@ class ControlPlane:
         timeout = float(msg.get("timeout", 30.0))
         if not 0 <= rank < n:
             raise ValueError(f"rank {rank} out of range for world_size {n}")
+        # what the switch can never install is refused now, not after the whole rendezvous
+        if not 0 <= job <= 0xFFFF:
+            raise ValueError(f"job id {job} out of range 0..65535 (16-bit job field)")
+        if n > MAX_WORKERS:
+            raise ValueError(f"a job has 1..{MAX_WORKERS} workers (one 64-bit worker bitmap), got world_size {n}")
+        cfg = self.switch.cfg
+        if not 1 <= spec["elements"] <= cfg.elements:
+            raise ValueError(f"elements per packet {spec['elements']} exceeds the switch's {cfg.elements} registers "
+                             f"per slot" if spec["elements"] > 0 else
+                             f"elements per packet must be at least 1, got {spec['elements']}")
+        if not 1 <= spec["slots"] <= cfg.slots:
+            raise ValueError(f"job {job} asks for {spec['slots']} slots; the switch's pool has 1..{cfg.slots}")
         with self._lock:
             if job in self.switch.job_info:
                 raise ValueError(f"job {job} is already running on this switch")

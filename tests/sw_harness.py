@@ -164,11 +164,11 @@ class SwitchProc:
                 [PY, "-m", "switch_model", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                  "--stats-interval", "0", *self.args],
                 cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+            self._log.close()       # the child has its own descriptor
             try:
                 self._wait_ready(ready_timeout)
                 return
             except _PortTaken:
-                self._log.close()
                 continue
         raise RuntimeError("could not start the switch: ports kept being taken")
 
@@ -195,7 +195,6 @@ class SwitchProc:
                 raise AssertionError(f"switch not ready on port {self.port} within {timeout:g} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stats(self) -> dict:
@@ -209,7 +208,6 @@ class SwitchProc:
             except subprocess.TimeoutExpired:
                 self.kill()
                 raise AssertionError(f"switch did not exit within {timeout:g} s of SIGTERM:\n{self.log()}")
-        self._log.close()
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -229,7 +227,7 @@ class Workers:
     """``n`` worker processes of one job, each running ``tests/sw_worker.py`` on a spec file."""
 
     def __init__(self, tmp: Path, port: int, n: int, job: int, ops: list, client: dict | None = None,
-                 ranks=None, loop: int = 1, name: str | None = None):
+                 ranks=None, loop: int = 1, name: str | None = None, stop_file: str | None = None):
         self.tmp = Path(tmp)
         self.n = n
         self.job = job
@@ -239,7 +237,7 @@ class Workers:
         for r in (range(n) if ranks is None else ranks):
             base = self.tmp / f"{self.name}-rank{r}"
             spec = {"port": port, "rank": r, "world_size": n, "job": job, "ops": ops,
-                    "client": client or {}, "loop": loop, "out": str(base) + ".npz",
+                    "client": client or {}, "loop": loop, "stop_file": stop_file, "out": str(base) + ".npz",
                     "meta": str(base) + ".json", "progress": str(base) + ".progress"}
             Path(str(base) + ".spec.json").write_text(json.dumps(spec))
             log = open(str(base) + ".log", "wb")
@@ -264,7 +262,8 @@ class Workers:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise AssertionError(f"{self.name} rank {r} did not finish within {timeout:g} s:\n{self.log(r)[-3000:]}")
+                raise AssertionError(f"{self.name} rank {r} did not finish within {timeout:g} s:\n"
+                                     f"{self.log(r)[-3000:]}")
         for r, p in self.procs.items():
             meta_path = Path(str(self.files[r]) + ".json")
             meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}

@@ -2,9 +2,10 @@
 
 The spec names the switch port, rank, world size, job, Client options and a list of allreduce
 ops (codec, shape, dtype, tensor kind, average, input distribution; see sw_harness.make_input).
-The ops run ``loop`` times in order (loop 0: until an error). Results go to an .npz (one float32
-array per completed allreduce, in order), metadata (client stats, the job's slot range,
-the error if any, timestamps) to a .json; one line per completed allreduce to a .progress file.
+The ops run ``loop`` times in order (loop 0: until an error, or until ``stop_file`` exists).
+Results go to an .npz (one float32 array per completed allreduce, in order), metadata (client
+stats, the job's slot range, the error if any, timestamps) to a .json; one line per completed
+allreduce to a .progress file.
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def main(spec_path: str) -> int:
                 progress.write(f"{it} {time.time()}\n")
                 progress.flush()
             it += 1
+            if spec.get("stop_file") and Path(spec["stop_file"]).exists():
+                break
             if loop == 0 and it > 100000:
                 break
     except AllreduceError as e:
