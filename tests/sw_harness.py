@@ -227,7 +227,8 @@ class Workers:
     """``n`` worker processes of one job, each running ``tests/sw_worker.py`` on a spec file."""
 
     def __init__(self, tmp: Path, port: int, n: int, job: int, ops: list, client: dict | None = None,
-                 ranks=None, loop: int = 1, name: str | None = None, stop_file: str | None = None):
+                 ranks=None, loop: int = 1, name: str | None = None, stop_file: str | None = None,
+                 start_file: str | None = None):
         self.tmp = Path(tmp)
         self.n = n
         self.job = job
@@ -237,7 +238,7 @@ class Workers:
         for r in (range(n) if ranks is None else ranks):
             base = self.tmp / f"{self.name}-rank{r}"
             spec = {"port": port, "rank": r, "world_size": n, "job": job, "ops": ops,
-                    "client": client or {}, "loop": loop, "stop_file": stop_file, "out": str(base) + ".npz",
+                    "client": client or {}, "loop": loop, "stop_file": stop_file, "start_file": start_file, "out": str(base) + ".npz",
                     "meta": str(base) + ".json", "progress": str(base) + ".progress"}
             Path(str(base) + ".spec.json").write_text(json.dumps(spec))
             log = open(str(base) + ".log", "wb")
@@ -249,6 +250,10 @@ class Workers:
     def progress(self, r: int) -> int:
         p = Path(str(self.files[r]) + ".progress")
         return len(p.read_text().splitlines()) if p.exists() else 0
+
+    def joined(self) -> bool:
+        """Every worker joined and waits at the start line (workers started with ``start_file``)."""
+        return all(Path(str(self.files[r]) + ".json.joined").exists() for r in self.procs)
 
     def log(self, r: int) -> str:
         return Path(str(self.files[r]) + ".log").read_text(errors="replace")

@@ -2,7 +2,8 @@
 
 The spec names the switch port, rank, world size, job, Client options and a list of allreduce
 ops (codec, shape, dtype, tensor kind, average, input distribution; see sw_harness.make_input).
-The ops run ``loop`` times in order (loop 0: until an error, or until ``stop_file`` exists).
+The ops run ``loop`` times in order (loop 0: until an error, or until any rank sees ``stop_file``
+after a pass: the ranks agree on stopping through a one-element allreduce).
 Results go to an .npz (one float32 array per completed allreduce, in order), metadata (client
 stats, the job's slot range, the error if any, timestamps) to a .json; one line per completed
 allreduce to a .progress file.
@@ -50,6 +51,15 @@ def main(spec_path: str) -> int:
                         job=spec["job"], **spec["client"])
         meta["joined_at"] = time.time()
         meta["job_info"] = request("127.0.0.1", spec["port"], {"op": "stats"})["stats"]["jobs"].get(str(spec["job"]))
+        if any(op.get("kind") == "torch" for op in spec["ops"]):
+            import torch  # noqa: F401 - imported before the start line, not during the first allreduce
+        if spec.get("start_file"):     # a start line shared with other jobs (bounded wait)
+            Path(spec["meta"] + ".joined").touch()
+            deadline = time.monotonic() + 60
+            while not Path(spec["start_file"]).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"start file {spec['start_file']} did not appear within 60 s")
+                time.sleep(0.005)      # polling a file, bounded by the deadline above
         ops = spec["ops"]
         loop = int(spec.get("loop", 1))
         it = 0
@@ -63,8 +73,11 @@ def main(spec_path: str) -> int:
                 progress.write(f"{it} {time.time()}\n")
                 progress.flush()
             it += 1
-            if spec.get("stop_file") and Path(spec["stop_file"]).exists():
-                break
+            if spec.get("stop_file"):    # stop together: the ranks agree through a one-element allreduce
+                flag = np.array([1.0 if Path(spec["stop_file"]).exists() else 0.0], np.float32)
+                client.allreduce(flag, codec="bfp32")
+                if flag[0] > 0:
+                    break
             if loop == 0 and it > 100000:
                 break
     except AllreduceError as e:
