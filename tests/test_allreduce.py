@@ -138,6 +138,23 @@ def test_natural_compression_is_unbiased(switch, tmp_path, n, raw, reps):
             assert abs(t) > 4, f"{op}: the statistic should flag deterministic rounding as biased (t={t:.1f})"
 
 
+def test_single_worker_natural_compression_uses_the_top_code(switch):
+    """One worker: the exponent window is 63 binades on 64-bit registers, so values just below
+    2**(e+1) round up to code 63 = 2**62 register units, which the switch must add as +2**62."""
+    from ina import Client
+    with Client(("127.0.0.1", switch.port), rank=0, world_size=1, job=210, elements=128, slots=8, timeout=20,
+                seed=3) as c:
+        runs = []
+        for _ in range(4):
+            x = np.full(4000, 0.99, np.float32)
+            c.allreduce(x, codec="nc")
+            runs.append(x.copy())
+    vals = np.concatenate(runs)
+    assert set(np.unique(vals)) <= {np.float32(0.5), np.float32(1.0)}, np.unique(vals)   # never negative
+    t, mean = mean_error_in_standard_errors(runs, np.full(4000, np.float64(np.float32(0.99))))
+    assert abs(t) < 4 and np.count_nonzero(vals == 1.0) > 0.9 * vals.size, (t, mean)
+
+
 # ------------------------------------------------------------------------------------------------
 # two jobs on one switch at once
 # ------------------------------------------------------------------------------------------------
