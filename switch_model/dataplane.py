@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import leading_zeros
 
 from ina.wire import HEADER_SIZE, OFFSET, SHADOW_BIT, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag
 
@@ -149,14 +150,6 @@ def parse(buf, lens, n, jobs, verdict, slot2, rank, job, counters):
 
 
 @njit(inline="always")
-def _code_value(c):
-    # natural-compression code -> signed integer 2**(k-1) (k = 0 -> 0); a shift, no float
-    k = np.int64(c & 0x7F)
-    mag = (np.int64(1) << (k - 1)) if k > 0 else np.int64(0)
-    return -mag if (c & 0x80) else mag
-
-
-@njit(inline="always")
 def _sat_add(a, b, lo, hi):
     # add with overflow detection: returns (sum saturated to [lo, hi], overflowed)
     s = a + b   # int64 wraps on overflow; detect it by signs
@@ -170,9 +163,18 @@ def _sat_add(a, b, lo, hi):
     return s, False
 
 
+@njit(inline="always")
+def _harvest_pending(action, slot2, i, s):
+    # did an earlier packet of this burst complete set s (its harvest runs after the whole burst)?
+    for k in range(i):
+        if action[k] == HARVEST and slot2[k] == s:
+            return True
+    return False
+
+
 @njit(cache=True)
 def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxexp, round_chunk,
-              complete, ptype, codec, nvalid, ovf, reg_bits, counters, action):
+              complete, ptype, codec, nvalid, ovf, reg_bits, counters, action, vals):
     """The ALU stage: the slot protocol and integer adds for every packet that passed parsing.
 
     Per (slot, shadow set): the first packet of a round writes its values, later ones add; a
@@ -212,7 +214,9 @@ def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxe
                 continue
             first = False
         elif c > round_chunk[s]:
-            if round_chunk[s] >= 0 and not complete[s]:
+            if round_chunk[s] >= 0 and (not complete[s] or _harvest_pending(action, slot2, i, s)):
+                # busy: the round is incomplete, or it completed in this burst and its result is not
+                # harvested yet (a new round would overwrite the registers before the harvest stage)
                 action[i] = R_BUSY
                 counters[R_BUSY] += 1
                 continue
@@ -238,52 +242,69 @@ def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxe
                 maxexp[s] = e
             if cnt > nvalid[s]:
                 nvalid[s] = cnt
+        # decode the chunk's codes into signed integers (scratch row), checking they are in range
+        mx_shift = np.int64(0)
         if pt == P_NC8:
             for k in range(E):
-                code = buf[i, HDR + k]
-                kk = np.int64(code & 0x7F)
-                if kk - 1 >= max_shift:
-                    val = hi if (code & 0x80) == 0 else lo
-                    o = True
-                else:
-                    val = _code_value(code)
-                if first:
-                    regs[s, k] = val
-                else:
-                    regs[s, k], of = _sat_add(regs[s, k], val, lo, hi)
-                    o |= of
+                code = np.int64(buf[i, HDR + k])
+                kk = code & 0x7F
+                mx_shift = max(mx_shift, kk)
+                sg = code >> 7
+                # 2**(k-1), and 0 for k = 0: a shift (unsigned, so that k = 63 gives +2**62, not -2**62)
+                mag = np.int64((np.uint64(1) << np.uint64(kk & 63)) >> np.uint64(1))
+                vals[k] = (mag ^ -sg) + sg                      # conditional negate, branch-free
+            if mx_shift - 1 >= max_shift:                       # a code beyond the register: saturate
+                for k in range(E):
+                    code = np.int64(buf[i, HDR + k])
+                    if (code & 0x7F) - 1 >= max_shift:
+                        vals[k] = lo if (code & 0x80) else hi
+                o = True
         elif pt == P_INT8:
             for k in range(E):
-                val = np.int64(buf[i, HDR + k])
-                if val >= 128:
-                    val -= 256
-                if first:
-                    regs[s, k] = val
-                else:
-                    regs[s, k], of = _sat_add(regs[s, k], val, lo, hi)
-                    o |= of
+                vals[k] = np.int64(np.int8(buf[i, HDR + k]))
         elif pt == P_INT32:
             for k in range(E):
-                val = _rd32(buf, i, HDR + 4 * k)
-                if val >= 0x80000000:
-                    val -= 0x100000000
-                if first:
-                    regs[s, k] = val
-                else:
-                    regs[s, k], of = _sat_add(regs[s, k], val, lo, hi)
-                    o |= of
+                b0 = HDR + 4 * k
+                u = ((np.uint32(buf[i, b0]) << np.uint32(24)) | (np.uint32(buf[i, b0 + 1]) << np.uint32(16))
+                     | (np.uint32(buf[i, b0 + 2]) << np.uint32(8)) | np.uint32(buf[i, b0 + 3]))
+                vals[k] = np.int64(np.int32(u))
         elif pt == P_INT64:
             for k in range(E):
-                base = HDR + 8 * k
+                b0 = HDR + 8 * k
                 u = np.uint64(0)
                 for b in range(8):
-                    u = (u << np.uint64(8)) | np.uint64(buf[i, base + b])
-                val = np.int64(u)
-                if first:
-                    regs[s, k] = val
-                else:
-                    regs[s, k], of = _sat_add(regs[s, k], val, lo, hi)
+                    u = (u << np.uint64(8)) | np.uint64(buf[i, b0 + b])
+                vals[k] = np.int64(u)
+        else:   # P_NONE (exponent round): no payload; the scratch row still holds the last packet's values
+            for k in range(E):
+                vals[k] = 0
+        # the ALU: first packet of a round writes, the others add; overflow detected, never wrapped
+        if first:
+            for k in range(E):
+                regs[s, k] = vals[k]
+            if reg_bits < 64:
+                for k in range(E):
+                    if regs[s, k] > hi or regs[s, k] < lo:
+                        regs[s, k] = hi if regs[s, k] > 0 else lo
+                        o = True
+        else:
+            acc = np.int64(0)
+            mn = np.int64(0)
+            mxv = np.int64(0)
+            for k in range(E):                                  # vectorisable: add + overflow witnesses
+                a = regs[s, k]
+                b = vals[k]
+                r = a + b
+                acc |= (a ^ r) & (b ^ r)
+                mn = min(mn, r)
+                mxv = max(mxv, r)
+            if acc < 0 or mn < lo or mxv > hi:                  # rare: redo with saturation
+                for k in range(E):
+                    regs[s, k], of = _sat_add(regs[s, k], vals[k], lo, hi)
                     o |= of
+            else:
+                for k in range(E):
+                    regs[s, k] += vals[k]
         if o:
             ovf[s] = 1
             counters[C_OVERFLOW] += 1
@@ -297,58 +318,26 @@ def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxe
 
 
 @njit(inline="always")
-def _hash32(x):
-    x = np.uint32(x)
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(0x7FEB352D)
-    x ^= x >> np.uint32(15)
-    x *= np.uint32(0x846CA68B)
-    x ^= x >> np.uint32(16)
-    return x
+def _mix64(z):
+    # splitmix64 finaliser: a counter-based 64-bit integer hash (a switch's random-number extern)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 @njit(inline="always")
-def _ilog2(a):
-    # floor(log2 a) for a > 0 by integer shifts (what a switch's TCAM/shift stages compute)
-    p = np.int64(0)
-    if a >= (np.int64(1) << 32):
-        a >>= 32
-        p += 32
-    if a >= (np.int64(1) << 16):
-        a >>= 16
-        p += 16
-    if a >= (np.int64(1) << 8):
-        a >>= 8
-        p += 8
-    if a >= (np.int64(1) << 4):
-        a >>= 4
-        p += 4
-    if a >= (np.int64(1) << 2):
-        a >>= 2
-        p += 2
-    if a >= (np.int64(1) << 1):
-        p += 1
-    return p
-
-
-@njit(inline="always")
-def _nc_reencode(v, seed):
-    # integer sum -> 8-bit natural-compression code, stochastic rounding with integer randomness
-    if v == 0:
-        return np.uint8(0)
-    neg = v < 0
-    a = -v if neg else v
-    p = _ilog2(a)
-    mant = a - (np.int64(1) << p)
-    up = np.int64(0)
-    if p > 0:
-        r = (np.int64(_hash32(seed)) << 31) ^ np.int64(_hash32(seed ^ np.uint32(0x5BD1E995)))
-        r = r & ((np.int64(1) << p) - 1)       # uniform in [0, 2**p)
-        up = np.int64(r < mant)
-    k = p + up + 1
-    if k > 127:
-        k = 127
-    return np.uint8((0x80 if neg else 0) | k)
+def _nc_reencode(v, key):
+    # integer sum -> 8-bit natural-compression code: p = floor(log2 |v|) by count-leading-zeros,
+    # round up to 2**(p+1) with probability (|v| - 2**p) / 2**p, by an integer random comparison
+    neg = np.int64(v < 0)
+    a = np.uint64((v ^ -neg) + neg)                     # |v|
+    p = np.int64(63) - np.int64(leading_zeros(a | np.uint64(1)))
+    mant = a - (np.uint64(1) << np.uint64(p))
+    r = _mix64(key) >> np.uint64(64 - p) if p > 0 else np.uint64(0)   # uniform in [0, 2**p)
+    up = np.int64(r < mant)
+    k = min(p + up + 1, np.int64(127))
+    code = np.uint8((neg << 7) | k)
+    return code if a != np.uint64(0) else np.uint8(0)
 
 
 @njit(cache=True)
@@ -402,9 +391,9 @@ def harvest(n, action, slot2, rank, job, jobs, regs, maxexp, round_chunk, ptype,
             results[s, O_CHUNK + 3] = np.uint8(c & 0xFF)
             # payload
             if out_pt == P_NC8:
-                base_seed = np.uint32((seed ^ (c * 0x9E3779B1)) & 0xFFFFFFFF)
+                key0 = (np.uint64(seed) << np.uint64(32)) ^ (np.uint64(c) * np.uint64(0x9E3779B97F4A7C15))
                 for k in range(E):
-                    results[s, HDR + k] = _nc_reencode(regs[s, k], base_seed + np.uint32(k) * np.uint32(0x85EBCA6B))
+                    results[s, HDR + k] = _nc_reencode(regs[s, k], key0 + np.uint64(k) * np.uint64(0xD1B54A32D192ED03))
             elif out_pt == P_INT64:
                 for k in range(E):
                     v = regs[s, k]

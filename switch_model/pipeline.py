@@ -13,6 +13,7 @@ A packet's life, one burst at a time, run to completion in a poll loop (DPDK sty
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -121,6 +122,7 @@ class Switch:
         self.rank = np.zeros(nb, np.int64)
         self.jobcol = np.zeros(nb, np.int64)
         self.action = np.zeros(nb, np.int64)
+        self.vals = np.zeros(cfg.elements, np.int64)         # the ALU's decoded chunk
         cap = nb * MAX_WORKERS
         self.tx_row = np.zeros(cap, np.int64)
         self.tx_len = np.zeros(cap, np.int64)
@@ -171,7 +173,7 @@ class Switch:
         k = min(len(out), self._imp_buf.shape[0])
         if len(out) > k:   # more than the side pool holds: the rest waits for the next poll
             for pkt, tag in out[k:]:
-                self.ingress._held.insert(0, (0.0, -1, pkt, tag))
+                heapq.heappush(self.ingress._held, (0.0, next(self.ingress._seq), pkt, tag))
         for i, (pkt, ln) in enumerate(out[:k]):
             self._imp_buf[i, : len(pkt)] = np.frombuffer(pkt, np.uint8)
             self._imp_lens[i] = ln
@@ -183,7 +185,7 @@ class Switch:
     def stage_aggregate(self, buf, n: int) -> None:
         D.aggregate(buf, n, self.verdict, self.slot2, self.rank, self.jobcol, self.jobs, self.regs, self.bitmap,
                     self.count, self.maxexp, self.round_chunk, self.complete, self.ptype, self.codec, self.nvalid,
-                    self.ovf, self.cfg.register_bits, self.counters, self.action)
+                    self.ovf, self.cfg.register_bits, self.counters, self.action, self.vals)
 
     def stage_harvest(self, n: int) -> int:
         return D.harvest(n, self.action, self.slot2, self.rank, self.jobcol, self.jobs, self.regs, self.maxexp,
