@@ -1,0 +1,146 @@
+"""Allreduce time and goodput through the switch on loopback, next to torch.distributed Gloo.
+
+    python -m experiments.bench_allreduce                 # table; 2, 4, 8 workers; 1, 16, 64 MB
+    python -m experiments.bench_allreduce --json
+    python -m experiments.bench_allreduce --sizes-mb 1 4 16 64 256 --workers 4
+
+Every configuration is measured in the same run against Gloo's allreduce of the same fp32 tensor
+(the ring that Horovod and torch.distributed use today), so the figures that matter are ratios.
+"Payload into the switch" is the codes all workers send per second (the issue's 2 Gbit/s goal is
+for natural compression with 4 workers): it says whether the emulator, not the links, sets the pace.
+Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+CODE_BYTES = {"nc": 1, "nc-det": 1, "bfp32": 4, "nd": 1, "rd": 1}
+
+
+def log(msg: str) -> None:
+    print(f"[bench_allreduce] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from ina import Client
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=n)
+    cl = Client(("127.0.0.1", sw_port), rank=rank, world_size=n, job=100 + n, timeout=60, elements=elements,
+                slots=slots)
+    rng = np.random.default_rng(rank)
+    for nbytes in sizes:
+        N = nbytes // 4
+        x = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
+        row = {"workers": n, "bytes": nbytes, "elements": N}
+        for method in ["gloo"] + codecs:
+            times = []
+            for r in range(reps + 1):
+                y = x.clone()
+                dist.barrier()
+                t = time.perf_counter()
+                if method == "gloo":
+                    dist.all_reduce(y)
+                else:
+                    cl.allreduce(y, codec=method)
+                dt = time.perf_counter() - t
+                if r:                       # the first one warms caches up
+                    times.append(dt)
+            tt = torch.tensor([float(np.median(times))])
+            dist.all_reduce(tt, op=dist.ReduceOp.MAX)      # the slowest worker's time
+            row[method] = float(tt)
+        if rank == 0:
+            q.put(row)
+    cl.close()
+    dist.destroy_process_group()
+
+
+def run(workers, sizes_mb, codecs, reps, elements, slots):
+    port = _free_port()
+    sw = subprocess.Popen([sys.executable, "-m", "switch_model", "serve", "--port", str(port), "--slots", "512",
+                           "--elements", str(elements), "--sram-mb", "512", "--log-level", "WARNING"],
+                          stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or sw.poll() is not None:
+                    raise RuntimeError("switch did not start within 60 s")
+                time.sleep(0.05)
+        rows = []
+        ctx = mp.get_context("spawn")
+        for n in workers:
+            log(f"{n} workers, sizes {sizes_mb} MB, methods gloo + {codecs}")
+            q = ctx.Queue()
+            gp = _free_port()
+            ps = [ctx.Process(target=_worker, args=(r, n, port, gp, [int(m * 2**20) for m in sizes_mb], codecs, reps,
+                                                    elements, slots, q)) for r in range(n)]
+            for p in ps:
+                p.start()
+            for _ in sizes_mb:
+                row = q.get(timeout=1800)
+                for c in codecs:
+                    row[f"{c}_speedup_vs_gloo"] = row["gloo"] / row[c]
+                    row[f"{c}_goodput_gbit"] = 8 * row["bytes"] / row[c] / 1e9
+                    row[f"{c}_payload_into_switch_gbit"] = 8 * n * row["elements"] * CODE_BYTES.get(c, 1) / row[c] / 1e9
+                row["gloo_goodput_gbit"] = 8 * row["bytes"] / row["gloo"] / 1e9
+                log(f"  {row['bytes'] / 2**20:.0f} MB: gloo {row['gloo'] * 1e3:.1f} ms; " + ", ".join(
+                    f"{c} {row[c] * 1e3:.1f} ms ({row[f'{c}_speedup_vs_gloo']:.2f}x)" for c in codecs))
+                rows.append(row)
+            for p in ps:
+                p.join(120)
+                if p.exitcode != 0:
+                    raise RuntimeError(f"a benchmark worker exited with code {p.exitcode}")
+        return rows
+    finally:
+        sw.terminate()
+        sw.wait(30)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--codecs", nargs="+", default=["nc", "nc-det", "bfp32"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--elements", type=int, default=8192, help="elements per packet")
+    ap.add_argument("--slots", type=int, default=32, help="window (the job's slots)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = run(a.workers, a.sizes_mb, a.codecs, a.reps, a.elements, a.slots)
+    if a.json:
+        print(json.dumps({"benchmark": "allreduce_loopback", "reference": "torch.distributed gloo allreduce (fp32)",
+                          "elements_per_packet": a.elements, "window": a.slots, "results": rows}, indent=2))
+    else:
+        print(f"{'n':>2} {'MB':>6} {'gloo ms':>9} " + " ".join(f"{c + ' ms':>10} {'x gloo':>7} {'Gb/s in':>8}"
+                                                           for c in a.codecs))
+        for r in rows:
+            print(f"{r['workers']:>2} {r['bytes'] / 2**20:>6.0f} {r['gloo'] * 1e3:>9.1f} " + " ".join(
+                f"{r[c] * 1e3:>10.1f} {r[f'{c}_speedup_vs_gloo']:>7.2f} {r[f'{c}_payload_into_switch_gbit']:>8.2f}"
+                for c in a.codecs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
