@@ -16,24 +16,19 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from switch_model.launch import free_port, start_switch
+
 CODE_BYTES = {"nc": 1, "nc-det": 1, "bfp32": 4, "nd": 1, "rd": 1}
 
 
 def log(msg: str) -> None:
     print(f"[bench_allreduce] {msg}", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q):
@@ -74,26 +69,16 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
 
 
 def run(workers, sizes_mb, codecs, reps, elements, slots):
-    port = _free_port()
-    sw = subprocess.Popen([sys.executable, "-m", "switch_model", "serve", "--port", str(port), "--slots", "512",
-                           "--elements", str(elements), "--sram-mb", "512", "--log-level", "WARNING"],
-                          stderr=subprocess.DEVNULL)
+    port = free_port()
+    sw = start_switch(port, "--slots", "512", "--elements", str(elements), "--sram-mb", "512", "--log-level",
+                      "WARNING", stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or sw.poll() is not None:
-                    raise RuntimeError("switch did not start within 60 s")
-                time.sleep(0.05)
         rows = []
         ctx = mp.get_context("spawn")
         for n in workers:
             log(f"{n} workers, sizes {sizes_mb} MB, methods gloo + {codecs}")
             q = ctx.Queue()
-            gp = _free_port()
+            gp = free_port()
             ps = [ctx.Process(target=_worker, args=(r, n, port, gp, [int(m * 2**20) for m in sizes_mb], codecs, reps,
                                                     elements, slots, q)) for r in range(n)]
             for p in ps:

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from switch_model.launch import free_port, start_switch
 
 
 def _worker(rank, n, port, N, codecs, q):
@@ -48,22 +43,15 @@ def main(argv=None) -> int:
     import ina.compression as C
     codecs = [c for c in ["bfp32", "nc", "nc-det", "nd", "rd"] + [c for c in C.available()
               if c not in ("bfp32", "nc", "nc-det", "nd", "rd")] if C.get(c).switch_summable]
-    port = _free_port()
+    port = free_port()
     print(f"[demo] starting ina-switch on port {port}, then {a.workers} workers; "
           f"{a.elements} float32 elements per worker", flush=True)
-    sw = subprocess.Popen([sys.executable, "-m", "switch_model", "serve", "--port", str(port), "--elements", "8192",
-                           "--sram-mb", "256", "--log-level", "WARNING"])
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or sw.poll() is not None:
-                    print("[demo] the switch did not start", file=sys.stderr)
-                    return 1
-                time.sleep(0.05)
+        sw = start_switch(port, "--elements", "8192", "--sram-mb", "256", "--log-level", "WARNING")
+    except RuntimeError as e:
+        print(f"[demo] {e}", file=sys.stderr)
+        return 1
+    try:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         ps = [ctx.Process(target=_worker, args=(r, a.workers, port, a.elements, codecs, q)) for r in range(a.workers)]

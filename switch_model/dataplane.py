@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from ina.wire import HEADER_SIZE, OFFSET, SHADOW_BIT, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag
+from ina.wire import HEADER_SIZE, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag
 
 # --- header offsets, from the one declaration in ina/wire.py ---------------------------------------
 O_VERSION = OFFSET["version"]
