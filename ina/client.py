@@ -91,7 +91,11 @@ class Client:
         self.elements = int(cfg["elements"])
         self.raw = bool(cfg["raw"])
         self.register_bits = int(cfg["register_bits"])
-        self.switch_addr = B.sockaddr(host, int(port))
+        ports = [int(p) for p in cfg.get("ports", [port])]
+        self.switch_addrs = np.zeros(len(ports), B.SOCKADDR_IN)     # one per switch shard (np.concatenate
+        for i, p in enumerate(ports):                                # would drop the network byte order)
+            self.switch_addrs[i] = B.sockaddr(host, p)[0]
+        self.shards = len(ports)
         B.set_recv_timeout(self.sock, 0.002)
         self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
         self.tx = B.TxBatch(self.sock, capacity=1024)
@@ -198,7 +202,8 @@ class Client:
         overflow = 0
         # initial window
         first = min(S, n_chunks)
-        self._send(pkts, np.arange(first), pkt_len)
+        shard_of = (ids % S) % self.shards                  # pool index p is served by shard p % N
+        self._send(pkts, np.arange(first), pkt_len, shard_of)
         now = time.monotonic()
         sent_at[:first] = now
         low = 0                       # every chunk below `low` is done
@@ -241,7 +246,7 @@ class Client:
                         nxt = jj + S                      # self-clocking: each result frees its slot
                         nxt = nxt[nxt < n_chunks]
                         if nxt.size:
-                            self._send(pkts, nxt, pkt_len)
+                            self._send(pkts, nxt, pkt_len, shard_of)
                             sent_at[nxt] = now
                         while low < n_chunks and done[low]:
                             low += 1
@@ -254,7 +259,7 @@ class Client:
                 late = w[now - sent_at[w] > np.minimum(self.rto * 2.0 ** tries[w], self.max_rto)]
                 if late.size:
                     hv["flags"][late] |= int(Flag.RETRANSMIT)
-                    self._send(pkts, late, pkt_len)
+                    self._send(pkts, late, pkt_len, shard_of)
                     sent_at[late] = now
                     tries[late] += 1
                     self.stats.retransmissions += late.size
@@ -265,8 +270,8 @@ class Client:
                                  "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
         return res, exps
 
-    def _send(self, pkts, rows, pkt_len):
-        self.tx.send(pkts, rows, pkt_len, self.switch_addr, 0)
+    def _send(self, pkts, rows, pkt_len, shard_of):
+        self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard_of[rows])
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += len(rows) * pkt_len
 

@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     s.add_argument("--register-bits", type=int, default=64, choices=(32, 64))
     s.add_argument("--sram-mb", type=float, default=64.0, help="register memory budget in MiB")
     s.add_argument("--burst", type=int, default=64, help="packets per receive burst")
+    s.add_argument("--cores", type=int, default=1,
+                   help="shard the slot pool over N processes on UDP ports PORT..PORT+N-1 (pool index p -> shard p %% N)")
     s.add_argument("--seed", type=int, default=0, help="seed of the switch's stochastic re-encoding and impairments")
     _impair_args(s, "", "both directions")
     _impair_args(s, "ingress-", "worker->switch")
@@ -81,14 +83,22 @@ def main(argv=None) -> int:
                            ingress=ImpairmentConfig(**{**both, **_collect(args, "ingress_"), "seed": args.seed}),
                            egress=ImpairmentConfig(**{**both, **_collect(args, "egress_"), "seed": args.seed + 1}),
                            stats_interval=args.stats_interval)
-        sw = Switch(cfg)
-    except (ValueError, OSError) as e:
+        if args.cores > 1:
+            from .shards import ShardGroup
+            if args.port == 0:
+                raise ValueError("--cores N needs an explicit --port (shards use PORT..PORT+N-1)")
+            group = ShardGroup(cfg, args.cores, args.log_level.upper())
+            sw = group.local
+        else:
+            group = sw = Switch(cfg)
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"ina-switch serve: {e}", file=sys.stderr)
         return 2
     print(f"ina-switch: register memory {cfg.register_memory() / 2**20:.2f} MiB of {cfg.sram_mb:g} MiB "
-          f"({cfg.slots} slots x 2 sets x {cfg.elements} x {cfg.register_bits}-bit); "
-          f"listening on udp+tcp {cfg.host}:{sw.port}", file=sys.stderr, flush=True)
-    cp = ControlPlane(sw, args.host)
+          f"({cfg.slots} slots x 2 sets x {cfg.elements} x {cfg.register_bits}-bit)"
+          + (f" in each of {args.cores} shards on udp ports {sw.port}..{sw.port + args.cores - 1}" if args.cores > 1
+             else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}", file=sys.stderr, flush=True)
+    cp = ControlPlane(group, args.host)
     cp.start()
 
     def on_signal(signum, frame):
@@ -104,6 +114,8 @@ def main(argv=None) -> int:
     finally:
         sw._running = False
         cp.stop()
+        if group is not sw:
+            group.close()
         sw.sock.close()
     return 0
 

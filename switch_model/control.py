@@ -76,12 +76,12 @@ class ControlPlane:
                         left = True
                         reply = {}
                     elif op == "stats":
-                        reply = {"stats": self.switch.call(lambda sw: sw.stats())}
+                        reply = {"stats": self.switch.dp("stats")}
                     elif op == "status":
-                        reply = {"status": self.switch.call(lambda sw: sw.job_status(int(msg["job"])))}
+                        reply = {"status": self.switch.dp("job_status", int(msg["job"]))}
                     elif op == "impair":
-                        reply = {"impairments": self.switch.call(
-                            lambda sw: sw.set_impairments(msg.get("ingress"), msg.get("egress")))}
+                        reply = {"impairments": self.switch.dp("set_impairments", msg.get("ingress"),
+                                                               msg.get("egress"))}
                     else:
                         raise ValueError(f"unknown op {op!r} (join, leave, status, stats, impair)")
                     out = {"ok": True, **reply}
@@ -133,9 +133,10 @@ class ControlPlane:
             if len(p.members) == n:
                 del self._pending[job]
                 try:
-                    info = self.switch.call(lambda sw: sw.install_job(job, n, spec["slots"], spec["elements"],
-                                                                      spec["raw"], [p.members[r] for r in range(n)]))
-                    p.result = {"job": job, "slot_lo": info.slot_lo, "slots": info.slots, "elements": info.elements,
+                    info = self.switch.dp("install_job", job, n, spec["slots"], spec["elements"], spec["raw"],
+                                          [p.members[r] for r in range(n)])
+                    p.result = {"job": job, "slot_lo": info.slot_lo, "slots": spec["slots"], "ports": self.switch.ports,
+                                "elements": info.elements,
                                 "raw": info.raw, "register_bits": self.switch.cfg.register_bits, "world_size": n,
                                 "incarnation": info.created}
                     self._left[job] = set()
@@ -169,7 +170,7 @@ class ControlPlane:
             done = info is not None and len(left) >= info.n_workers
         log.info("job %d: rank %d left", job, rank)
         if done:
-            self.switch.call(lambda sw: sw.remove_job(job, "all workers left"))
+            self.switch.dp("remove_job", job, "all workers left")
             with self._lock:
                 self._left.pop(job, None)
 
@@ -179,8 +180,8 @@ class ControlPlane:
             return   # that job is already gone (another rank's departure tore it down)
         log.warning("job %d: rank %d closed its control connection without leaving; tearing the job down", job, rank)
         try:
-            self.switch.call(lambda sw: sw.remove_job(job, f"rank {rank} disconnected", notify_rank=rank)
-                             if sw.job_info.get(job) is info else False)
+            self.switch.dp("remove_job", job, f"rank {rank} disconnected", notify_rank=rank,
+                           incarnation=incarnation)
         except TimeoutError as e:
             log.error("could not tear down job %d: %s", job, e)
         with self._lock:

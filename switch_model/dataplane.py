@@ -41,8 +41,10 @@ P_NONE, P_NC8, P_INT32, P_INT64, P_INT8 = (int(PayloadType.NONE), int(PayloadTyp
                                            int(PayloadType.INT64), int(PayloadType.INT8))
 
 # --- job table columns ---------------------------------------------------------------------------
-J_ACTIVE, J_NWORKERS, J_SLOT_LO, J_SLOTS, J_ELEMENTS, J_RAW, J_ADDR_BASE = range(7)
-J_COLUMNS = 7
+# J_SLOTS is the job's whole pool (pool indices 0..J_SLOTS-1 in packets); with --cores N the pool is
+# sharded: pool index p lives in shard p % N at local slot J_SLOT_LO + p // N.
+J_ACTIVE, J_NWORKERS, J_SLOT_LO, J_SLOTS, J_ELEMENTS, J_RAW, J_ADDR_BASE, J_SHARDS, J_SHARD = range(9)
+J_COLUMNS = 9
 MAX_JOBS = 1 << 16
 
 # --- verdicts (parse) and actions (aggregate); the drop reasons are counters of the same names ----
@@ -141,10 +143,12 @@ def parse(buf, lens, n, jobs, verdict, slot2, rank, job, counters):
                         v = 9
                     elif (c % nslots) != pool or ((c // nslots) & 1) != shadow:
                         v = 10
+                    elif pool % jobs[j, J_SHARDS] != jobs[j, J_SHARD]:
+                        v = 9                                   # a pool index of another shard
                     else:
                         job[i] = j
                         rank[i] = r
-                        slot2[i] = (jobs[j, J_SLOT_LO] + pool) * 2 + shadow
+                        slot2[i] = (jobs[j, J_SLOT_LO] + pool // jobs[j, J_SHARDS]) * 2 + shadow
         verdict[i] = v
         counters[v] += 1
 
@@ -378,7 +382,7 @@ def harvest(n, action, slot2, rank, job, jobs, regs, maxexp, round_chunk, ptype,
             _wr16(results, s, O_JOB, j)
             _wr16(results, s, O_RANK, SWITCH_RANK)
             slot_lo = jobs[j, J_SLOT_LO]
-            pool = s // 2 - slot_lo
+            pool = (s // 2 - slot_lo) * jobs[j, J_SHARDS] + jobs[j, J_SHARD]
             _wr16(results, s, O_SLOT, pool | ((s & 1) << 15))
             results[s, O_CODEC] = np.uint8(codec[s])
             results[s, O_PTYPE] = np.uint8(out_pt)

@@ -80,6 +80,9 @@ class Job:
     raw: bool
     addr_block: int
     addrs: list
+    pool_slots: int = 0           # the job's whole pool (slots is this shard's part of it)
+    shards: int = 1
+    shard: int = 0
     created: float = field(default_factory=time.time)
 
 
@@ -237,6 +240,15 @@ class Switch:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def ports(self) -> list:
+        """UDP ports of the data plane, one per shard (a single switch has one)."""
+        return [self.port]
+
+    def dp(self, name: str, *args, **kwargs):
+        """Call the data-plane method ``name`` between bursts (what the control plane uses)."""
+        return self.call(lambda sw: getattr(sw, name)(*args, **kwargs))
+
     def call(self, fn, timeout: float = 10.0):
         """Run ``fn(self)`` in the data-plane thread between bursts and return its result."""
         if threading.current_thread() is getattr(self, "_dp_thread", None) or not getattr(self, "_running", False):
@@ -291,8 +303,15 @@ class Switch:
                 return i - want + 1
         return -1
 
-    def install_job(self, job: int, n_workers: int, slots: int, elements: int, raw: bool, addrs: list) -> Job:
-        """Allocate a slot range and a job-table entry (data-plane thread)."""
+    def install_job(self, job: int, n_workers: int, slots: int, elements: int, raw: bool, addrs: list,
+                    shards: int = 1, shard: int = 0, created: float | None = None) -> Job:
+        """Allocate a slot range and a job-table entry (data-plane thread).
+
+        ``slots`` is the job's pool; with ``shards`` > 1 this switch holds pool indices p with
+        p % shards == shard, i.e. ceil((slots - shard) / shards) of them.
+        """
+        pool_slots = slots
+        slots = max(1, (pool_slots - shard + shards - 1) // shards)
         if not 0 <= job < D.MAX_JOBS:
             raise ValueError(f"job id {job} out of range 0..{D.MAX_JOBS - 1}")
         if self.jobs[job, D.J_ACTIVE]:
@@ -318,8 +337,11 @@ class Switch:
         row = self.jobs[job]
         row[D.J_NWORKERS], row[D.J_SLOT_LO], row[D.J_SLOTS] = n_workers, lo, slots
         row[D.J_ELEMENTS], row[D.J_RAW], row[D.J_ADDR_BASE] = elements, int(raw), base
+        row[D.J_SLOTS], row[D.J_SHARDS], row[D.J_SHARD] = pool_slots, shards, shard
         row[D.J_ACTIVE] = 1
-        info = Job(job, n_workers, lo, slots, elements, raw, block, list(addrs))
+        info = Job(job, n_workers, lo, slots, elements, raw, block, list(addrs), pool_slots, shards, shard)
+        if created is not None:
+            info.created = created
         self.job_info[job] = info
         log.info("job %d installed: %d workers, slots %d..%d, %d elements per packet, results %s",
                  job, n_workers, lo, lo + slots - 1, elements, "raw sums" if raw else "re-encoded codes")
@@ -333,11 +355,14 @@ class Switch:
         self.count[sl] = 0
         self.ovf[sl] = 0
 
-    def remove_job(self, job: int, reason: str, notify_rank: int | None = None) -> bool:
-        """Free a job's slots and table entry; with ``notify_rank`` tell the other workers (ABORT)."""
-        info = self.job_info.pop(job, None)
-        if info is None:
+    def remove_job(self, job: int, reason: str, notify_rank: int | None = None,
+                   incarnation: float | None = None) -> bool:
+        """Free a job's slots and table entry; with ``notify_rank`` tell the other workers (ABORT).
+        With ``incarnation`` only that incarnation of the job id is removed."""
+        info = self.job_info.get(job)
+        if info is None or (incarnation is not None and info.created != incarnation):
             return False
+        del self.job_info[job]
         self.jobs[job] = 0
         self.slot_owner[info.slot_lo: info.slot_lo + info.slots] = -1
         self._reset_sets(info.slot_lo, info.slots)
@@ -365,7 +390,7 @@ class Switch:
             s = 2 * info.slot_lo + int(k)
             have = int(self.bitmap[s])
             missing = [r for r in range(info.n_workers) if not (have >> r) & 1]
-            waiting.append({"pool_index": int(k) // 2, "shadow": int(k) % 2, "chunk": int(self.round_chunk[s]),
+            waiting.append({"pool_index": (int(k) // 2) * info.shards + info.shard, "shadow": int(k) % 2, "chunk": int(self.round_chunk[s]),
                             "missing_ranks": missing})
         return {"job": job, "active": True, "workers": info.n_workers, "slot_lo": info.slot_lo,
                 "slots": info.slots, "elements": info.elements, "raw": info.raw,

@@ -292,3 +292,19 @@ def test_hung_worker_others_raise_within_timeout_naming_it(switch, tmp_path):
         # bounded: the timeout after the last progress, plus the status query
         assert m["error_at"] - t_stop < timeout + 4.0, m["error_at"] - t_stop
     wait_until(lambda: switch.stats()["occupancy"]["slots_allocated"] == base, 10, "the switch to free job 401's slots")
+
+
+def test_sharded_switch_cores_2_is_bit_identical_and_uses_both_shards(tmp_path):
+    """--cores 2: pool index p is served by the process on port + p % 2; results stay exact."""
+    sw = SwitchProc("--slots", "64", "--elements", "256", "--cores", "2", log_path=tmp_path / "switch.log")
+    try:
+        ops = [{"codec": "bfp32", **op} for op in SMALL_OPS + [BROAD_OPS[-1]]]
+        out = Workers(tmp_path, sw.port, 4, job=77, ops=ops, client=CLIENT).wait(timeout=90)
+        check_bfp(ops, out, 4)
+        st = sw.stats()
+        assert st["config"]["shards"] == 2 and st["config"]["ports"] == [sw.port, sw.port + 1]
+        per_shard = [sh["harvested"] for sh in st["per_shard"]]
+        assert len(per_shard) == 2 and all(h > 0 for h in per_shard), per_shard   # both shards aggregated
+        assert sum(per_shard) == st["counters"]["harvested"]
+    finally:
+        assert sw.terminate() == 0, sw.log()

@@ -1,0 +1,167 @@
+"""``--cores N``: the slot pool sharded over N switch processes, one UDP port each.
+
+As RSS spreads flows over a NIC's queues, a job's pool index p is served by shard p % N on UDP
+port ``port + p % N``; each shard is a full :class:`~switch_model.pipeline.Switch` (its own
+registers, job table and poll loop) in its own process. The control plane runs in shard 0's
+process and drives every shard through :class:`ShardGroup`, which has the same data-plane methods
+(``dp``) as a single switch, so the control plane does not know how many shards there are.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import sys
+import threading
+from dataclasses import replace
+
+from .pipeline import Switch, SwitchConfig
+
+log = logging.getLogger("ina.switch.shards")
+
+
+def _shard_main(cfg: SwitchConfig, shard: int, conn, log_level: str) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s ina.switch[shard {shard}] %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        sw = Switch(cfg)
+    except (ValueError, OSError) as e:
+        conn.send(("err", str(e)))
+        return
+    sw.start_thread()
+    conn.send(("ok", sw.port))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:           # the parent is gone
+            break
+        if msg is None:
+            break
+        name, args, kwargs = msg
+        try:
+            conn.send(("ok", sw.dp(name, *args, **kwargs)))
+        except Exception as e:  # noqa: BLE001 - reported to the control plane, which names it
+            conn.send(("err", f"shard {shard}: {e}"))
+    sw.stop()
+
+
+class ShardGroup:
+    """Shard 0 (in this process) plus N-1 shard processes, behind the single-switch interface."""
+
+    def __init__(self, cfg: SwitchConfig, cores: int, log_level: str = "INFO", timeout: float = 120.0):
+        if cores < 1:
+            raise ValueError(f"--cores must be >= 1, got {cores}")
+        self.local = Switch(cfg)
+        self.cfg = cfg
+        self.port = self.local.port
+        self.n = cores
+        self.timeout = timeout
+        self._conns = []
+        self._procs = []
+        self._lock = threading.RLock()
+        ctx = mp.get_context("spawn")
+        for k in range(1, cores):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_shard_main, args=(replace(cfg, port=self.port + k), k, child, log_level),
+                            name=f"ina-switch-shard{k}", daemon=True)
+            p.start()
+            self._conns.append(parent)
+            self._procs.append(p)
+        for k, c in enumerate(self._conns, 1):
+            if not c.poll(timeout):
+                self.close()
+                raise RuntimeError(f"switch shard {k} did not start within {timeout:g} s")
+            status, val = c.recv()
+            if status != "ok":
+                self.close()
+                raise ValueError(f"switch shard {k} on port {self.port + k}: {val}")
+        log.info("%d shards on udp ports %s", cores, self.ports)
+
+    @property
+    def ports(self) -> list:
+        return [self.port + k for k in range(self.n)]
+
+    @property
+    def job_info(self):
+        return self.local.job_info
+
+    def _remote(self, name, *args, **kwargs) -> list:
+        for c in self._conns:
+            c.send((name, args, kwargs))
+        out = []
+        for k, c in enumerate(self._conns, 1):
+            if not c.poll(self.timeout):
+                raise TimeoutError(f"switch shard {k} did not answer {name!r} within {self.timeout:g} s")
+            status, val = c.recv()
+            if status != "ok":
+                raise ValueError(val)
+            out.append(val)
+        return out
+
+    def dp(self, name: str, *args, **kwargs):
+        with self._lock:                 # one exchange on the pipes at a time (control threads are many)
+            return self._dp(name, *args, **kwargs)
+
+    def _dp(self, name: str, *args, **kwargs):
+        if name == "install_job":
+            info = self.local.dp(name, *args, shards=self.n, shard=0, **kwargs)
+            try:
+                for k, c in enumerate(self._conns, 1):
+                    c.send((name, args, {**kwargs, "shards": self.n, "shard": k, "created": info.created}))
+                for k, c in enumerate(self._conns, 1):
+                    if not c.poll(self.timeout):
+                        raise TimeoutError(f"switch shard {k} did not install job {args[0]} in {self.timeout:g} s")
+                    status, val = c.recv()
+                    if status != "ok":
+                        raise ValueError(val)
+            except (ValueError, TimeoutError):
+                self.local.dp("remove_job", args[0], "a shard refused it")
+                self._remote("remove_job", args[0], "a shard refused it")
+                raise
+            return info
+        if name == "remove_job":            # only shard 0 sends the ABORT packets
+            remote_kw = {k: v for k, v in kwargs.items() if k != "notify_rank"}
+            ok = self.local.dp(name, *args, **kwargs)
+            self._remote(name, *args, **remote_kw)
+            return ok
+        if name == "job_status":
+            st = self.local.dp(name, *args, **kwargs)
+            for other in self._remote(name, *args, **kwargs):
+                if st.get("active") and other.get("active"):
+                    st["incomplete_slots"] += other["incomplete_slots"]
+                    st["waiting"] += other["waiting"]
+            return st
+        if name == "stats":
+            st = self.local.dp("stats")
+            others = self._remote("stats")
+            st["per_shard"] = [{"port": p, "harvested": s_["counters"]["harvested"],
+                                "rx_packets": s_["counters"]["rx_packets"]}
+                               for p, s_ in zip(self.ports, [dict(st, counters=dict(st["counters"]))] + others)]
+            for other in others:
+                for group in ("counters", "drops", "rates"):
+                    for key, v in other[group].items():
+                        st[group][key] = st[group].get(key, 0) + v
+                st["occupancy"]["sets_aggregating"] += other["occupancy"]["sets_aggregating"]
+            st["config"]["shards"] = self.n
+            st["config"]["ports"] = self.ports
+            return st
+        out = self.local.dp(name, *args, **kwargs)
+        self._remote(name, *args, **kwargs)
+        return out
+
+    # the service loop runs shard 0 in the calling thread
+    def serve_forever(self) -> None:
+        self.local.serve_forever()
+
+    def stop(self) -> None:
+        self.local.stop()
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
