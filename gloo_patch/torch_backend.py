@@ -237,6 +237,26 @@ class InaProcessGroup(dist.ProcessGroup):
         self.shutdown()
 
 
+# Every collective the switch does not serve is forwarded from Python straight to the inner Gloo group.
+# Leaving them to PyTorch's dispatch through this Python class entered Gloo with the GIL held, and a
+# Gloo worker thread that needed the GIL to finish the previous work then deadlocked the rank (seen in
+# about 1 of 4 runs: both ranks stuck in barrier/all_to_all). The Gloo bindings release the GIL.
+def _forward(name: str):
+    def call(self, *args, **kwargs):
+        return getattr(self.gloo, name)(*args, **kwargs)
+    call.__name__ = name
+    call.__doc__ = f"``{name}`` on the inner Gloo group."
+    return call
+
+
+for _name in ("broadcast", "allgather", "_allgather_base", "allgather_coalesced", "allgather_into_tensor_coalesced",
+              "reduce", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base",
+              "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "barrier", "send", "recv",
+              "recv_anysource", "monitored_barrier"):
+    if hasattr(dist.ProcessGroupGloo, _name):
+        setattr(InaProcessGroup, _name, _forward(_name))
+
+
 def _create(store, rank: int, size: int, timeout) -> InaProcessGroup:
     return InaProcessGroup(store, rank, size, timeout)
 
