@@ -143,6 +143,17 @@ def offloadable_dtype(dtype) -> bool:
     return dtype_name(dtype) in OFFLOADED_DTYPES
 
 
+def tensors_not_offloadable(tensors) -> str | None:
+    """Why these tensors cannot go through the switch (None if they can): the reason both
+    integrations log when they fall back to Gloo."""
+    for t in tensors:
+        if t.is_sparse:
+            return "sparse tensor"
+        if not offloadable_dtype(t.dtype):
+            return f"dtype {dtype_name(t.dtype)} (offloaded: float32, float16, bfloat16)"
+    return None
+
+
 @dataclass
 class Counters:
     """What went where: exposed by ``gloo_patch.horovod.stats()`` and ``InaProcessGroup.stats()``."""

@@ -35,7 +35,7 @@ import itertools
 import sys
 import threading
 
-from .common import FallbackLog, InaConfig, dtype_name, log, new_job_id, offloadable_dtype
+from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
 _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.optimizer", "horovod.torch.functions",
                     "horovod.torch.sync_batch_norm")
@@ -115,12 +115,7 @@ class _HorovodIna:
             return f"op {names.get(op, op)} (the switch only adds)"
         if process_set is not M.global_process_set and getattr(process_set, "process_set_id", 0) != 0:
             return f"process set {process_set.process_set_id} (only the global process set is offloaded)"
-        for t in tensors:
-            if t.is_sparse:
-                return "sparse tensor"
-            if not offloadable_dtype(t.dtype):
-                return f"dtype {dtype_name(t.dtype)} (offloaded: float32, float16, bfloat16)"
-        return None
+        return tensors_not_offloadable(tensors)
 
     # -- the patched functions -------------------------------------------------------------------------
     def allreduce_async(self, tensor, output, name, op, prescale_factor, postscale_factor, process_set):

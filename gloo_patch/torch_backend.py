@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .common import FallbackLog, InaConfig, dtype_name, log, new_job_id, offloadable_dtype
+from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
 BACKEND_NAME = "ina"
 _BT = dist.ProcessGroup.BackendType
@@ -175,12 +175,7 @@ class InaProcessGroup(dist.ProcessGroup):
         name = _op_name(op)
         if name not in ("SUM", "AVG"):
             return f"reduce op {name} (the switch only adds)"
-        for t in tensors:
-            if t.is_sparse:
-                return "sparse tensor"
-            if not offloadable_dtype(t.dtype):
-                return f"dtype {dtype_name(t.dtype)} (offloaded: float32, float16, bfloat16)"
-        return None
+        return tensors_not_offloadable(tensors)
 
     def _offload(self, tensors: list[torch.Tensor], op) -> dist.Work:
         self.fallbacks.offloaded(len(tensors), sum(t.numel() for t in tensors))
@@ -309,9 +304,9 @@ class InaHookState:
 def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes)."""
     buf = bucket.buffer()
-    if not offloadable_dtype(buf.dtype):
-        state.fallbacks.fallback("DDP bucket", f"dtype {dtype_name(buf.dtype)} (offloaded: float32, float16, "
-                                 "bfloat16)", f"bucket {bucket.index()}")
+    why = tensors_not_offloadable([buf])
+    if why:
+        state.fallbacks.fallback("DDP bucket", why, f"bucket {bucket.index()}")
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415
         return allreduce_hook(state.process_group, bucket)
     state.fallbacks.offloaded(1, buf.numel())

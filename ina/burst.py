@@ -132,6 +132,7 @@ class TxBatch:
         self._msgp = _ptr(self._msg)
         self.sent_packets = 0
         self.sent_bytes = 0
+        self.refused = 0          # packets the kernel dropped for an earlier ICMP port unreachable
 
     def send(self, buf: np.ndarray, rows: np.ndarray, lens, addrs: np.ndarray, addr_idx) -> int:
         """Send ``buf[rows[i], :lens[i]]`` to ``addrs[addr_idx[i]]`` for every i, in sendmmsg bursts.
@@ -161,7 +162,8 @@ class TxBatch:
                     e = ctypes.get_errno()
                     if e in (errno.EINTR, errno.EAGAIN, errno.ENOBUFS):
                         continue
-                    if e in (errno.ECONNREFUSED,):   # an earlier ICMP port unreachable; packet is gone
+                    if e == errno.ECONNREFUSED:   # an earlier ICMP port unreachable; this packet is gone
+                        self.refused += 1
                         sent += 1
                         continue
                     raise OSError(e, f"sendmmsg: {os.strerror(e)}")

@@ -140,7 +140,7 @@ class Switch:
         self._cmd_lock = threading.Lock()
         self._stop = threading.Event()
         self.started = time.time()
-        self._rate_mark = (time.time(), 0, 0, 0)
+        self._rate_mark = (time.time(), 0, 0, 0, 0)   # time, rx packets, rx bytes, tx packets, tx bytes
         self.rates = {"rx_pps": 0.0, "rx_bps": 0.0, "tx_pps": 0.0, "tx_bps": 0.0}
         self._warm_up()
 
@@ -408,20 +408,19 @@ class Switch:
     # observability -----------------------------------------------------------------------------------
     def _update_rates(self) -> None:
         now = time.time()
-        t0, rxp, rxb, txb = self._rate_mark
+        t0, rxp, rxb, txp, txb = self._rate_mark
         dt = now - t0
         if dt >= 1.0:
             c = self.counters
             rxp1, rxb1, txp1, txb1 = (int(c[C["rx_packets"]]), int(c[C["rx_bytes"]]), int(c[C["tx_packets"]]),
                                       int(c[C["tx_bytes"]]))
             self.rates = {"rx_pps": (rxp1 - rxp) / dt, "rx_bps": 8 * (rxb1 - rxb) / dt,
-                          "tx_pps": (txp1 - self.rates.get("_txp", 0)) / dt, "tx_bps": 8 * (txb1 - txb) / dt,
-                          "_txp": txp1}
+                          "tx_pps": (txp1 - txp) / dt, "tx_bps": 8 * (txb1 - txb) / dt}
             if self.cfg.stats_interval and int(now) % max(1, int(self.cfg.stats_interval)) == 0 and rxp1 != rxp:
                 log.info("rx %.0f pkt/s %.1f Mbit/s, tx %.1f Mbit/s, %d jobs, %d/%d slots in use, drops %d",
                          self.rates["rx_pps"], self.rates["rx_bps"] / 1e6, self.rates["tx_bps"] / 1e6,
                          len(self.job_info), self.cfg.slots - self.free_slots(), self.cfg.slots, self.drops())
-            self._rate_mark = (now, rxp1, rxb1, txb1)
+            self._rate_mark = (now, rxp1, rxb1, txp1, txb1)
 
     def drops(self) -> int:
         return int(self.counters[1: len(D.DROP_REASONS)].sum())
@@ -430,6 +429,7 @@ class Switch:
         c = {name: int(self.counters[i]) for i, name in enumerate(COUNTERS)}
         drops = {name: c.pop(name) for name in D.DROP_REASONS[1:]}
         c["parsed_ok"] = c.pop("ok")
+        c["tx_refused"] = self.txq.refused     # sends the kernel refused after an ICMP port unreachable
         sets_busy = int(((self.round_chunk >= 0) & (self.complete == 0)).sum())
         return {
             "uptime_s": round(time.time() - self.started, 3),
@@ -440,7 +440,7 @@ class Switch:
             "stages": list(STAGES),
             "counters": c,
             "drops": drops,
-            "rates": {k: round(v, 1) for k, v in self.rates.items() if not k.startswith("_")},
+            "rates": {k: round(v, 1) for k, v in self.rates.items()},
             "occupancy": {"slots_allocated": self.cfg.slots - self.free_slots(), "slots_total": self.cfg.slots,
                           "sets_aggregating": sets_busy},
             "jobs": {str(j): {"workers": i.n_workers, "slot_lo": i.slot_lo, "slots": i.slots,
