@@ -3,7 +3,8 @@
 One allreduce is:
 
 1. **exponent negotiation**: one packet with no payload whose exponent field is this worker's
-   scale exponent; the switch's max-exponent register returns the max over workers;
+   scale exponent (plus one such packet per further value the codec needs agreed, e.g. MQGrad's
+   bits); the switch's max-exponent register returns the max over workers;
 2. **encode** the whole tensor with the shared :class:`~ina.compression.ScaleContext`;
 3. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2;
    the window equals the job's slots and is self-clocking (the result of chunk c frees its slot
@@ -19,12 +20,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from . import burst as B
 from . import compression
+from .compression._seedutil import ErrorFeedbackMixin
 from .compression.base import ScaleContext, to_numpy_f32
 from .control import ControlChannel, ControlError
 from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
@@ -112,11 +114,13 @@ class Client:
             c = self._codecs[name] = compression.get(name, **opts)
         return c
 
-    def allreduce(self, tensor, codec: str = "nc", average: bool = False):
+    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None):
         """Sum (or average) ``tensor`` over the job's workers through the switch, in place.
 
         ``tensor`` is a torch tensor (any float dtype, shape and device) or a numpy float array.
-        Returns the same object.
+        ``key`` names the tensor (e.g. a parameter or bucket name) for codecs with error feedback
+        (3lc-3v, bgt, qgt keep one residual per key; without a key they are stateless). Returns
+        the same object.
         """
         if self._broken:
             raise AllreduceError(f"client of job {self.job} rank {self.rank} is unusable after an earlier "
@@ -129,16 +133,19 @@ class Client:
         n = x32.size
         if n == 0:
             return tensor
+        kw = {"key": key} if isinstance(c, ErrorFeedbackMixin) else {}
         try:
-            exponent = c.scale_exponent(x32)          # raises ValueError on NaN/Inf before anything is sent
-            if not -32768 <= exponent <= 32767:
-                raise ValueError(f"scale exponent {exponent} does not fit the 16-bit exponent field")
-            _, exps = self._stream(None, PayloadType.NONE, c.wire_id, exponent, n_chunks=1)
-            ctx = ScaleContext(int(exps.max()), self.world_size, self.register_bits, seed=c.next_seed())
-            codes = c.encode_shared(x32, ctx)
-            res_type = self._result_type(c)
-            res, _ = self._stream(codes, c.payload_type, c.wire_id, ctx.exponent, result_type=res_type)
-            out = c.decode_sum(res.reshape(-1)[:n], ctx, raw=res_type != c.payload_type or self.raw)
+            exponent = c.scale_exponent(x32, **kw)     # raises ValueError on NaN/Inf before anything is sent
+            proposals = np.array([exponent, *c.negotiated()], np.int64)
+            bad = proposals[(proposals < -32768) | (proposals > 32767)]
+            if bad.size:
+                raise ValueError(f"negotiated value(s) {bad.tolist()} of codec {codec!r} do not fit the 16-bit "
+                                 "exponent field")
+            # one payload-less packet per value: the switch's max register returns the max over workers
+            maxima = self._stream(proposals.size, PayloadType.NONE, c.wire_id, proposals)
+            ctx = ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=c.next_seed(),
+                               agreed=tuple(int(v) for v in maxima[1:]))
+            out = self._reduce(c, x32, ctx, kw)
         except AllreduceError as e:
             self._broken = str(e)
             raise
@@ -156,56 +163,102 @@ class Client:
             return PayloadType.INT64 if self.register_bits == 64 else PayloadType.INT32
         return PayloadType.INT32
 
+    def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict) -> np.ndarray:
+        """Encode, stream and decode, pipelined: a block of ``slots`` chunks is encoded when its first
+        chunk is about to be sent, and each burst of results is decoded as it arrives, so the codec's
+        CPU time overlaps the link time instead of adding to it. Codecs with error feedback encode the
+        tensor as one block (their residual is kept per key for the whole tensor)."""
+        n, E, S = x32.size, self.elements, self.slots
+        n_chunks = max(1, math.ceil(n / E))
+        block = n_chunks if kw else S                      # chunks per encoding block
+        res_type = self._result_type(c)
+        raw = res_type != c.payload_type or self.raw
+        out = np.empty(n_chunks * E, np.float32)
+        out2d = out.reshape(n_chunks, E)
+
+        def encode_block(b: int) -> np.ndarray:
+            lo, hi = b * block * E, min(n, (b + 1) * block * E)
+            bctx = ctx if b == 0 else replace(ctx, seed=(ctx.seed + 0x9E3779B9 * b) & 0xFFFFFFFF)
+            codes = c.encode_shared(x32[lo:hi], bctx, **kw)
+            rows = math.ceil((hi - lo) / E)
+            if codes.size != rows * E:                     # the last chunk is zero-padded
+                codes = np.concatenate([codes, np.zeros(rows * E - codes.size, codes.dtype)])
+            return codes.reshape(rows, E)
+
+        def decode(chunks: np.ndarray, payload: np.ndarray) -> None:
+            out2d[chunks] = c.decode_sum(payload.reshape(-1), ctx, raw=raw).reshape(chunks.size, E)
+
+        self._stream(n_chunks, c.payload_type, c.wire_id, ctx.exponent, result_type=res_type, count=n,
+                     encode_block=encode_block, block=block, decode=decode)
+        return out[:n]
+
     # ----------------------------------------------------------------------------------------------
-    def _stream(self, codes, ptype: PayloadType, codec_id: int, exponent: int, n_chunks: int | None = None,
-                result_type: PayloadType = PayloadType.NONE):
-        """Send all chunks of ``codes`` through the slots; return (results (n_chunks, E), exponents)."""
+    def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
+                count: int = 0, encode_block=None, block: int = 1, decode=None):
+        """Send ``n_chunks`` chunks through the job's slots and collect their results.
+
+        Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
+        holds the switch's maxima. With payload, ``encode_block(b)`` gives the codes of chunks
+        ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads)`` takes each burst of
+        results. Packets live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is
+        done, which is sent only after c is done, so a row is never reused while its chunk is pending.
+        """
         E = self.elements if ptype != PayloadType.NONE else 0
-        if codes is not None:
-            n_chunks = max(1, math.ceil(codes.size / E))
         S = self.slots
         width = PAYLOAD_WIDTH[ptype]
         pkt_len = HEADER_SIZE + width * E
+        R = min(n_chunks, 2 * S)
         c0 = self._next_chunk
         self._next_chunk += n_chunks
-        ids = c0 + np.arange(n_chunks, dtype=np.int64)
-        # the packets, built once; a retransmission resends the same row with the RETRANSMIT flag
-        pkts = np.zeros((n_chunks, max(pkt_len, HEADER_SIZE)), np.uint8)
+        pkts = np.zeros((R, max(pkt_len, HEADER_SIZE)), np.uint8)
         hv = header_view(pkts)
         hv["version"] = VERSION
         hv["msg_type"] = int(MsgType.DATA)
         hv["job"] = self.job
         hv["rank"] = self.rank
-        hv["slot"] = (ids % S) | (((ids // S) & 1) << 15)
         hv["codec"] = codec_id
         hv["payload_type"] = int(ptype)
-        hv["exponent"] = exponent
-        hv["chunk"] = ids & 0xFFFFFFFF
-        if codes is not None:
-            cnt = np.full(n_chunks, E, np.int64)
-            cnt[-1] = codes.size - E * (n_chunks - 1)
-            hv["count"] = cnt
-            pv = payload_view(pkts, ptype, E)          # (n_chunks, E), strided over the packet rows
-            full = n_chunks * E
-            if codes.size == full:
-                pv[...] = codes.reshape(n_chunks, E)
-            else:                                       # last chunk is zero-padded
-                pv[:-1] = codes[: E * (n_chunks - 1)].reshape(n_chunks - 1, E)
-                pv[-1, : codes.size - E * (n_chunks - 1)] = codes[E * (n_chunks - 1):]
+        pv = payload_view(pkts, ptype, E) if E else None
+        exps_in = np.broadcast_to(np.asarray(exponent, np.int64), (n_chunks,))
+        blocks: dict[int, np.ndarray] = {}
+        left_in_block: dict[int, int] = {}
+
+        def load(chunks: np.ndarray) -> np.ndarray:
+            """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
+            rows = chunks % R
+            ids = c0 + chunks
+            hv["slot"][rows] = (ids % S) | (((ids // S) & 1) << 15)
+            hv["chunk"][rows] = ids & 0xFFFFFFFF
+            hv["exponent"][rows] = exps_in[chunks]
+            hv["flags"][rows] = 0
+            if E:
+                hv["count"][rows] = np.minimum(E, count - chunks * E)
+                bs = chunks // block
+                for b in np.unique(bs):
+                    b = int(b)
+                    if b not in blocks:
+                        blocks[b] = encode_block(b)
+                        left_in_block[b] = blocks[b].shape[0]
+                    sel = bs == b
+                    pv[rows[sel]] = blocks[b][chunks[sel] - b * block]
+                    left_in_block[b] -= int(np.count_nonzero(sel))
+                    if left_in_block[b] == 0:          # every chunk of the block is in the ring
+                        del blocks[b], left_in_block[b]
+            return rows
+
         rwidth = PAYLOAD_WIDTH[result_type]
         res_len = HEADER_SIZE + rwidth * E
-        res = np.zeros((n_chunks, E), PAYLOAD_DTYPE[result_type] if E else np.uint8)
+        rdtype = PAYLOAD_DTYPE[result_type] if E else None
         exps = np.zeros(n_chunks, np.int64)
         done = np.zeros(n_chunks, bool)
         sent_at = np.zeros(n_chunks)
         tries = np.zeros(n_chunks, np.int64)
         overflow = 0
-        # initial window
-        first = min(S, n_chunks)
-        shard_of = (ids % S) % self.shards                  # pool index p is served by shard p % N
-        self._send(pkts, np.arange(first), pkt_len, shard_of)
+        n_shards = self.shards
+        first = np.arange(min(S, n_chunks))
+        self._send(pkts, load(first), pkt_len, n_shards, S)
         now = time.monotonic()
-        sent_at[:first] = now
+        sent_at[first] = now
         low = 0                       # every chunk below `low` is done
         n_done = 0
         last_progress = now
@@ -237,7 +290,7 @@ class Client:
                     stale += int(np.count_nonzero(ok)) - jj.size
                     if jj.size:
                         if E:
-                            res[jj] = payload_view(buf[idx], result_type, E)
+                            decode(jj, np.ascontiguousarray(payload_view(buf[idx], result_type, E), dtype=rdtype.newbyteorder("=")))
                         exps[jj] = h["exponent"][idx]
                         overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
                         done[jj] = True
@@ -246,20 +299,21 @@ class Client:
                         nxt = jj + S                      # self-clocking: each result frees its slot
                         nxt = nxt[nxt < n_chunks]
                         if nxt.size:
-                            self._send(pkts, nxt, pkt_len, shard_of)
+                            self._send(pkts, load(nxt), pkt_len, n_shards, S)
                             sent_at[nxt] = now
                         while low < n_chunks and done[low]:
                             low += 1
                 self.stats.stale_results += stale
             if now >= next_check and n_done < n_chunks:
                 next_check = now + self.rto / 2
-                hi = min(n_chunks, low + S)
+                hi = min(n_chunks, low + 2 * S)
                 win = np.arange(low, hi)
                 w = win[(~done[low:hi]) & (sent_at[low:hi] > 0)]
                 late = w[now - sent_at[w] > np.minimum(self.rto * 2.0 ** tries[w], self.max_rto)]
                 if late.size:
-                    hv["flags"][late] |= int(Flag.RETRANSMIT)
-                    self._send(pkts, late, pkt_len, shard_of)
+                    rows = late % R
+                    hv["flags"][rows] |= int(Flag.RETRANSMIT)
+                    self._send(pkts, rows, pkt_len, n_shards, S)
                     sent_at[late] = now
                     tries[late] += 1
                     self.stats.retransmissions += late.size
@@ -268,10 +322,12 @@ class Client:
         if overflow:
             raise AllreduceError(f"job {self.job}: {overflow} chunk(s) came back with the OVERFLOW flag: a switch "
                                  "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
-        return res, exps
+        return exps
 
-    def _send(self, pkts, rows, pkt_len, shard_of):
-        self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard_of[rows])
+    def _send(self, pkts, rows, pkt_len, n_shards, S):
+        """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % n_shards."""
+        shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % n_shards
+        self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += len(rows) * pkt_len
 

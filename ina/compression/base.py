@@ -32,6 +32,7 @@ class ScaleContext:
     n_workers: int = 1
     register_bits: int = 64  # switch register width (32 or 64)
     seed: int = 0            # per-worker, per-chunk randomness for stochastic codecs
+    agreed: tuple = ()       # max over workers of each value of Codec.negotiated() (e.g. MQGrad's bits)
 
 
 @dataclass
@@ -141,6 +142,12 @@ class Codec:
     # -- switch path ------------------------------------------------------------------------------
     def scale_exponent(self, x32: np.ndarray) -> int:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
+
+    def negotiated(self) -> tuple[int, ...]:
+        """Further small integers (int16) the workers must agree on, by max, before encoding (the
+        client negotiates them through the switch's max register next to the scale exponent and
+        passes the maxima as ``ScaleContext.agreed``). Default: none."""
+        return ()
 
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")

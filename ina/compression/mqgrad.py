@@ -139,9 +139,13 @@ class UniformQuantizer(Codec):
         out = (lo + q.astype(np.float64) * ((hi - lo) / top)).astype(np.float32)
         return from_numpy_like(out, enc.like, enc.shape)
 
-    # switch path
-    def _levels(self) -> int:
-        k = self._check_bits(self.bits, 2, 8)
+    # switch path: every rank must use the same K, so K is negotiated (max over ranks) like the scale
+    def negotiated(self) -> tuple[int, ...]:
+        return (self._check_bits(self.bits, 2, 8),)
+
+    def _levels(self, ctx: ScaleContext | None = None) -> int:
+        k = int(ctx.agreed[0]) if ctx is not None and ctx.agreed else self.bits
+        k = self._check_bits(k, 2, 8)
         return (1 << (k - 1)) - 1
 
     def scale_exponent(self, x32: np.ndarray) -> int:
@@ -153,13 +157,13 @@ class UniformQuantizer(Codec):
         if m > r:
             raise ValueError(f"max |x| = {m:g} exceeds the negotiated range {r:g}: the negotiated exponent "
                              "is smaller than this tensor's")
-        levels = self._levels()
+        levels = self._levels(ctx)
         out = np.empty(x32.size, np.int8)
         _quantize_symmetric(x32, levels / r if r > 0 else 0.0, levels, self.stochastic, ctx.seed, out)
         return out
 
     def decode_sum(self, payload: np.ndarray, ctx: ScaleContext, raw: bool = True) -> np.ndarray:
-        step = log_scale(ctx.exponent) / self._levels()
+        step = log_scale(ctx.exponent) / self._levels(ctx)
         return (np.asarray(payload).astype(np.float64) * step).astype(np.float32)
 
 

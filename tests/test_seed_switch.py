@@ -1,0 +1,122 @@
+"""Seed codecs through the real switch (ina.Client, UDP on loopback, one thread per rank).
+
+What a user relies on when training with a stateful or adaptive codec on the switch path:
+* error feedback works end to end: with a ``key`` the long-run sum of the switch's results plus the
+  ranks' residuals equals the long-run sum of the inputs; without a key the sums drift apart;
+* MQGrad ranks whose agents hold different bit widths still agree on one K (negotiated by max
+  through the switch), so the integer sum is meaningful.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import ina.compression as C
+from ina import Client
+from ina.compression import ScaleContext
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sw_harness import SwitchProc  # noqa: E402
+
+N = 3
+ELEMS = 3000
+
+
+@pytest.fixture(scope="module")
+def switch(tmp_path_factory):
+    sw = SwitchProc("--slots", "64", "--elements", "1024", log_path=tmp_path_factory.mktemp("sw") / "switch.log")
+    yield sw
+    assert sw.terminate() == 0, sw.log()
+
+
+def run_ranks(switch, job, body, codec_options=None, timeout=60.0):
+    """Run ``body(rank, client)`` in N threads, each with its own Client; return their results."""
+    out, errors = [None] * N, []
+
+    def target(r):
+        try:
+            with Client(("127.0.0.1", switch.port), rank=r, world_size=N, job=job, elements=1024, slots=8,
+                        timeout=20.0, seed=77, codec_options=codec_options) as cl:
+                out[r] = body(r, cl)
+        except Exception as e:  # reported below, with the rank
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not [t for t in threads if t.is_alive()], f"ranks still running after {timeout} s"
+    assert not errors, errors
+    return out
+
+
+def gradient(rank, step):
+    rng = np.random.default_rng([rank, step])
+    return (1e-2 * (rng.standard_t(3, ELEMS) * 0.3 + 0.05 * (rank + 1))).astype(np.float32)
+
+
+STEPS = 60
+
+
+@pytest.mark.parametrize("name,opts", [("3lc-3v", {}), ("bgt", {"threshold": 2e-3}), ("qgt", {"threshold": 2e-3})])
+def test_error_feedback_through_the_switch_keeps_the_long_run_sum(switch, name, opts):
+    job = {"3lc-3v": 41, "bgt": 42, "qgt": 43}[name]
+
+    def body(rank, cl):
+        results = np.zeros(ELEMS)
+        for step in range(STEPS):
+            x = gradient(rank, step)
+            cl.allreduce(x, codec=name, key="layer1")
+            results += x
+        stateless = np.zeros(ELEMS)
+        for step in range(STEPS):
+            x = gradient(rank, step)
+            cl.allreduce(x, codec=name)          # no key: no residual is read or kept
+            stateless += x
+        return results, cl.codec(name).residual("layer1").astype(np.float64), stateless
+
+    out = run_ranks(switch, job, body, codec_options={name: opts})
+    inputs = sum(gradient(r, s).astype(np.float64) for r in range(N) for s in range(STEPS))
+    residuals = sum(o[1] for o in out)
+    for r in range(N):      # every rank got the same sums
+        np.testing.assert_array_equal(out[r][0], out[0][0])
+    # sent + still in the buffers == everything that went in (float32 rounding aside)
+    np.testing.assert_allclose(out[0][0] + residuals, inputs, atol=2e-5 * np.abs(inputs).max())
+    bias_with = abs((inputs - out[0][0]).mean())
+    bias_without = abs((inputs - out[0][2]).mean())
+    # what is still owed is a few steps' worth (BGT sends at most T per step, so it owes more);
+    # without a key the owed part is never sent: the sums drift apart
+    assert bias_with < 0.2 * abs(inputs.mean()), (bias_with, inputs.mean())
+    assert bias_without > 4 * bias_with, (bias_without, bias_with)
+
+
+def test_mqgrad_ranks_holding_different_bits_agree_on_the_max(switch):
+    bits = {0: 3, 1: 5, 2: 4}
+    xs = [gradient(r, 99) for r in range(N)]
+
+    def body(rank, cl):
+        c = cl.codec("mqgrad")
+        c.controller.bits = bits[rank]        # as if the agents had diverged
+        x = xs[rank].copy()
+        cl.allreduce(x, codec="mqgrad")
+        return x
+
+    out = run_ranks(switch, 44, body)
+    for r in range(N):
+        np.testing.assert_array_equal(out[r], out[0])
+    # the reference: every rank quantized with K = 5 bits and the shared (max) range
+    ref = C.get("mqgrad")
+    ref.controller.bits = 5
+    exponent = max(ref.scale_exponent(x) for x in xs)
+    ctx = ScaleContext(exponent, N, agreed=(5,))
+    codes = sum(ref.encode_shared(x, ctx).astype(np.int64) for x in xs)
+    np.testing.assert_allclose(out[0], ref.decode_sum(codes, ctx), rtol=1e-6, atol=1e-9)
+    # and with 3 bits the result would have been visibly coarser: the max was really used
+    ctx3 = ScaleContext(exponent, N, agreed=(3,))
+    coarse = ref.decode_sum(sum(ref.encode_shared(x, ctx3).astype(np.int64) for x in xs), ctx3)
+    assert np.abs(coarse - out[0]).max() > 0
