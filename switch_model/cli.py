@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     _impair_args(s, "", "both directions")
     _impair_args(s, "ingress-", "worker->switch")
     _impair_args(s, "egress-", "switch->worker")
+    s.add_argument("--host-agg-port", type=int, default=None,
+                   help="TCP port of the host aggregator for variable-length codecs (3lc, eaq, wgt; NOT "
+                        "switch-feasible): default PORT+100 (a free port if that is taken), 0: a free port, -1: off")
     s.add_argument("--stats-interval", type=float, default=10.0, help="seconds between rate log lines (0: off)")
     s.add_argument("--log-level", default="INFO")
     st = sub.add_parser("stats", help="print the counters of a running switch (JSON)")
@@ -77,6 +80,16 @@ def main(argv=None) -> int:
     from .impair import ImpairmentConfig
     from .pipeline import Switch, SwitchConfig
     both = _collect(args, "")
+    hagg = None
+    if args.host_agg_port is None or args.host_agg_port >= 0:
+        # started first: its process imports while the switch builds its registers
+        from ina.host_client import HOST_AGG_PORT_OFFSET
+        from .host_agg import HostAggregatorProcess
+        hport = args.host_agg_port
+        if hport is None:
+            hport = args.port + HOST_AGG_PORT_OFFSET if 0 < args.port <= 65535 - HOST_AGG_PORT_OFFSET else 0
+        hagg = HostAggregatorProcess(args.host, hport, fallback=args.host_agg_port is None, seed=args.seed,
+                                     stats_interval=args.stats_interval, log_level=args.log_level.upper())
     try:
         cfg = SwitchConfig(host=args.host, port=args.port, slots=args.slots, elements=args.elements,
                            register_bits=args.register_bits, sram_mb=args.sram_mb, burst=args.burst, seed=args.seed,
@@ -91,14 +104,20 @@ def main(argv=None) -> int:
             sw = group.local
         else:
             group = sw = Switch(cfg)
+        if hagg is not None:
+            hagg.wait_ready()
     except (ValueError, OSError, RuntimeError) as e:
         print(f"ina-switch serve: {e}", file=sys.stderr)
+        if hagg is not None:
+            hagg.close()
         return 2
     print(f"ina-switch: register memory {cfg.register_memory() / 2**20:.2f} MiB of {cfg.sram_mb:g} MiB "
           f"({cfg.slots} slots x 2 sets x {cfg.elements} x {cfg.register_bits}-bit)"
           + (f" in each of {args.cores} shards on udp ports {sw.port}..{sw.port + args.cores - 1}" if args.cores > 1
-             else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}", file=sys.stderr, flush=True)
-    cp = ControlPlane(group, args.host)
+             else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}"
+          + (f"; host aggregator (NOT switch-feasible) on tcp {cfg.host}:{hagg.port}" if hagg is not None else ""),
+          file=sys.stderr, flush=True)
+    cp = ControlPlane(group, args.host, host_agg=hagg)
     cp.start()
 
     def on_signal(signum, frame):
@@ -114,6 +133,8 @@ def main(argv=None) -> int:
     finally:
         sw._running = False
         cp.stop()
+        if hagg is not None:
+            hagg.close()
         if group is not sw:
             group.close()
         sw.sock.close()

@@ -28,8 +28,9 @@ class _Pending:
 
 
 class ControlPlane:
-    def __init__(self, switch, host: str = "0.0.0.0"):
+    def __init__(self, switch, host: str = "0.0.0.0", host_agg=None):
         self.switch = switch
+        self.host_agg = host_agg      # switch_model.host_agg.HostAggregatorProcess, or None
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._left: dict[int, set] = {}
@@ -77,6 +78,8 @@ class ControlPlane:
                         reply = {}
                     elif op == "stats":
                         reply = {"stats": self.switch.dp("stats")}
+                        if self.host_agg is not None:
+                            reply["stats"]["host_aggregator"] = self._host_agg_stats()
                     elif op == "status":
                         reply = {"status": self.switch.dp("job_status", int(msg["job"]))}
                     elif op == "impair":
@@ -139,6 +142,8 @@ class ControlPlane:
                                 "elements": info.elements,
                                 "raw": info.raw, "register_bits": self.switch.cfg.register_bits, "world_size": n,
                                 "incarnation": info.created}
+                    if self.host_agg is not None:
+                        p.result["host_aggregator"] = self.host_agg.info()
                     self._left[job] = set()
                 except (ValueError, TimeoutError) as e:
                     p.error = str(e)
@@ -161,6 +166,12 @@ class ControlPlane:
             if not p.members and self._pending.get(job) is p:
                 del self._pending[job]
         raise ValueError(f"job {job}: timed out after {timeout:g} s waiting for ranks {missing} to join")
+
+    def _host_agg_stats(self) -> dict:
+        try:
+            return self.host_agg.stats()
+        except (RuntimeError, TimeoutError) as e:
+            return {**self.host_agg.info(), "error": str(e)}
 
     def _leave(self, job: int, rank: int) -> None:
         with self._lock:
