@@ -35,6 +35,10 @@ from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, VERSION, Flag, Msg
 log = logging.getLogger("ina.client")
 
 
+COALESCE_TARGET = 16      # results per receive burst that receive coalescing aims at
+COALESCE_SPACING = 2e-4   # ... when results arrive further apart than this (a 8 kB packet at 330 Mbit/s)
+
+
 class AllreduceError(RuntimeError):
     """An allreduce could not complete; the message says what was missing."""
 
@@ -65,13 +69,15 @@ class Client:
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
-                 rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None):
+                 rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
+                 coalesce: float = 0.004):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         host, port = switch
         self.switch = (host, int(port))
         self.rank, self.world_size, self.job = rank, world_size, job
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
+        self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
         self.stats = ClientStats()
         self._codecs: dict[str, compression.Codec] = {}
         self._codec_options = codec_options or {}
@@ -98,10 +104,14 @@ class Client:
         for i, p in enumerate(ports):                                # would drop the network byte order)
             self.switch_addrs[i] = B.sockaddr(host, p)[0]
         self.shards = len(ports)
+        self.host_aggregator = cfg.get("host_aggregator")  # {"port", "label"} when the service runs one
+        self._host: object | None = None                    # HostAggClient, connected on first use
         B.set_recv_timeout(self.sock, 0.002)
         self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
         self.tx = B.TxBatch(self.sock, capacity=1024)
         self._next_chunk = 0
+        self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
+        self.rttvar = 0.0
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
                  self.slots, self.elements)
 
@@ -127,8 +137,7 @@ class Client:
                                  f"failure: {self._broken}")
         c = self.codec(codec)
         if not c.switch_summable:
-            raise ValueError(f"codec {codec!r} cannot be summed by an integer switch; switch-summable codecs: "
-                             + ", ".join(n for n in compression.available() if compression.get(n).switch_summable))
+            return self._host_allreduce(tensor, c, key, average)
         x32 = to_numpy_f32(tensor)
         n = x32.size
         if n == 0:
@@ -154,6 +163,32 @@ class Client:
         self.stats.allreduces += 1
         self.stats.elements += n
         _write_back(tensor, out)
+        return tensor
+
+    def _host_allreduce(self, tensor, c, key, average):
+        """A codec an integer switch cannot sum (variable-length messages: 3lc, eaq, wgt) goes through
+        the service's host aggregator (decode, sum, re-encode on a host CPU: NOT switch-feasible)."""
+        if self.host_aggregator is None:
+            raise ValueError(f"codec {c.name!r} cannot be summed by an integer switch and the switch service "
+                             f"at {self.switch[0]}:{self.switch[1]} runs no host aggregator; switch-summable codecs: "
+                             + ", ".join(n for n in compression.available() if compression.get(n).switch_summable))
+        if self._host is None:
+            from .host_client import HostAggClient
+            self._host = HostAggClient((self.switch[0], int(self.host_aggregator["port"])), self.rank,
+                                       self.world_size, self.job, timeout=self.timeout, seed=self._seed)
+            log.warning("rank %d job %d: codec %s runs through the host aggregator (%s)", self.rank, self.job,
+                        c.name, self.host_aggregator.get("label", "NOT switch-feasible"))
+        sent0, recv0 = self._host.stats.bytes_sent, self._host.stats.bytes_received
+        try:
+            self._host.allreduce(tensor, c, key=key, average=average)
+        except AllreduceError as e:
+            self._broken = str(e)
+            raise
+        finally:
+            self.stats.bytes_sent += self._host.stats.bytes_sent - sent0
+            self.stats.bytes_received += self._host.stats.bytes_received - recv0
+        self.stats.allreduces += 1
+        self.stats.elements += int(np.prod(np.shape(tensor)))
         return tensor
 
     def _result_type(self, c) -> PayloadType:
@@ -262,11 +297,16 @@ class Client:
         low = 0                       # every chunk below `low` is done
         n_done = 0
         last_progress = now
-        next_check = now + self.rto
+        next_check = now + self.current_rto()
+        n_sent = first.size
+        last_rx, per_pkt = None, 0.0          # arrival spacing (EWMA, seconds per packet) for coalescing
         while n_done < n_chunks:
             k = self.rx.recv(wait=True)
             now = time.monotonic()
             if k:
+                if last_rx is not None:
+                    per_pkt = 0.8 * per_pkt + 0.2 * (now - last_rx) / k if per_pkt else (now - last_rx) / k
+                last_rx = now
                 self.stats.packets_received += k
                 self.stats.bytes_received += int(self.rx.lens[:k].sum())
                 buf = self.rx.buf[:k]
@@ -291,6 +331,9 @@ class Client:
                     if jj.size:
                         if E:
                             decode(jj, np.ascontiguousarray(payload_view(buf[idx], result_type, E), dtype=rdtype.newbyteorder("=")))
+                        first_try = jj[tries[jj] == 0]       # Karn: no samples from retransmitted chunks
+                        if first_try.size:
+                            self._rtt_sample(float(np.median(now - sent_at[first_try])))
                         exps[jj] = h["exponent"][idx]
                         overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
                         done[jj] = True
@@ -301,15 +344,25 @@ class Client:
                         if nxt.size:
                             self._send(pkts, load(nxt), pkt_len, n_shards, S)
                             sent_at[nxt] = now
+                            n_sent += nxt.size
                         while low < n_chunks and done[low]:
                             low += 1
                 self.stats.stale_results += stale
+                # receive coalescing: on a slow link results trickle in one by one and each loop turn costs
+                # ~100 us of Python; with a full window still in flight, let a few more arrive first (on a
+                # fast link they arrive faster than a loop turn and batch by themselves)
+                in_flight = n_sent - n_done
+                if k < COALESCE_TARGET and in_flight > 2 * COALESCE_TARGET and per_pkt > COALESCE_SPACING:
+                    pause = min(self.coalesce, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)
+                    if pause > 5e-5:
+                        time.sleep(pause)
             if now >= next_check and n_done < n_chunks:
-                next_check = now + self.rto / 2
+                rto = self.current_rto()
+                next_check = now + rto / 2
                 hi = min(n_chunks, low + 2 * S)
                 win = np.arange(low, hi)
                 w = win[(~done[low:hi]) & (sent_at[low:hi] > 0)]
-                late = w[now - sent_at[w] > np.minimum(self.rto * 2.0 ** tries[w], self.max_rto)]
+                late = w[now - sent_at[w] > np.minimum(rto * 2.0 ** tries[w], self.max_rto)]
                 if late.size:
                     rows = late % R
                     hv["flags"][rows] |= int(Flag.RETRANSMIT)
@@ -323,6 +376,22 @@ class Client:
             raise AllreduceError(f"job {self.job}: {overflow} chunk(s) came back with the OVERFLOW flag: a switch "
                                  "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
         return exps
+
+    def _rtt_sample(self, r: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = r, r / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - r)
+            self.srtt = 0.875 * self.srtt + 0.125 * r
+
+    def current_rto(self) -> float:
+        """Retransmission timeout: srtt + 4 rttvar of the chunks' measured round trips (RFC 6298 with
+        Karn's rule), at least ``rto`` (the configured minimum) and at most ``max_rto``. A full window
+        queued behind a slow link or a busy switch makes the round trip long; a fixed timeout would
+        retransmit spuriously and add to the load."""
+        if self.srtt is None:
+            return self.rto
+        return min(self.max_rto, max(self.rto, self.srtt + 4 * self.rttvar))
 
     def _send(self, pkts, rows, pkt_len, n_shards, S):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % n_shards."""
@@ -350,6 +419,9 @@ class Client:
         """Leave the job (the switch frees its slots once every worker left)."""
         if self.ctl is None:
             return
+        if self._host is not None:
+            self._host.close()
+            self._host = None
         try:
             self.ctl.request({"op": "leave"}, timeout=5.0)
         except ControlError as e:

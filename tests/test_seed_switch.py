@@ -120,3 +120,45 @@ def test_mqgrad_ranks_holding_different_bits_agree_on_the_max(switch):
     ctx3 = ScaleContext(exponent, N, agreed=(3,))
     coarse = ref.decode_sum(sum(ref.encode_shared(x, ctx3).astype(np.int64) for x in xs), ctx3)
     assert np.abs(coarse - out[0]).max() > 0
+
+
+def test_variable_length_codecs_go_through_the_host_aggregator(switch):
+    """Client.allreduce with 3lc (quartic + zero-run: not switch-summable) is served by the service's
+    host aggregator: every rank gets the same sums; with error feedback their running total tracks the
+    true one; far fewer bytes than fp32 go up."""
+    steps = 20
+
+    def body(rank, cl):
+        assert cl.host_aggregator and "NOT switch-feasible" in cl.host_aggregator["label"]
+        total, stateless = np.zeros(ELEMS), np.zeros(ELEMS)
+        sent0 = cl.stats.bytes_sent
+        for step in range(steps):
+            x = gradient(rank, step)
+            cl.allreduce(x, codec="3lc", key="w")
+            total += x
+        sent = (cl.stats.bytes_sent - sent0) / steps
+        for step in range(steps):
+            x = gradient(rank, step)
+            cl.allreduce(x, codec="3lc")
+            stateless += x
+        return total, sent, stateless
+
+    out = run_ranks(switch, 45, body)
+    for r in range(N):
+        np.testing.assert_array_equal(out[r][0], out[0][0])
+    true = sum(gradient(r, s).astype(np.float64) for r in range(N) for s in range(steps))
+    bias = abs((out[0][0] - true).mean())          # error feedback: what was held back is sent later
+    bias_stateless = abs((out[0][2] - true).mean())
+    assert bias < 0.6 * bias_stateless, (bias, bias_stateless)
+    assert 0 < out[0][1] < 0.5 * 4 * ELEMS, out[0][1]      # under 2 bits per value on the uplink
+
+
+def test_without_a_host_aggregator_a_variable_length_codec_is_refused_by_name(tmp_path):
+    sw = SwitchProc("--slots", "8", "--elements", "256", "--host-agg-port", "-1", log_path=tmp_path / "sw.log")
+    try:
+        with Client(("127.0.0.1", sw.port), rank=0, world_size=1, job=1, elements=256, slots=4, timeout=10) as cl:
+            assert cl.host_aggregator is None
+            with pytest.raises(ValueError, match="'eaq' cannot be summed by an integer switch.*no host aggregator"):
+                cl.allreduce(np.ones(100, np.float32), codec="eaq")
+    finally:
+        assert sw.terminate() == 0, sw.log()
