@@ -16,10 +16,11 @@ Workloads:
 
 * ``allreduce``: gradient-sized tensors (ResNet-110 1.7M, AlexNet 61M, VGG-16 138M parameters;
   ``--quick`` uses only ResNet-110's count divided by ``--scale``, default 4: 425,000 elements);
-* ``throughput``: training throughput with synthetic data, modelled as per-step compute (a
-  forward+backward of a synthetic fully connected model with that parameter count, batch 32,
-  measured on this machine, one process) plus the measured allreduce time of that size, without
-  overlap: samples/s = workers * batch / (compute + allreduce);
+* ``throughput``: data-parallel training with synthetic data (random batches of 32 per worker) of a
+  synthetic fully connected model with that parameter count (``sweep_worker.synthetic_model``):
+  forward+backward, one allreduce of all gradients per step (fused, as Horovod does), SGD step;
+  measured end to end: samples/s = workers * batch * steps / wall time of the slowest rank
+  (``--tp-sizes``, default ResNet-110's count: the large models' runs take minutes per step at 10 Mbit/s);
 * ``accuracy``: data-parallel SGD on scikit-learn's digits for a fixed number of steps, Gloo vs
   every INA codec; test accuracy against steps and wall time.
 
@@ -34,7 +35,6 @@ import csv
 import datetime as _dt
 import json
 import logging
-import math
 import os
 import selectors
 import subprocess
@@ -59,8 +59,22 @@ def seed_methods() -> list[str]:
     return [f"ina:{n}" for n in compression.available() if n not in NOT_SEED and compression.get(n).switch_summable]
 
 
+def host_methods() -> list[str]:
+    """Codecs with variable-length messages (3lc, eaq, wgt): they run through the switch service's host
+    aggregator (decode, sum, re-encode on a CPU), labelled NOT switch-feasible in every output."""
+    from ina import compression
+    return [f"ina:{n}" for n in compression.available() if not compression.get(n).switch_summable]
+
+
+def is_host_method(method: str) -> bool:
+    if not method.startswith("ina:"):
+        return False
+    from ina import compression
+    return not compression.get(method[4:]).switch_summable
+
+
 def all_methods() -> list[str]:
-    return CORE_METHODS + ["ina:rd"] + seed_methods()
+    return CORE_METHODS + ["ina:rd"] + seed_methods() + host_methods()
 
 
 def parse_size(s: str) -> int:
@@ -84,9 +98,11 @@ def key_of(rec: dict) -> str:
 # ------------------------------------------------------------------------------------------------
 # link-bound ideal
 def payload_widths(method: str) -> tuple[int, int]:
-    """Bytes per element (upload, download) of a method's payload on the wire."""
+    """Bytes per element (upload, download) of a method's payload on the wire (None: variable length)."""
     if method == "gloo":
         return 4, 4
+    if is_host_method(method):
+        return None
     from ina import compression
     from ina.wire import PAYLOAD_WIDTH, PayloadType
     c = compression.get(method[4:])
@@ -98,7 +114,7 @@ def payload_widths(method: str) -> tuple[int, int]:
 def ideal_time(method: str, n: int, elements: int, rate: str) -> float | None:
     """Link-bound time: ring 2(n-1)/n*S/rate; INA max(S_up, S_down)/rate (both directions concurrent)."""
     bps = rate_bps(rate)
-    if bps is None:
+    if bps is None or is_host_method(method):      # host-aggregated: from the measured bytes (run_bench)
         return None
     up, down = payload_widths(method)
     if method == "gloo":
@@ -195,12 +211,23 @@ def _link_bytes(topo, n: int, rate: str) -> dict:
             "sw_tx": c[topo.switch.name].tx_bytes, "sw_rx": c[topo.switch.name].rx_bytes}
 
 
+def _switch_counters(topo) -> dict:
+    """The switch service's packet counters and drop counters by reason (its control plane's stats)."""
+    from ina.control import ControlError, request
+    try:
+        st = request(topo.switch.ip, SWITCH_PORT, {"op": "stats"}, timeout=5.0)["stats"]
+    except ControlError as e:
+        log.warning("switch stats unavailable: %s", e)
+        return {}
+    return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()}}
+
+
 def ina_rto(method: str, rate: str, slots: int, mtu: int) -> float | None:
     """Retransmission timeout above the queueing delay of a full window on the shaped link: a window of
     ``slots`` packets waits up to window/rate in the upload queue (and as much in the download queue);
     a 20 ms RTO at 100 Mbit/s with 64 x 8 kB in flight (42 ms) retransmits spuriously."""
     bps = rate_bps(rate)
-    if method == "gloo" or bps is None:
+    if method == "gloo" or bps is None or is_host_method(method):
         return None
     from .sweep_worker import ina_elements
     up, down = payload_widths(method)
@@ -218,10 +245,10 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     t0 = time.monotonic()
     group.send(cmd)
     group.expect_all("ready", f"warm-up of {method} n={n} {rate} {elements} elements", args.timeout + est * args.warmup)
-    c0 = _link_bytes(topo, n, rate)
+    c0, s0 = _link_bytes(topo, n, rate), _switch_counters(topo)
     group.send("go")
     res = group.expect_all("done", f"timed {method} n={n} {rate} {elements} elements", args.timeout + est * reps)
-    c1 = _link_bytes(topo, n, rate)
+    c1, s1 = _link_bytes(topo, n, rate), _switch_counters(topo)
     times = [max(r["times"][i] for r in res) for i in range(reps)]    # a rep ends when the slowest rank has it
     med = sorted(times)[len(times) // 2]
     rec = {"workload": "allreduce", "method": method, "workers": n, "rate": rate, "rate_bps": bps,
@@ -232,10 +259,18 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
            "wire_down_bytes_per_worker": (c1["down"] - c0["down"]) / (n * reps),
            "wire_drops": c1["drops"] - c0["drops"],
            "switch_link_tx_bytes": (c1["sw_tx"] - c0["sw_tx"]) / reps,
-           "rel_error": max(r["rel_error"] for r in res), "wall": time.monotonic() - t0}
+           "rel_error": max(r["rel_error"] for r in res), "wall": time.monotonic() - t0,
+           "worker_cpu_per_allreduce": sum(sum(r["cpu_times"]) for r in res) / (n * reps),
+           "switch_counters": {k: s1[k] - s0.get(k, 0) for k in s1 if s1[k] - s0.get(k, 0)}}
     if "client" in res[0]:
         rec["client_bytes_sent_per_worker"] = sum(r["client"]["bytes_sent"] for r in res) / (n * reps)
         rec["client_retransmissions"] = sum(r["client"]["retransmissions"] for r in res)
+    if is_host_method(method) and bps:
+        # variable-length messages: the link-bound time of the bytes actually sent (TCP/IP headers included)
+        rec["ideal_time"] = max(rec["wire_up_bytes_per_worker"], rec["wire_down_bytes_per_worker"]) * 8 / bps
+        rec["ideal_from_measured_bytes"] = True
+    if is_host_method(method):
+        rec["aggregation"] = "host (NOT switch-feasible)"
     rec["bound_ratio"] = med / rec["ideal_time"] if rec["ideal_time"] else None
     return rec
 
@@ -253,23 +288,29 @@ def run_train(group: WorkerGroup, method: str, n: int, rate: str, args, job: int
             "comm_time": curve[-1]["comm_time"], "wall": time.monotonic() - t0}
 
 
-def measure_compute(elements: int) -> float:
-    """Seconds per forward+backward of a synthetic fully connected model with ``elements`` parameters
-    (batch 32, synthetic data, one process on this machine)."""
-    import torch
-    torch.manual_seed(0)
-    width = max(8, int(math.sqrt(elements / 2)))
-    depth_in = max(1, elements // width - width)    # Linear(depth_in -> width) + Linear(width -> width)
-    m = torch.nn.Sequential(torch.nn.Linear(depth_in, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
-    x = torch.randn(BATCH, depth_in)
-    m(x).square().mean().backward()
-    ts = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        m.zero_grad()
-        m(x).square().mean().backward()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[1]
+def run_throughput(group: WorkerGroup, topo, method: str, n: int, rate: str, elements: int, args, job: int,
+                   cid: int) -> dict:
+    est = (ideal_time(method, n, elements, rate) or 0.01) * 3 + 2 + elements * 2e-7
+    steps = args.tp_steps
+    cmd = {"op": "throughput", "id": cid, "method": method, "elements": elements, "steps": steps, "warmup": 1,
+           "job": job, "batch": BATCH, "rto": ina_rto(method, rate, args.slots, topo.mtu)}
+    t0 = time.monotonic()
+    c0 = _link_bytes(topo, n, rate)
+    group.send(cmd)
+    res = group.expect_all("done", f"training throughput of {method} n={n} {rate} {elements:,} parameters",
+                           args.timeout + est * (steps + 1))
+    c1 = _link_bytes(topo, n, rate)
+    total = max(r["total"] for r in res)
+    step_times = [max(r["step_times"][i] for r in res) for i in range(steps)]
+    compute = sorted(x for r in res for x in r["compute_times"])
+    return {"workload": "throughput", "method": method, "workers": n, "rate": rate, "rate_bps": rate_bps(rate),
+            "elements": elements, "params": res[0]["params"], "steps": steps, "batch": BATCH,
+            "step_times": step_times, "time_median": sorted(step_times)[steps // 2],
+            "compute_time": compute[len(compute) // 2], "samples_per_s": n * BATCH * steps / total,
+            "ideal_time": ideal_time(method, n, elements, rate),
+            "wire_up_bytes_per_worker": (c1["up"] - c0["up"]) / (n * (steps + 1)),
+            "wire_down_bytes_per_worker": (c1["down"] - c0["down"]) / (n * (steps + 1)),
+            "wall": time.monotonic() - t0}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,27 +336,18 @@ def save_results(out: Path, meta: dict, records: list[dict]) -> None:
             w.writerow(r)
 
 
-def derive(records: list[dict], sizes: dict[str, int], compute: dict) -> list[dict]:
-    """Speedups vs Gloo and the modelled training throughput (added to the allreduce records)."""
+def derive(records: list[dict], sizes: dict[str, int]) -> list[dict]:
+    """Speedups vs Gloo (same workload, workers, rate and size) and the model names."""
     by = {(r["workload"], r["method"], r["workers"], r["rate"], r["elements"]): r for r in records}
     inv = {v: k for k, v in sizes.items()}
-    out = [r for r in records if r["workload"] != "throughput"]
     for r in records:
-        if r["workload"] != "allreduce":
-            continue
-        g = by.get(("allreduce", "gloo", r["workers"], r["rate"], r["elements"]))
-        r["speedup_vs_gloo"] = g["time_median"] / r["time_median"] if g else None
-        r["model"] = inv.get(r["elements"])
-        ct = compute.get(str(r["elements"]))
-        if ct is not None:
-            t = {k: v for k, v in r.items() if k in ("method", "workers", "rate", "rate_bps", "elements", "model",
-                                                    "time_median", "ideal_time", "wire_up_bytes_per_worker",
-                                                    "wire_down_bytes_per_worker")}
-            t.update(workload="throughput", compute_time=ct, batch=BATCH,
-                     samples_per_s=r["workers"] * BATCH / (ct + r["time_median"]),
-                     speedup_vs_gloo=(g and (ct + g["time_median"]) / (ct + r["time_median"])))
-            out.append(t)
-    return out
+        r["model"] = inv.get(r["elements"], r.get("model"))
+        g = by.get((r["workload"], "gloo", r["workers"], r["rate"], r["elements"]))
+        if r["workload"] == "allreduce":
+            r["speedup_vs_gloo"] = g["time_median"] / r["time_median"] if g else None
+        elif r["workload"] == "throughput":
+            r["speedup_vs_gloo"] = r["samples_per_s"] / g["samples_per_s"] if g else None
+    return records
 
 
 def main(argv=None) -> int:
@@ -334,7 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--acc-steps", type=int, help="SGD steps of the accuracy workload (default 300; quick 100; 0: skip)")
     ap.add_argument("--acc-rate", default="100mbit", help="link rate of the accuracy runs")
     ap.add_argument("--acc-workers", type=int, help="workers of the accuracy runs (default 4; quick 2)")
-    ap.add_argument("--no-throughput", action="store_true", help="skip the modelled training throughput")
+    ap.add_argument("--tp-sizes", help="comma-separated sizes (model names or counts) of the training-throughput "
+                                       "workload (default resnet110, divided by --scale; 'none': skip)")
+    ap.add_argument("--tp-steps", type=int, help="timed SGD steps per throughput configuration (default 10; quick 3)")
     ap.add_argument("--max-ring-time", type=float, default=120.0,
                     help="skip a configuration whose link-bound time exceeds this many seconds per allreduce")
     ap.add_argument("--mtu", type=int, default=9000)
@@ -354,14 +388,13 @@ def main(argv=None) -> int:
     mspec = args.methods or ("core" if q else "all")
     methods: list[str] = []
     for m in mspec.split(","):
-        methods += {"core": CORE_METHODS, "seed": seed_methods(), "all": all_methods()}.get(m, [m])
+        methods += {"core": CORE_METHODS, "seed": seed_methods() + host_methods(), "host": host_methods(),
+                    "all": all_methods()}.get(m, [m])
     from ina import compression
     for m in methods:
         if m != "gloo":
             if not m.startswith("ina:") or m[4:] not in compression.available():
                 ap.error(f"method {m!r}: expected gloo or ina:<codec> with codec one of {compression.available()}")
-            if not compression.get(m[4:]).switch_summable:
-                ap.error(f"method {m!r}: codec is not switch-summable")
     methods = list(dict.fromkeys(methods))
     scale = args.scale or (4.0 if q else 1.0)
     sizes: dict[str, int] = {}
@@ -370,6 +403,12 @@ def main(argv=None) -> int:
             sizes[s] = max(1, int(MODELS[s] / scale))
         else:
             sizes[s] = parse_size(s)
+    tp_sizes: dict[str, int] = {}
+    if (args.tp_sizes or "resnet110") != "none":
+        for s_ in (args.tp_sizes or "resnet110").split(","):
+            tp_sizes[s_] = max(1, int(MODELS[s_] / scale)) if s_ in MODELS else parse_size(s_)
+    sizes.update({k: v for k, v in tp_sizes.items() if k in MODELS})
+    args.tp_steps = args.tp_steps or (3 if q else 10)
     reps = args.reps or (3 if q else 5)
     args.reps = reps
     args.acc_steps = args.acc_steps if args.acc_steps is not None else (100 if q else 300)
@@ -377,15 +416,14 @@ def main(argv=None) -> int:
 
     out = args.out or Path("results") / f"sweep-{_dt.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
-    records = [r for r in load_results(out) if r["workload"] != "throughput"]
+    records = load_results(out)
     done = {key_of(r) for r in records}
     prev_meta = json.loads((out / "results.json").read_text())["meta"] if (out / "results.json").exists() else {}
-    compute = dict(prev_meta.get("compute_time", {}))
     meta = {"command": "ina-sweep " + " ".join(argv if argv is not None else sys.argv[1:]), "quick": q, "scale": scale,
             "sizes": sizes, "rates": rates, "workers": workers, "methods": methods, "reps": reps, "warmup": args.warmup,
             "mtu": args.mtu, "slots": args.slots, "acc_steps": args.acc_steps, "acc_rate": args.acc_rate,
             "acc_workers": acc_workers, "batch": BATCH, "started": _dt.datetime.now().isoformat(timespec="seconds"),
-            "compute_time": compute}
+            "tp_sizes": tp_sizes, "tp_steps": args.tp_steps}
     if prev_meta.get("runs"):
         meta["runs"] = prev_meta["runs"] + [meta["command"]]
     else:
@@ -404,6 +442,11 @@ def main(argv=None) -> int:
                     if it is not None and it > args.max_ring_time:
                         continue
                     plan.append(("allreduce", n, rate, el, m))
+            for el in tp_sizes.values():
+                for m in methods:
+                    it = ideal_time(m, n, el, rate)
+                    if f"throughput|{m}|{n}|{rate}|{el}" not in done and not (it is not None and it > args.max_ring_time):
+                        plan.append(("throughput", n, rate, el, m))
         if args.acc_steps and n == acc_workers:
             for m in methods:
                 if f"accuracy|{m}|{n}|{args.acc_rate}|" not in "\n".join(done) and not any(
@@ -411,10 +454,6 @@ def main(argv=None) -> int:
                     plan.append(("accuracy", n, args.acc_rate, 0, m))
     from tqdm import tqdm
     t_start = time.monotonic()
-    if not args.no_throughput:
-        for el in sizes.values():
-            if str(el) not in compute:
-                compute[str(el)] = measure_compute(el)
     if plan:
         from ina.net import Topology
         with Topology(workers=max(w for w, *_ in [(p[1],) for p in plan]), rate=rates[0], mtu=args.mtu) as topo:
@@ -445,11 +484,13 @@ def main(argv=None) -> int:
                             cid += 1
                             if wl == "allreduce":
                                 rec = run_bench(group, topo, m, n, rate, el, args, job, cid)
+                            elif wl == "throughput":
+                                rec = run_throughput(group, topo, m, n, rate, el, args, job, cid)
                             else:
                                 rec = run_train(group, m, n, rate, args, job, cid)
                             records.append(rec)
                             meta["elapsed"] = time.monotonic() - t_start
-                            save_results(out, meta, derive(records, sizes, compute))
+                            save_results(out, meta, derive(records, sizes))
                             bar.update(1)
                     finally:
                         group.close()
@@ -465,7 +506,7 @@ def main(argv=None) -> int:
         print(f"ina-sweep: every configuration is already in {out / 'results.json'}; regenerating the report",
               file=sys.stderr)
     meta["elapsed"] = time.monotonic() - t_start
-    final = derive(records, sizes, compute)
+    final = derive(records, sizes)
     save_results(out, meta, final)
     from .sweep_report import write_report
     write_report(out, meta, final, plots=not args.no_plots)

@@ -33,7 +33,10 @@ def _methods(records):
 
 
 def _label(m):
-    return "Gloo ring fp32" if m == "gloo" else "INA " + m[4:]
+    if m == "gloo":
+        return "Gloo ring fp32"
+    from .sweep import is_host_method
+    return f"host-aggregated {m[4:]} (NOT switch-feasible)" if is_host_method(m) else "INA " + m[4:]
 
 
 def _pick_n(ar, prefer=4):
@@ -208,7 +211,7 @@ def plots(out: Path, records) -> list[str]:
             ax.set_xticks(range(len(rates)), [RATE_LABEL.get(r, r) for r in rates], fontsize=7)
             ax.set_yscale("log")
             ax.set_title(f"{name} ({el:,} params), {n} workers", fontsize=9)
-            ax.set_ylabel("samples/s (modelled: compute + allreduce)")
+            ax.set_ylabel("samples/s (measured, synthetic data)")
         axs[0][0].legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(out / "throughput.png", dpi=110)
@@ -302,13 +305,17 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
         n = _pick_n(tp)
         L += [f"## Training throughput (samples/s, {n} workers) — compare with the natural-compression paper's "
               "throughput figures", "",
-              f"Modelled: per-step compute (forward+backward of a synthetic fully connected model with that parameter "
-              f"count, batch {meta.get('batch', 32)} per worker, measured once on this machine) + the measured "
-              "allreduce time of that size, no overlap. samples/s = workers x batch / (compute + allreduce).", ""]
+              f"Measured: data-parallel SGD with synthetic data (batch {meta.get('batch', 32)} per worker) of a "
+              "fully connected model with that parameter count; per step forward+backward, one allreduce of all "
+              f"gradients, SGD step; {meta.get('tp_steps', '?')} timed steps after one warm-up step. samples/s = "
+              "workers x batch x steps / wall time of the slowest rank (in parentheses: ratio to Gloo). The model has "
+              "little compute per parameter, like an accelerator; on this 2-core CPU the workers share the cores, "
+              "and the median forward+backward time per step is given with each model.", ""]
         models = sorted({(r["elements"], r.get("model") or "") for r in tp})
         for el, name in models:
-            ct = next(r["compute_time"] for r in tp if r["elements"] == el)
-            L.append(f"**{name or el} ({el:,} parameters; compute {ct * 1000:.1f} ms/step)**")
+            ct = sorted(r["compute_time"] for r in tp if r["elements"] == el and r["workers"] == n)
+            ct = ct[len(ct) // 2] if ct else float("nan")
+            L.append(f"**{name or el} ({el:,} parameters; median compute {ct * 1000:.1f} ms/step per worker)**")
             L.append("")
             L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " |")
             L.append("|---" * (len(rates) + 1) + "|")

@@ -10,6 +10,9 @@ JSON-line commands on stdin, answering JSON lines on stdout:
     allreduces, each after a Gloo barrier, and answers ``{"done": id, "times": [...], ...}``.
 ``{"op": "train", "id", "method", "steps", "eval_every", "job", "seed", "lr", "batch"}``
     data-parallel SGD of a small MLP on scikit-learn's digits; answers the accuracy curve.
+``{"op": "throughput", "id", "method", "elements", "steps", "warmup", "job", "batch"}``
+    data-parallel SGD of a synthetic-data model with ``elements`` parameters (see
+    :func:`synthetic_model`); answers per-step wall and compute times.
 ``{"op": "quit"}``
 
 ``method`` is ``"gloo"`` (torch.distributed all_reduce of fp32, Gloo's ring) or ``"ina:<codec>"``
@@ -47,6 +50,18 @@ def ina_elements(codec: str, mtu: int) -> int:
     return min(e, 8192)
 
 
+def synthetic_model(elements: int):
+    """A fully connected model with about ``elements`` parameters, Linear(d, w) -> ReLU -> Linear(w, w),
+    w = sqrt(elements / 2): the parameter count of ResNet-110 / AlexNet / VGG-16 with little compute
+    per parameter (a stand-in for an accelerator's speed: the links, not this CPU, should dominate)."""
+    import math
+
+    import torch
+    width = max(8, int(math.sqrt(elements / 2)))
+    d_in = max(1, elements // width - width)
+    return torch.nn.Sequential(torch.nn.Linear(d_in, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+
+
 class Worker:
     def __init__(self, a):
         import torch
@@ -73,7 +88,7 @@ class Worker:
         if method == "gloo":
             dist = self.dist
 
-            def red(t, average=False):
+            def red(t, average=False, key=None):
                 dist.all_reduce(t)
                 if average:
                     t /= self.a.world
@@ -82,7 +97,7 @@ class Worker:
         if not method.startswith("ina:"):
             raise ValueError(f"unknown method {method!r}: expected 'gloo' or 'ina:<codec>'")
         cl = self.client(method[4:], job)
-        return (lambda t, average=False: cl.allreduce(t, codec=method[4:], average=average)), cl
+        return (lambda t, average=False, key=None: cl.allreduce(t, codec=method[4:], average=average, key=key)), cl
 
     # ----------------------------------------------------------------------------------------------
     def bench(self, cmd):
@@ -97,27 +112,28 @@ class Worker:
         ref = x.clone()
         for _ in range(int(cmd["warmup"])):
             x.copy_(ref)
-            red(x)
+            red(x, key="bench")
         self.dist.barrier()
         s0 = cl.stats.as_dict() if cl else None
         _out({"ready": cmd["id"]})
         line = sys.stdin.readline().strip()
         if line != "go":
             raise RuntimeError(f"expected 'go' from the launcher, got {line!r}")
-        times = []
+        times, cpu = [], []
         for _ in range(int(cmd["reps"])):
             x.copy_(ref)
             self.dist.barrier()
-            t0 = time.perf_counter()
-            red(x)
+            t0, c0 = time.perf_counter(), time.process_time()
+            red(x, key="bench")
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         self.dist.barrier()
         # correctness check: the sum over ranks, recomputed here from the same seeds
         want = torch.zeros(n)
         for r in range(self.a.world):
             want += torch.randn(n, generator=torch.Generator().manual_seed(1000 + r)) * 1e-2
         rel = float((x - want).norm() / want.norm())
-        res = {"done": cmd["id"], "times": times, "rel_error": rel}
+        res = {"done": cmd["id"], "times": times, "cpu_times": cpu, "rel_error": rel}
         if cl:
             s1 = cl.stats.as_dict()
             res["client"] = {k: s1[k] - s0[k] for k in s1}
@@ -142,6 +158,7 @@ class Worker:
         red, cl = self.reducer(cmd["method"], int(cmd["job"]))
         flat = torch.zeros(sum(sizes))
         red(flat.clone())                                # warm-up (numba caches, connections)
+        mq = cl.codec(cl_codec) if cl is not None and (cl_codec := cmd["method"][4:]) == "mqgrad" else None
         rng = np.random.default_rng(seed * 100 + self.a.rank)
         batch = int(cmd.get("batch", 32))
         steps, every = int(cmd["steps"]), int(cmd["eval_every"])
@@ -161,9 +178,13 @@ class Worker:
             loss = torch.nn.functional.cross_entropy(model(Xtr[idx]), ytr[idx])
             opt.zero_grad()
             loss.backward()
+            if mq is not None:      # MQGrad's agent sees the global loss (as its server does) and sets the bits
+                gl = loss.detach().reshape(1).clone()
+                self.dist.all_reduce(gl)
+                mq.observe_loss(float(gl) / self.a.world)
             torch.cat([p.grad.reshape(-1) for p in params], out=flat)
             t0 = time.perf_counter()
-            red(flat, average=True)
+            red(flat, average=True, key="grads")
             comm += time.perf_counter() - t0
             off = 0
             for p, k in zip(params, sizes):
@@ -173,6 +194,56 @@ class Worker:
             if step % every == 0 or step == steps:
                 evaluate(step)
         _out({"done": cmd["id"], "curve": curve, "params": sum(sizes)})
+
+    # ----------------------------------------------------------------------------------------------
+    def throughput(self, cmd):
+        """Data-parallel SGD of a synthetic-data model with ``elements`` parameters: per step a
+        forward+backward on a random batch, one allreduce of all gradients (fused into one buffer,
+        as Horovod's tensor fusion does), an SGD step. Answers the per-step wall times."""
+        torch = self.torch
+        torch.manual_seed(0)                             # same init on every rank
+        model = synthetic_model(int(cmd["elements"]))
+        params = list(model.parameters())
+        sizes = [p.numel() for p in params]
+        opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]))
+        if cl and cmd.get("rto"):
+            cl.rto = float(cmd["rto"])
+            cl.max_rto = max(cl.max_rto, 4 * cl.rto)
+        g = torch.Generator().manual_seed(2000 + self.a.rank)
+        batch = int(cmd.get("batch", 32))
+        d_in, d_out = model[0].in_features, model[-1].out_features
+        x = torch.randn(batch, d_in, generator=g)
+        y = torch.randint(0, d_out, (batch,), generator=g)
+        flat = torch.zeros(sum(sizes))
+        step_times, compute_times = [], []
+
+        def step():
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            torch.cat([p.grad.reshape(-1) for p in params], out=flat)
+            t1 = time.perf_counter()
+            red(flat, average=True, key="grads")
+            off = 0
+            for p, k in zip(params, sizes):
+                p.grad.copy_(flat[off:off + k].view_as(p.grad))
+                off += k
+            opt.step()
+            return t1 - t0
+
+        for _ in range(int(cmd["warmup"])):
+            step()
+        self.dist.barrier()
+        t_all = time.perf_counter()
+        for _ in range(int(cmd["steps"])):
+            t0 = time.perf_counter()
+            compute_times.append(step())
+            step_times.append(time.perf_counter() - t0)
+        total = time.perf_counter() - t_all
+        self.dist.barrier()
+        _out({"done": cmd["id"], "step_times": step_times, "compute_times": compute_times, "total": total,
+              "params": sum(sizes)})
 
     def serve(self):
         _out({"hello": self.a.rank})
@@ -189,6 +260,8 @@ class Worker:
                     self.bench(cmd)
                 elif op == "train":
                     self.train(cmd)
+                elif op == "throughput":
+                    self.throughput(cmd)
                 else:
                     raise ValueError(f"unknown op {op!r}")
             except Exception as e:  # report, then keep serving is unsafe (collectives desync): exit

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network n
 def sweep(out: Path, methods: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(out), "--rates", "100mbit",
                            "--workers", "2", "--sizes", "60000", "--methods", methods, "--reps", "2",
-                           "--acc-steps", "20", "--acc-workers", "2", "--timeout", "30"],
+                           "--acc-steps", "20", "--acc-workers", "2", "--tp-sizes", "60000", "--tp-steps", "2",
+                           "--timeout", "30"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
 
 
@@ -26,7 +27,7 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     out = tmp_path / "sweep"
     p = sweep(out, "gloo,ina:nc")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "4 configuration(s) run" in p.stderr
+    assert "6 configuration(s) run" in p.stderr           # allreduce, throughput, accuracy x 2 methods
     data = json.loads((out / "results.json").read_text())
     ar = {r["method"]: r for r in data["records"] if r["workload"] == "allreduce"}
     assert set(ar) == {"gloo", "ina:nc"}
@@ -41,8 +42,13 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     assert ar["gloo"]["rel_error"] < 1e-5                      # the ring's sum is the true sum
     acc = {r["method"]: r for r in data["records"] if r["workload"] == "accuracy"}
     assert set(acc) == {"gloo", "ina:nc"} and all(r["curve"][-1]["step"] == 20 for r in acc.values())
-    tp = [r for r in data["records"] if r["workload"] == "throughput"]
-    assert {r["method"] for r in tp} == {"gloo", "ina:nc"} and all(r["samples_per_s"] > 0 for r in tp)
+    tp = {r["method"]: r for r in data["records"] if r["workload"] == "throughput"}
+    assert set(tp) == {"gloo", "ina:nc"}
+    for r in tp.values():     # measured: 2 timed SGD steps of a 60,000-parameter model on synthetic data
+        assert len(r["step_times"]) == 2 and r["samples_per_s"] == pytest.approx(
+            2 * r["batch"] * 2 / (sum(r["step_times"])), rel=0.5)
+        assert 0.8 * 60000 < r["params"] < 1.2 * 60000
+    assert tp["ina:nc"]["wire_up_bytes_per_worker"] < 0.4 * tp["gloo"]["wire_up_bytes_per_worker"]
     csv_lines = (out / "results.csv").read_text().splitlines()
     assert csv_lines[0].startswith("workload,method,workers") and len(csv_lines) == 1 + len(data["records"])
     png = out / "speedup_vs_bandwidth.png"
@@ -51,16 +57,17 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     report = (out / "report.md").read_text()
     assert "Speedup over Gloo ring fp32" in report and "INA nc" in report and "](speedup_vs_bandwidth.png)" in report
 
-    # resume: only the new method runs, the completed configurations are kept as they were
-    p2 = sweep(out, "gloo,ina:nc,ina:bfp32")
+    # resume: only the new method runs (a host-aggregated one), the completed configurations are kept
+    p2 = sweep(out, "gloo,ina:nc,ina:3lc")
     assert p2.returncode == 0, p2.stderr[-3000:]
-    assert "2 configuration(s) run" in p2.stderr          # bfp32 allreduce + bfp32 accuracy
+    assert "3 configuration(s) run" in p2.stderr          # 3lc allreduce + throughput + accuracy
     data2 = json.loads((out / "results.json").read_text())
     ar2 = {r["method"]: r for r in data2["records"] if r["workload"] == "allreduce"}
-    assert set(ar2) == {"gloo", "ina:nc", "ina:bfp32"}
+    assert set(ar2) == {"gloo", "ina:nc", "ina:3lc"}
     assert ar2["gloo"]["times"] == ar["gloo"]["times"] and ar2["ina:nc"]["times"] == ar["ina:nc"]["times"]
-    assert "INA bfp32" in (out / "report.md").read_text()
-    p3 = sweep(out, "gloo,ina:nc,ina:bfp32")
+    assert ar2["ina:3lc"]["aggregation"] == "host (NOT switch-feasible)"
+    assert "host-aggregated 3lc (NOT switch-feasible)" in (out / "report.md").read_text()
+    p3 = sweep(out, "gloo,ina:nc,ina:3lc")
     assert p3.returncode == 0 and "already in" in p3.stderr
 
 
