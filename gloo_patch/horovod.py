@@ -159,12 +159,16 @@ class _HorovodIna:
                 with torch.no_grad():
                     for h in batch:
                         n = 0
-                        for t, out in zip(h.tensors, h.outputs):
+                        # a named tensor keeps its error-feedback residual across steps; Horovod's
+                        # generated names (no name given) change every call, so those go stateless
+                        named = not h.name.startswith("ina.noname.")
+                        for i, (t, out) in enumerate(zip(h.tensors, h.outputs)):
                             if out is not t:
                                 out.copy_(t)
                             if h.prescale != 1.0:
                                 out.mul_(h.prescale)
-                            self.client.allreduce(out, codec=self.config.codec, average=h.average)
+                            self.client.allreduce(out, codec=self.config.codec, average=h.average,
+                                                  key=(h.name, i) if named else None)
                             if h.postscale != 1.0:
                                 out.mul_(h.postscale)
                             n += t.numel()

@@ -93,9 +93,11 @@ class _Lane:
         self._t = threading.Thread(target=self._run, name=f"ina-lane-r{rank}-j{job}", daemon=True)
         self._t.start()
 
-    def submit(self, tensors: list[torch.Tensor], average: bool, result) -> torch.futures.Future:
+    def submit(self, tensors: list[torch.Tensor], average: bool, result, key=None) -> torch.futures.Future:
+        """Queue an allreduce of ``tensors``; ``key`` names them for codecs with error feedback (a
+        residual per (key, i)); without one such codecs are stateless."""
         fut: torch.futures.Future = torch.futures.Future()
-        self._q.put((tensors, average, result, fut))
+        self._q.put((tensors, average, result, fut, key))
         return fut
 
     def _run(self) -> None:
@@ -103,14 +105,15 @@ class _Lane:
             item = self._q.get()
             if item is None:
                 return
-            tensors, average, result, fut = item
+            tensors, average, result, fut, key = item
             if self._error is not None:
                 fut.set_exception(self._error)
                 continue
             try:
                 with torch.no_grad():
-                    for t in tensors:
-                        self.client.allreduce(t, codec=self.config.codec, average=average)
+                    for i, t in enumerate(tensors):
+                        self.client.allreduce(t, codec=self.config.codec, average=average,
+                                              key=None if key is None else (key, i))
                 fut.set_result(result)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting rank
                 self._error = e
@@ -310,7 +313,8 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415
         return allreduce_hook(state.process_group, bucket)
     state.fallbacks.offloaded(1, buf.numel())
-    return state.lane.submit([buf], True, buf)
+    # DDP issues the same buckets in the same order every step: the bucket index names the residual
+    return state.lane.submit([buf], True, buf, key=("ddp-bucket", bucket.index()))
 
 
 HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]
