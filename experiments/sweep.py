@@ -236,10 +236,19 @@ def ina_rto(method: str, rate: str, slots: int, mtu: int) -> float | None:
     return 0.02 + 3 * window
 
 
+def wait_estimate(method: str, n: int, elements: int, rate: str) -> float:
+    """Seconds one allreduce may take, for the launcher's bounds: 3x its link-bound time plus 2 s
+    (host-aggregated codecs: 3x the time of 4 bytes per value each way)."""
+    it = ideal_time(method, n, elements, rate)
+    if it is None and is_host_method(method) and rate_bps(rate):
+        it = 4 * elements * 8 / rate_bps(rate)
+    return (it or 0.01) * 3 + 2
+
+
 def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements: int, args, job: int, cid: int) -> dict:
     reps = args.reps
     bps = rate_bps(rate)
-    est = (ideal_time(method, n, elements, rate) or 0.01) * 3 + 2
+    est = wait_estimate(method, n, elements, rate)
     cmd = {"op": "bench", "id": cid, "method": method, "elements": elements, "warmup": args.warmup, "reps": reps,
            "job": job, "rto": ina_rto(method, rate, args.slots, topo.mtu)}
     t0 = time.monotonic()
@@ -290,7 +299,7 @@ def run_train(group: WorkerGroup, method: str, n: int, rate: str, args, job: int
 
 def run_throughput(group: WorkerGroup, topo, method: str, n: int, rate: str, elements: int, args, job: int,
                    cid: int) -> dict:
-    est = (ideal_time(method, n, elements, rate) or 0.01) * 3 + 2 + elements * 2e-7
+    est = wait_estimate(method, n, elements, rate) + elements * 2e-7
     steps = args.tp_steps
     cmd = {"op": "throughput", "id": cid, "method": method, "elements": elements, "steps": steps, "warmup": 1,
            "job": job, "batch": BATCH, "rto": ina_rto(method, rate, args.slots, topo.mtu)}
@@ -310,7 +319,8 @@ def run_throughput(group: WorkerGroup, topo, method: str, n: int, rate: str, ele
             "ideal_time": ideal_time(method, n, elements, rate),
             "wire_up_bytes_per_worker": (c1["up"] - c0["up"]) / (n * (steps + 1)),
             "wire_down_bytes_per_worker": (c1["down"] - c0["down"]) / (n * (steps + 1)),
-            "wall": time.monotonic() - t0}
+            "wall": time.monotonic() - t0,
+            **({"aggregation": "host (NOT switch-feasible)"} if is_host_method(method) else {})}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,7 +335,7 @@ def save_results(out: Path, meta: dict, records: list[dict]) -> None:
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     tmp.replace(out / "results.json")
-    cols = ["workload", "method", "workers", "rate", "rate_bps", "elements", "model", "reps", "time_median",
+    cols = ["workload", "method", "aggregation", "workers", "rate", "rate_bps", "elements", "model", "reps", "time_median",
             "time_mean", "time_min", "ideal_time", "bound_ratio", "speedup_vs_gloo", "wire_up_bytes_per_worker",
             "wire_down_bytes_per_worker", "wire_drops", "client_bytes_sent_per_worker", "client_retransmissions",
             "rel_error", "compute_time", "samples_per_s", "steps", "final_accuracy", "train_time", "comm_time"]
@@ -342,6 +352,8 @@ def derive(records: list[dict], sizes: dict[str, int]) -> list[dict]:
     inv = {v: k for k, v in sizes.items()}
     for r in records:
         r["model"] = inv.get(r["elements"], r.get("model"))
+        r["aggregation"] = ("Gloo ring" if r["method"] == "gloo" else
+                            "host (NOT switch-feasible)" if is_host_method(r["method"]) else "switch")
         g = by.get((r["workload"], "gloo", r["workers"], r["rate"], r["elements"]))
         if r["workload"] == "allreduce":
             r["speedup_vs_gloo"] = g["time_median"] / r["time_median"] if g else None
@@ -407,7 +419,9 @@ def main(argv=None) -> int:
     if (args.tp_sizes or "resnet110") != "none":
         for s_ in (args.tp_sizes or "resnet110").split(","):
             tp_sizes[s_] = max(1, int(MODELS[s_] / scale)) if s_ in MODELS else parse_size(s_)
-    sizes.update({k: v for k, v in tp_sizes.items() if k in MODELS})
+    names = {**sizes, **{k: v for k, v in tp_sizes.items() if k in MODELS}}    # model names of the report
+    if args.tp_steps is not None and args.tp_steps < 1:
+        ap.error(f"--tp-steps {args.tp_steps}: need at least 1 timed step")
     args.tp_steps = args.tp_steps or (3 if q else 10)
     reps = args.reps or (3 if q else 5)
     args.reps = reps
@@ -416,7 +430,7 @@ def main(argv=None) -> int:
 
     out = args.out or Path("results") / f"sweep-{_dt.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
-    records = load_results(out)
+    records = [r for r in load_results(out) if r["workload"] != "throughput" or "step_times" in r]
     done = {key_of(r) for r in records}
     prev_meta = json.loads((out / "results.json").read_text())["meta"] if (out / "results.json").exists() else {}
     meta = {"command": "ina-sweep " + " ".join(argv if argv is not None else sys.argv[1:]), "quick": q, "scale": scale,
@@ -490,7 +504,7 @@ def main(argv=None) -> int:
                                 rec = run_train(group, m, n, rate, args, job, cid)
                             records.append(rec)
                             meta["elapsed"] = time.monotonic() - t_start
-                            save_results(out, meta, derive(records, sizes))
+                            save_results(out, meta, derive(records, names))
                             bar.update(1)
                     finally:
                         group.close()
@@ -506,7 +520,7 @@ def main(argv=None) -> int:
         print(f"ina-sweep: every configuration is already in {out / 'results.json'}; regenerating the report",
               file=sys.stderr)
     meta["elapsed"] = time.monotonic() - t_start
-    final = derive(records, sizes)
+    final = derive(records, names)
     save_results(out, meta, final)
     from .sweep_report import write_report
     write_report(out, meta, final, plots=not args.no_plots)

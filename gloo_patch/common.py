@@ -5,7 +5,9 @@ Environment (read when a job starts; the Horovod wrapper and the docs set them):
 
 =================  ===========================================================================
 ``INA_SWITCH``     ``host:port`` of a running ``ina-switch``. Turns the Horovod patch on.
-``INA_CODEC``      switch-summable codec: ``nc`` (default), ``nc-det``, ``bfp32``, ``nd``, ``rd``.
+``INA_CODEC``      codec: ``nc`` (default), ``nc-det``, ``bfp32``, ``nd``, ``rd`` or a seed codec;
+                   variable-length ones (``3lc``, ``eaq``, ``wgt``) run through the service's
+                   host aggregator and are logged as NOT switch-feasible.
 ``INA_TIMEOUT``    seconds any one wait may take (join, allreduce) before a clear error (30).
 ``INA_JOB``        job id (1..65535) at the switch; by default rank 0 draws one and the ranks
                    agree on it through the framework's own rendezvous.
@@ -88,8 +90,9 @@ def check_codec(name: str, what: str = "INA_CODEC") -> str:
     if name not in C.available():
         raise InaConfigError(f"{what}={name!r}: unknown codec; available: {', '.join(C.available())}")
     if not C.get(name).switch_summable:
-        ok = [n for n in C.available() if C.get(n).switch_summable]
-        raise InaConfigError(f"{what}={name!r}: the switch cannot sum this codec's codes; use one of {', '.join(ok)}")
+        log.warning(
+            "%s=%s: the switch cannot sum this codec's codes; allreduces go to the switch service's host "
+            "aggregator (NOT switch-feasible)", what, name)
     return name
 
 

@@ -313,8 +313,11 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415
         return allreduce_hook(state.process_group, bucket)
     state.fallbacks.offloaded(1, buf.numel())
-    # DDP issues the same buckets in the same order every step: the bucket index names the residual
-    return state.lane.submit([buf], True, buf, key=("ddp-bucket", bucket.index()))
+    # the residual of an error-feedback codec belongs to the bucket's parameters: DDP rebuilds its buckets
+    # after the first iteration, so the index alone may name other parameters (or another size) later;
+    # the parameters' shapes name the layout the same way on every rank (the host aggregator checks)
+    layout = ",".join("x".join(map(str, p.shape)) for p in bucket.parameters())
+    return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{bucket.index()}:{layout}")
 
 
 HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]

@@ -5,11 +5,13 @@ One allreduce is:
 1. **exponent negotiation**: one packet with no payload whose exponent field is this worker's
    scale exponent (plus one such packet per further value the codec needs agreed, e.g. MQGrad's
    bits); the switch's max-exponent register returns the max over workers;
-2. **encode** the whole tensor with the shared :class:`~ina.compression.ScaleContext`;
-3. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2;
+2. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2;
    the window equals the job's slots and is self-clocking (the result of chunk c frees its slot
-   for chunk c + slots); a chunk whose result is late is retransmitted with exponential backoff;
-4. **reassemble** the results (multicast by the switch) and **decode** them into the caller's tensor.
+   for chunk c + slots); a chunk whose result is late is retransmitted with exponential backoff
+   and an adaptive timeout;
+3. **pipelined encode and decode**: each block of ``slots`` chunks is encoded with the shared
+   :class:`~ina.compression.ScaleContext` just before its first chunk is sent, and each burst of
+   results (multicast by the switch) is decoded into the caller's tensor as it arrives.
 
 Every wait is bounded. If the switch or a worker is gone, :class:`AllreduceError` is raised within
 ``timeout`` seconds, naming what is missing (which ranks the switch is still waiting for, how
@@ -27,7 +29,7 @@ import numpy as np
 from . import burst as B
 from . import compression
 from .compression._seedutil import ErrorFeedbackMixin
-from .compression.base import ScaleContext, to_numpy_f32
+from .compression.base import ScaleContext, to_numpy_f32, write_back
 from .control import ControlChannel, ControlError
 from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
                    payload_view)
@@ -143,6 +145,7 @@ class Client:
         if n == 0:
             return tensor
         kw = {"key": key} if isinstance(c, ErrorFeedbackMixin) else {}
+        chunk0 = self._next_chunk
         try:
             exponent = c.scale_exponent(x32, **kw)     # raises ValueError on NaN/Inf before anything is sent
             proposals = np.array([exponent, *c.negotiated()], np.int64)
@@ -158,11 +161,16 @@ class Client:
         except AllreduceError as e:
             self._broken = str(e)
             raise
+        except BaseException as e:
+            if self._next_chunk != chunk0:     # packets went out: the switch holds partial rounds of ours
+                self._broken = (f"{type(e).__name__} during an allreduce of job {self.job} (chunk ids from "
+                                f"{chunk0}): {e}")
+            raise
         if average:
             out = out / np.float32(self.world_size)
         self.stats.allreduces += 1
         self.stats.elements += n
-        _write_back(tensor, out)
+        write_back(tensor, out)
         return tensor
 
     def _host_allreduce(self, tensor, c, key, average):
@@ -213,7 +221,9 @@ class Client:
 
         def encode_block(b: int) -> np.ndarray:
             lo, hi = b * block * E, min(n, (b + 1) * block * E)
-            bctx = ctx if b == 0 else replace(ctx, seed=(ctx.seed + 0x9E3779B9 * b) & 0xFFFFFFFF)
+            # the kernels draw uniform(i, seed) = hash(i * 0x9E3779B9 + seed): shifting the seed by lo
+            # elements makes block b draw exactly what a whole-tensor encode draws for its elements
+            bctx = ctx if b == 0 else replace(ctx, seed=(ctx.seed + 0x9E3779B9 * lo) & 0xFFFFFFFF)
             codes = c.encode_shared(x32[lo:hi], bctx, **kw)
             rows = math.ceil((hi - lo) / E)
             if codes.size != rows * E:                     # the last chunk is zero-padded
@@ -294,6 +304,7 @@ class Client:
         self._send(pkts, load(first), pkt_len, n_shards, S)
         now = time.monotonic()
         sent_at[first] = now
+        max_sent = first.size - 1
         low = 0                       # every chunk below `low` is done
         n_done = 0
         last_progress = now
@@ -303,6 +314,8 @@ class Client:
         while n_done < n_chunks:
             k = self.rx.recv(wait=True)
             now = time.monotonic()
+            if not k:
+                last_rx = None                # an idle gap (peers, a loss) says nothing about the link
             if k:
                 if last_rx is not None:
                     per_pkt = 0.8 * per_pkt + 0.2 * (now - last_rx) / k if per_pkt else (now - last_rx) / k
@@ -332,7 +345,7 @@ class Client:
                         if E:
                             decode(jj, np.ascontiguousarray(payload_view(buf[idx], result_type, E), dtype=rdtype.newbyteorder("=")))
                         first_try = jj[tries[jj] == 0]       # Karn: no samples from retransmitted chunks
-                        if first_try.size:
+                        if first_try.size and E:             # negotiation rounds wait for the slowest rank
                             self._rtt_sample(float(np.median(now - sent_at[first_try])))
                         exps[jj] = h["exponent"][idx]
                         overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
@@ -343,8 +356,9 @@ class Client:
                         nxt = nxt[nxt < n_chunks]
                         if nxt.size:
                             self._send(pkts, load(nxt), pkt_len, n_shards, S)
-                            sent_at[nxt] = now
+                            sent_at[nxt] = time.monotonic()
                             n_sent += nxt.size
+                            max_sent = max(max_sent, int(nxt[-1]))
                         while low < n_chunks and done[low]:
                             low += 1
                 self.stats.stale_results += stale
@@ -359,7 +373,7 @@ class Client:
             if now >= next_check and n_done < n_chunks:
                 rto = self.current_rto()
                 next_check = now + rto / 2
-                hi = min(n_chunks, low + 2 * S)
+                hi = max_sent + 1             # every sent, not-done chunk still owns its ring row
                 win = np.arange(low, hi)
                 w = win[(~done[low:hi]) & (sent_at[low:hi] > 0)]
                 late = w[now - sent_at[w] > np.minimum(rto * 2.0 ** tries[w], self.max_rto)]
@@ -437,11 +451,3 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-
-def _write_back(tensor, out: np.ndarray) -> None:
-    if isinstance(tensor, np.ndarray):
-        np.copyto(tensor, out.reshape(tensor.shape), casting="unsafe")
-        return
-    import torch
-    with torch.no_grad():
-        tensor.copy_(torch.from_numpy(out).reshape(tensor.shape))

@@ -426,7 +426,7 @@ class HostAggClient:
             raise err(f"host-aggregator client of job {self.job} rank {self.rank} is unusable after an "
                       f"earlier failure: {self._broken}")
         codec = self.codec(codec_obj) if isinstance(codec_obj, str) else codec_obj
-        from .compression.base import to_numpy_f32
+        from .compression.base import to_numpy_f32, write_back
         x32 = to_numpy_f32(tensor)
         n = x32.size
         try:
@@ -475,7 +475,7 @@ class HostAggClient:
             out = out / np.float32(self.world_size)
         self.stats.allreduces += 1
         self.stats.elements += n
-        _write_back(tensor, out)
+        write_back(tensor, out)
         return tensor
 
     # ----------------------------------------------------------------------------------------------
@@ -578,11 +578,3 @@ def host_aggregator_address(switch=("127.0.0.1", 9999), timeout: float = 10.0) -
                            "(started with --host-agg-port -1?)")
     return host, int(ha["port"])
 
-
-def _write_back(tensor, out: np.ndarray) -> None:
-    if isinstance(tensor, np.ndarray):
-        np.copyto(tensor, out.reshape(tensor.shape), casting="unsafe")
-        return
-    import torch
-    with torch.no_grad():
-        tensor.copy_(torch.from_numpy(out).reshape(tensor.shape))

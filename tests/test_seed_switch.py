@@ -162,3 +162,18 @@ def test_without_a_host_aggregator_a_variable_length_codec_is_refused_by_name(tm
                 cl.allreduce(np.ones(100, np.float32), codec="eaq")
     finally:
         assert sw.terminate() == 0, sw.log()
+
+
+def test_pipelined_encoding_draws_what_a_whole_tensor_encode_draws(switch):
+    """The client encodes a block of `slots` chunks at a time; a stochastic codec must still draw, for
+    every element, the random number a whole-tensor encode draws (no stream reused across blocks)."""
+    x = np.concatenate([gradient(r, 5) for r in range(17)])[:50_000]     # 7 blocks of 8 x 1024
+    with Client(("127.0.0.1", switch.port), rank=0, world_size=1, job=46, elements=1024, slots=8, timeout=20.0,
+                seed=5) as cl:
+        y = x.copy()
+        cl.allreduce(y, codec="nc")
+        bits = cl.register_bits
+    ref = C.get("nc", seed=5 * 1_000_003)           # the client's codec for rank 0 (same seed, same stream)
+    ctx = ScaleContext(ref.scale_exponent(x), 1, bits, seed=ref.next_seed())
+    want = ref.decode_sum(ref.encode_shared(x, ctx), ctx, raw=False)
+    np.testing.assert_array_equal(y, want)

@@ -50,7 +50,7 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
         assert 0.8 * 60000 < r["params"] < 1.2 * 60000
     assert tp["ina:nc"]["wire_up_bytes_per_worker"] < 0.4 * tp["gloo"]["wire_up_bytes_per_worker"]
     csv_lines = (out / "results.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("workload,method,workers") and len(csv_lines) == 1 + len(data["records"])
+    assert csv_lines[0].startswith("workload,method,aggregation,workers") and len(csv_lines) == 1 + len(data["records"])
     png = out / "speedup_vs_bandwidth.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "accuracy.png").exists()

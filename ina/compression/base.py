@@ -77,6 +77,16 @@ def from_numpy_like(arr: np.ndarray, like, shape=None):
     return arr.reshape(shape)
 
 
+def write_back(tensor, out: np.ndarray) -> None:
+    """Copy a flat float32 result into ``tensor`` in place (numpy array, or torch tensor on any device)."""
+    if isinstance(tensor, np.ndarray):
+        np.copyto(tensor, out.reshape(tensor.shape), casting="unsafe")
+        return
+    torch = _torch()
+    with torch.no_grad():
+        tensor.copy_(torch.from_numpy(out).reshape(tensor.shape))
+
+
 def native(a: np.ndarray) -> np.ndarray:
     """A contiguous, native-byte-order array (wire payload views are big-endian; numba needs native)."""
     a = np.asarray(a)
