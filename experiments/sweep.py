@@ -97,17 +97,20 @@ def key_of(rec: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------
 # link-bound ideal
-def payload_widths(method: str) -> tuple[int, int]:
-    """Bytes per element (upload, download) of a method's payload on the wire (None: variable length)."""
+def payload_widths(method: str, n: int = 4) -> tuple[int, int]:
+    """Bytes per element (upload, download) of a method's payload on the wire with n workers (None:
+    variable length). NC8 sums come back re-encoded (1 byte); int8 codes whose sum over n workers
+    fits int8 come back as int8 (INT8_NARROW); other integer sums as int32."""
     if method == "gloo":
         return 4, 4
     if is_host_method(method):
         return None
+    from .sweep_worker import narrow_results
     from ina import compression
     from ina.wire import PAYLOAD_WIDTH, PayloadType
     c = compression.get(method[4:])
     up = PAYLOAD_WIDTH[c.payload_type]
-    down = 1 if c.payload_type == PayloadType.NC8 else 4      # the client's result type (not raw)
+    down = 1 if c.payload_type == PayloadType.NC8 or narrow_results(method[4:], n, fixed_only=False) else 4
     return up, down
 
 
@@ -116,7 +119,7 @@ def ideal_time(method: str, n: int, elements: int, rate: str) -> float | None:
     bps = rate_bps(rate)
     if bps is None or is_host_method(method):      # host-aggregated: from the measured bytes (run_bench)
         return None
-    up, down = payload_widths(method)
+    up, down = payload_widths(method, n)
     if method == "gloo":
         return 2 * (n - 1) / n * elements * 4 * 8 / bps
     return max(up, down) * elements * 8 / bps
@@ -222,7 +225,7 @@ def _switch_counters(topo) -> dict:
     return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()}}
 
 
-def ina_rto(method: str, rate: str, slots: int, mtu: int) -> float | None:
+def ina_rto(method: str, rate: str, slots: int, mtu: int, n: int = 4) -> float | None:
     """Retransmission timeout above the queueing delay of a full window on the shaped link: a window of
     ``slots`` packets waits up to window/rate in the upload queue (and as much in the download queue);
     a 20 ms RTO at 100 Mbit/s with 64 x 8 kB in flight (42 ms) retransmits spuriously."""
@@ -230,8 +233,8 @@ def ina_rto(method: str, rate: str, slots: int, mtu: int) -> float | None:
     if method == "gloo" or bps is None or is_host_method(method):
         return None
     from .sweep_worker import ina_elements
-    up, down = payload_widths(method)
-    e = ina_elements(method[4:], mtu)
+    up, down = payload_widths(method, n)
+    e = ina_elements(method[4:], mtu, n)
     window = slots * e * max(up, down) * 8 / bps
     return 0.02 + 3 * window
 
@@ -250,7 +253,7 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     bps = rate_bps(rate)
     est = wait_estimate(method, n, elements, rate)
     cmd = {"op": "bench", "id": cid, "method": method, "elements": elements, "warmup": args.warmup, "reps": reps,
-           "job": job, "rto": ina_rto(method, rate, args.slots, topo.mtu)}
+           "job": job, "rto": ina_rto(method, rate, args.slots, topo.mtu, n)}
     t0 = time.monotonic()
     group.send(cmd)
     group.expect_all("ready", f"warm-up of {method} n={n} {rate} {elements} elements", args.timeout + est * args.warmup)
@@ -302,7 +305,7 @@ def run_throughput(group: WorkerGroup, topo, method: str, n: int, rate: str, ele
     est = wait_estimate(method, n, elements, rate) + elements * 2e-7
     steps = args.tp_steps
     cmd = {"op": "throughput", "id": cid, "method": method, "elements": elements, "steps": steps, "warmup": 1,
-           "job": job, "batch": BATCH, "rto": ina_rto(method, rate, args.slots, topo.mtu)}
+           "job": job, "batch": BATCH, "rto": ina_rto(method, rate, args.slots, topo.mtu, n)}
     t0 = time.monotonic()
     c0 = _link_bytes(topo, n, rate)
     group.send(cmd)

@@ -35,14 +35,28 @@ def _out(obj) -> None:
     sys.stdout.flush()
 
 
-def ina_elements(codec: str, mtu: int) -> int:
+def narrow_results(codec: str, world: int, fixed_only: bool = True) -> bool:
+    """Do the switch's sums of this codec (in its initial state) come back as int8 with ``world``
+    workers (INT8_NARROW)? ``fixed_only``: only if its code range cannot grow later (MQGrad's grows
+    with its bits during training, so packets are sized for int32 results)."""
+    from ina import compression
+    from ina.compression import ScaleContext
+    from ina.wire import PayloadType
+    c = compression.get(codec)
+    if c.payload_type != PayloadType.INT8 or (fixed_only and c.adaptive_width):
+        return False
+    bound = c.max_abs_code(ScaleContext(0, world))
+    return bound is not None and bound * world <= 127
+
+
+def ina_elements(codec: str, mtu: int, world: int = 2) -> int:
     """Elements per packet so that both the INA datagram and its result fit one frame (no IP
-    fragmentation): results are NC8 (1 byte) for NC8 codes and INT32 (4 bytes) otherwise, so an
-    INT8 codec's 1-byte upload still needs 4-byte-sized chunks for the download."""
+    fragmentation): results are NC8 (1 byte) for NC8 codes, int8 for narrow int8 sums and INT32
+    (4 bytes) otherwise, so such an INT8 codec's 1-byte upload needs 4-byte-sized chunks."""
     from ina import compression
     from ina.wire import HEADER_SIZE, PAYLOAD_WIDTH, PayloadType
     pt = compression.get(codec).payload_type
-    width = max(1, PAYLOAD_WIDTH[pt], 1 if pt == PayloadType.NC8 else 4)
+    width = max(1, PAYLOAD_WIDTH[pt], 1 if pt == PayloadType.NC8 or narrow_results(codec, world) else 4)
     fit = (mtu - 28 - HEADER_SIZE) // width
     e = 1
     while e * 2 <= fit:
@@ -80,7 +94,7 @@ class Worker:
                 self.clients.pop(k).close()
             host, port = self.a.switch.rsplit(":", 1)
             self.clients[key] = Client(switch=(host, int(port)), rank=self.a.rank, world_size=self.a.world,
-                                       job=job, elements=ina_elements(codec, self.a.mtu), slots=self.a.slots,
+                                       job=job, elements=ina_elements(codec, self.a.mtu, self.a.world), slots=self.a.slots,
                                        timeout=self.a.timeout, seed=1234)
         return self.clients[key]
 

@@ -214,8 +214,12 @@ class Client:
         n, E, S = x32.size, self.elements, self.slots
         n_chunks = max(1, math.ceil(n / E))
         block = n_chunks if kw else S                      # chunks per encoding block
+        ptype = c.payload_type
         res_type = self._result_type(c)
         raw = res_type != c.payload_type or self.raw
+        bound = c.max_abs_code(ctx) if ptype == PayloadType.INT8 else None
+        if bound is not None and bound * self.world_size <= 127:
+            ptype = res_type = PayloadType.INT8_NARROW      # the sum fits int8: 1 byte per element down
         out = np.empty(n_chunks * E, np.float32)
         out2d = out.reshape(n_chunks, E)
 
@@ -233,7 +237,7 @@ class Client:
         def decode(chunks: np.ndarray, payload: np.ndarray) -> None:
             out2d[chunks] = c.decode_sum(payload.reshape(-1), ctx, raw=raw).reshape(chunks.size, E)
 
-        self._stream(n_chunks, c.payload_type, c.wire_id, ctx.exponent, result_type=res_type, count=n,
+        self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n,
                      encode_block=encode_block, block=block, decode=decode)
         return out[:n]
 

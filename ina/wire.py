@@ -41,6 +41,8 @@ class PayloadType(enum.IntEnum):
     INT32 = 2     # big-endian two's complement int32 (block floating point, raw 32-bit sums)
     INT64 = 3     # big-endian two's complement int64 (raw 64-bit sums)
     INT8 = 4      # two's complement int8 (linear small-integer codes: dithering levels, ternary)
+    INT8_NARROW = 5  # int8 codes whose sum over the job's workers fits int8 (the sender guarantees
+    #                  n x max|code| <= 127): the switch returns int8 sums, 1 byte per element down
 
 
 #: numpy dtype of one payload element, per payload type (network byte order)
@@ -50,6 +52,7 @@ PAYLOAD_DTYPE = {
     PayloadType.INT32: np.dtype(">i4"),
     PayloadType.INT64: np.dtype(">i8"),
     PayloadType.INT8: np.dtype("i1"),
+    PayloadType.INT8_NARROW: np.dtype("i1"),
 }
 PAYLOAD_WIDTH = {t: (0 if t == PayloadType.NONE else d.itemsize) for t, d in PAYLOAD_DTYPE.items()}
 

@@ -39,6 +39,8 @@ F_REPLAY = int(Flag.REPLAY)
 F_RAW = int(Flag.RAW_SUM)
 P_NONE, P_NC8, P_INT32, P_INT64, P_INT8 = (int(PayloadType.NONE), int(PayloadType.NC8), int(PayloadType.INT32),
                                            int(PayloadType.INT64), int(PayloadType.INT8))
+P_INT8N = int(PayloadType.INT8_NARROW)
+P_MAX = max(int(t) for t in PayloadType)
 
 # --- job table columns ---------------------------------------------------------------------------
 # J_SLOTS is the job's whole pool (pool indices 0..J_SLOTS-1 in packets); with --cores N the pool is
@@ -97,7 +99,7 @@ def _wr16(b, i, o, v):
 
 @njit(inline="always")
 def _width(ptype):
-    if ptype == P_NC8 or ptype == P_INT8:
+    if ptype == P_NC8 or ptype == P_INT8 or ptype == P_INT8N:
         return 1
     if ptype == P_INT32:
         return 4
@@ -120,7 +122,7 @@ def parse(buf, lens, n, jobs, verdict, slot2, rank, job, counters):
             v = 3
         else:
             pt = np.int64(buf[i, O_PTYPE])
-            if pt > P_INT8:
+            if pt > P_MAX:
                 v = 4
             else:
                 j = _rd16(buf, i, O_JOB)
@@ -263,7 +265,7 @@ def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxe
                     if (code & 0x7F) - 1 >= max_shift:
                         vals[k] = lo if (code & 0x80) else hi
                 o = True
-        elif pt == P_INT8:
+        elif pt == P_INT8 or pt == P_INT8N:
             for k in range(E):
                 vals[k] = np.int64(np.int8(buf[i, HDR + k]))
         elif pt == P_INT32:
@@ -370,6 +372,8 @@ def harvest(n, action, slot2, rank, job, jobs, regs, maxexp, round_chunk, ptype,
                 out_pt = P_NC8
             elif pt == P_NC8:
                 out_pt = P_INT64 if reg_bits == 64 else P_INT32
+            elif pt == P_INT8N:
+                out_pt = P_INT8N                  # sums of narrow int8 codes go back as int8
             else:
                 out_pt = P_INT32
             flags = (F_RAW if (raw and pt != P_NONE) else 0)
@@ -403,6 +407,16 @@ def harvest(n, action, slot2, rank, job, jobs, regs, maxexp, round_chunk, ptype,
                     v = regs[s, k]
                     for b in range(8):
                         results[s, HDR + 8 * k + b] = np.uint8((v >> (56 - 8 * b)) & 0xFF)
+            elif out_pt == P_INT8N:
+                for k in range(E):
+                    v = regs[s, k]
+                    if v > 127:
+                        v = 127
+                        o = True
+                    elif v < -128:
+                        v = -128
+                        o = True
+                    results[s, HDR + k] = np.uint8(v & 0xFF)
             elif out_pt == P_INT32:
                 for k in range(E):
                     v = regs[s, k]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ina.wire import HEADER_DTYPE, HEADER_SIZE, VERSION, MsgType
 
 HDR = HEADER_SIZE
-WIDTH = {0: 0, 1: 1, 2: 4, 3: 8, 4: 1}          # bytes per element by payload type (NONE NC8 INT32 INT64 INT8)
+WIDTH = {0: 0, 1: 1, 2: 4, 3: 8, 4: 1, 5: 1}    # bytes per element by payload type (NONE NC8 INT32 INT64 INT8 INT8_NARROW)
 PAYLOAD_TYPES = tuple(WIDTH)
 DATA = int(MsgType.DATA)
 
@@ -111,7 +111,7 @@ def bad_packets(jobs: dict[int, JobSpec], stride: int):
 
     @st.composite
     def bad_payload_type(draw):
-        pkt = bytearray(header(job=draw(u16), ptype=draw(st.integers(5, 255)), chunk=draw(u32)))
+        pkt = bytearray(header(job=draw(u16), ptype=draw(st.integers(6, 255)), chunk=draw(u32)))
         return "bad_payload_type", bytes(pkt) + fill(draw(any_len()) - HDR, draw(seeds))
 
     @st.composite

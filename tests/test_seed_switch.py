@@ -177,3 +177,35 @@ def test_pipelined_encoding_draws_what_a_whole_tensor_encode_draws(switch):
     ctx = ScaleContext(ref.scale_exponent(x), 1, bits, seed=ref.next_seed())
     want = ref.decode_sum(ref.encode_shared(x, ctx), ctx, raw=False)
     np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("name,down", [("3lc-3v", 1), ("terngrad", 1), ("rd", 1), ("uniform", 4)])
+def test_int8_sums_that_fit_come_back_as_int8(switch, name, down):
+    """n x max|code| <= 127 (3-values, ternary, rd's 8 levels with 3 workers): the client sends
+    INT8_NARROW and the switch returns int8 sums, 1 byte per element down; uniform's 8-bit codes
+    (127 levels) could overflow int8, so their sums come back as int32. Either way the result is the
+    sum of every rank's own decode."""
+    job = {"3lc-3v": 47, "terngrad": 48, "rd": 49, "uniform": 50}[name]
+    xs = [gradient(r, 11) for r in range(N)]
+
+    def body(rank, cl):
+        x = xs[rank].copy()
+        r0, p0 = cl.stats.bytes_received, cl.stats.packets_received
+        cl.allreduce(x, codec=name)
+        return x, cl.stats.bytes_received - r0, cl.stats.packets_received - p0
+
+    out = run_ranks(switch, job, body)
+    for r in range(N):
+        np.testing.assert_array_equal(out[r][0], out[0][0])
+    got, nbytes, npkts = out[0]
+    from ina.wire import HEADER_SIZE
+    payload = nbytes - HEADER_SIZE * npkts
+    n_neg = 1                                   # the scale-exponent round (no payload)
+    per_elem = payload / ELEMS
+    assert npkts > n_neg and per_elem == pytest.approx(down, rel=0.4), (per_elem, down)
+    # exactly the integer sum of every rank's codes (each rank's codec: seed 77 * 1000003 + rank)
+    refs = [C.get(name, seed=77 * 1_000_003 + r) for r in range(N)]
+    exponent = max(ref.scale_exponent(x) for ref, x in zip(refs, xs))
+    ctxs = [ScaleContext(exponent, N, 64, seed=ref.next_seed()) for ref in refs]
+    codes = sum(ref.encode_shared(x, ctx).astype(np.int64) for ref, x, ctx in zip(refs, xs, ctxs))
+    np.testing.assert_array_equal(got, refs[0].decode_sum(codes, ctxs[0], raw=True))

@@ -63,6 +63,9 @@ def join_all(port: int, job: int, n: int, **kw) -> list[Client]:
     return out
 
 
+_RESULT_DTYPE = {5: "i1"}      # INT8_NARROW results are int8; everything else here is read as int32
+
+
 class ResultCollector:
     """RESULT packets of an INT32 job arriving on a fake worker's socket, by chunk id."""
 
@@ -77,7 +80,7 @@ class ResultCollector:
         pkt = self.sock.recv(65536)
         h = hdr(pkt)
         assert h["msg_type"] == int(MsgType.RESULT), h
-        v = np.frombuffer(pkt[HEADER_SIZE:], ">i4").astype(np.int64)
+        v = np.frombuffer(pkt[HEADER_SIZE:], _RESULT_DTYPE.get(int(h["payload_type"]), ">i4")).astype(np.int64)
         self.got.setdefault(int(h["chunk"]), []).append((v, int(h["flags"]), int(h["job"])))
         self.exponent[int(h["chunk"])] = int(h["exponent"])
         self.n += 1
@@ -476,7 +479,7 @@ def _data(job, rank, chunk, slots, ptype, values, elements, exponent=0) -> bytes
     slot = (chunk % slots) | (((chunk // slots) & 1) << 15)
     if ptype == 0:
         return header(job=job, rank=rank, slot=slot, ptype=0, count=0, chunk=chunk, exponent=exponent)
-    dt = {1: np.uint8, 2: ">i4", 3: ">i8"}[ptype]
+    dt = {1: np.uint8, 2: ">i4", 3: ">i8", 4: "i1", 5: "i1"}[ptype]
     body = np.zeros(elements, dt)
     body[: len(values)] = values
     slot = (chunk % slots) | (((chunk // slots) & 1) << 15)
@@ -504,6 +507,12 @@ def test_register_overflow_saturates_and_is_flagged(switch, switch32, bits):
                 [bits - 1, 0x80 | bits, 1, 0x80 | 2, 0, 0], [hi, lo, hi, 2, 2 ** (bits - 2), -2 ** (bits - 2)], True),
             # an exponent round right after the saturated ones: no payload, so nothing can overflow
             4: (0, [], [], [], False),
+            # INT8_NARROW: the sum goes back as int8, saturating at -128/127 with the flag
+            5: (5, [100, -100, 3, 127, -128, 0, 0, 0], [100, -100, -5, 0, 0, 0, 0, 1],
+                [127, -128, -2, 127, -128, 0, 0, 1], True),
+            6: (5, [1, -1, 0, 60], [1, 1, -1, 60], [2, 0, -1, 120], False),
+            # INT8 (not narrow): the same codes come back as int32 sums
+            7: (4, [100, -100, 3], [100, -100, -5], [200, -200, -2], False),
         }
         for chunk, (pt, a, b, _, _) in rounds.items():
             s.sendto(_data(40, 0, chunk, 4, pt, a, 8, exponent=3), dst)

@@ -91,7 +91,8 @@ def test_header_layout_matches_documented_offsets():
 # Round trips
 # ------------------------------------------------------------------------------------------------
 _ELEM_RANGE = {PayloadType.NC8: (0, 255), PayloadType.INT32: (-2**31, 2**31 - 1),
-               PayloadType.INT64: (-2**63, 2**63 - 1), PayloadType.INT8: (-128, 127)}
+               PayloadType.INT64: (-2**63, 2**63 - 1), PayloadType.INT8: (-128, 127),
+               PayloadType.INT8_NARROW: (-128, 127)}
 
 
 @st.composite

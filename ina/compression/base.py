@@ -124,6 +124,7 @@ class Codec:
     switch_summable: ClassVar[bool] = False   # can an integer-only switch sum the codes?
     unbiased: ClassVar[bool] = True
     stochastic: ClassVar[bool] = False
+    adaptive_width: ClassVar[bool] = False    # does the code range change between allreduces (MQGrad's K)?
     description: ClassVar[str] = ""
 
     def __init__(self, seed: int | None = 0):
@@ -158,6 +159,12 @@ class Codec:
         client negotiates them through the switch's max register next to the scale exponent and
         passes the maxima as ``ScaleContext.agreed``). Default: none."""
         return ()
+
+    def max_abs_code(self, ctx: ScaleContext) -> int | None:
+        """The largest |code| :meth:`encode_shared` can produce under ``ctx`` (None: no small bound).
+        When ``ctx.n_workers`` times it is at most 127, the client sends INT8 codes as INT8_NARROW and
+        the switch returns int8 sums: one byte per element down instead of four."""
+        return None
 
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")

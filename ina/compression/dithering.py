@@ -52,6 +52,9 @@ class _Dithering(Codec):
     def bits_per_element(self) -> float:
         return 8.0   # int8 codes on the wire (information content: 1 + log2(s + 1) bits)
 
+    def max_abs_code(self, ctx: ScaleContext) -> int:
+        return self.levels                     # int8 level indices -s..s (rd, qsgd)
+
     def _levels_encode(self, x32, inv_norm, seed):
         out = np.empty(x32.size, np.int8)
         K.dither_encode(x32, inv_norm, self.levels, self.natural, seed, out)

@@ -148,6 +148,9 @@ class UniformQuantizer(Codec):
         k = self._check_bits(k, 2, 8)
         return (1 << (k - 1)) - 1
 
+    def max_abs_code(self, ctx: ScaleContext) -> int:
+        return self._levels(ctx)
+
     def scale_exponent(self, x32: np.ndarray) -> int:
         return log_scale_exponent(finite_max_abs(x32))
 
@@ -302,6 +305,7 @@ class MQGrad(UniformQuantizer):
     name = "mqgrad"
     wire_id = 17
     description = "MQGrad: uniform quantization with bits (2..8) chosen every T iterations by a SARSA agent"
+    adaptive_width = True
 
     def __init__(self, controller: MQGradController | None = None, stochastic: bool = False,
                  seed: int | None = 0, controller_seed: int = 0, **controller_options):

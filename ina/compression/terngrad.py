@@ -89,6 +89,9 @@ class TernGrad(Codec):
     def scale_exponent(self, x32: np.ndarray) -> int:
         return log_scale_exponent(finite_max_abs(self._clipped(x32)))
 
+    def max_abs_code(self, ctx: ScaleContext) -> int:
+        return 1                               # ternary
+
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         g = self._clipped(x32)
         s = log_scale(ctx.exponent)

@@ -278,6 +278,9 @@ class ThreeLCQuartic(_ThreeValue):
     def bits_per_element(self) -> float:
         return 8.0   # int8 on the switch wire (information content log2(3); quartic: 1.6)
 
+    def max_abs_code(self, ctx: ScaleContext) -> int:
+        return 1                               # 3-values
+
     def scale_exponent(self, x32: np.ndarray, key=None) -> int:
         acc = self._accumulate(x32, key)
         return log_scale_exponent(finite_max_abs(acc) * self.s)

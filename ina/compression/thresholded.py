@@ -247,6 +247,9 @@ class BinarizedGradientTransfer(_Thresholded):
         self.threshold = float(np.float32(log_scale(self.threshold_exponent)))
 
     # switch path
+    def max_abs_code(self, ctx: ScaleContext) -> int:
+        return 1 if self.variant == BGT else self.max_multiple    # multiples of T
+
     def scale_exponent(self, x32: np.ndarray, key=None) -> int:
         return self.threshold_exponent
 
