@@ -41,12 +41,8 @@ def narrow_results(codec: str, world: int, fixed_only: bool = True) -> bool:
     with its bits during training, so packets are sized for int32 results)."""
     from ina import compression
     from ina.compression import ScaleContext
-    from ina.wire import PayloadType
     c = compression.get(codec)
-    if c.payload_type != PayloadType.INT8 or (fixed_only and c.adaptive_width):
-        return False
-    bound = c.max_abs_code(ScaleContext(0, world))
-    return bound is not None and bound * world <= 127
+    return not (fixed_only and c.adaptive_width) and c.int8_sums(ScaleContext(0, world))
 
 
 def ina_elements(codec: str, mtu: int, world: int = 2) -> int:
@@ -98,7 +94,9 @@ class Worker:
                                        timeout=self.a.timeout, seed=1234)
         return self.clients[key]
 
-    def reducer(self, method: str, job: int):
+    def reducer(self, method: str, job: int, rto: float | None = None):
+        """(allreduce function, ina.Client or None) for ``method``; ``rto``: the client's minimum
+        retransmission timeout for this configuration (from the launcher)."""
         if method == "gloo":
             dist = self.dist
 
@@ -111,16 +109,16 @@ class Worker:
         if not method.startswith("ina:"):
             raise ValueError(f"unknown method {method!r}: expected 'gloo' or 'ina:<codec>'")
         cl = self.client(method[4:], job)
+        if rto:
+            cl.rto = float(rto)
+            cl.max_rto = max(cl.max_rto, 4 * cl.rto)
         return (lambda t, average=False, key=None: cl.allreduce(t, codec=method[4:], average=average, key=key)), cl
 
     # ----------------------------------------------------------------------------------------------
     def bench(self, cmd):
         torch = self.torch
         n = int(cmd["elements"])
-        red, cl = self.reducer(cmd["method"], int(cmd["job"]))
-        if cl and cmd.get("rto"):
-            cl.rto = float(cmd["rto"])
-            cl.max_rto = max(cl.max_rto, 4 * cl.rto)
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"))
         g = torch.Generator().manual_seed(1000 + self.a.rank)
         x = torch.randn(n, generator=g) * 1e-2
         ref = x.clone()
@@ -169,7 +167,7 @@ class Worker:
         params = list(model.parameters())
         sizes = [p.numel() for p in params]
         opt = torch.optim.SGD(params, lr=float(cmd.get("lr", 0.1)), momentum=0.9)
-        red, cl = self.reducer(cmd["method"], int(cmd["job"]))
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"))
         flat = torch.zeros(sum(sizes))
         red(flat.clone())                                # warm-up (numba caches, connections)
         mq = cl.codec(cl_codec) if cl is not None and (cl_codec := cmd["method"][4:]) == "mqgrad" else None
@@ -220,10 +218,7 @@ class Worker:
         params = list(model.parameters())
         sizes = [p.numel() for p in params]
         opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-        red, cl = self.reducer(cmd["method"], int(cmd["job"]))
-        if cl and cmd.get("rto"):
-            cl.rto = float(cmd["rto"])
-            cl.max_rto = max(cl.max_rto, 4 * cl.rto)
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"))
         g = torch.Generator().manual_seed(2000 + self.a.rank)
         batch = int(cmd.get("batch", 32))
         d_in, d_out = model[0].in_features, model[-1].out_features

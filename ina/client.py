@@ -29,9 +29,9 @@ import numpy as np
 from . import burst as B
 from . import compression
 from .compression._seedutil import ErrorFeedbackMixin
-from .compression.base import ScaleContext, to_numpy_f32, write_back
+from .compression.base import ScaleContext, native, to_numpy_f32, write_back
 from .control import ControlChannel, ControlError
-from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
+from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
                    payload_view)
 
 log = logging.getLogger("ina.client")
@@ -217,8 +217,7 @@ class Client:
         ptype = c.payload_type
         res_type = self._result_type(c)
         raw = res_type != c.payload_type or self.raw
-        bound = c.max_abs_code(ctx) if ptype == PayloadType.INT8 else None
-        if bound is not None and bound * self.world_size <= 127:
+        if c.int8_sums(ctx):
             ptype = res_type = PayloadType.INT8_NARROW      # the sum fits int8: 1 byte per element down
         out = np.empty(n_chunks * E, np.float32)
         out2d = out.reshape(n_chunks, E)
@@ -297,15 +296,13 @@ class Client:
 
         rwidth = PAYLOAD_WIDTH[result_type]
         res_len = HEADER_SIZE + rwidth * E
-        rdtype = PAYLOAD_DTYPE[result_type] if E else None
         exps = np.zeros(n_chunks, np.int64)
         done = np.zeros(n_chunks, bool)
         sent_at = np.zeros(n_chunks)
         tries = np.zeros(n_chunks, np.int64)
         overflow = 0
-        n_shards = self.shards
         first = np.arange(min(S, n_chunks))
-        self._send(pkts, load(first), pkt_len, n_shards, S)
+        self._send(pkts, load(first), pkt_len)
         now = time.monotonic()
         sent_at[first] = now
         max_sent = first.size - 1
@@ -320,7 +317,7 @@ class Client:
             now = time.monotonic()
             if not k:
                 last_rx = None                # an idle gap (peers, a loss) says nothing about the link
-            if k:
+            else:
                 if last_rx is not None:
                     per_pkt = 0.8 * per_pkt + 0.2 * (now - last_rx) / k if per_pkt else (now - last_rx) / k
                 last_rx = now
@@ -347,7 +344,7 @@ class Client:
                     stale += int(np.count_nonzero(ok)) - jj.size
                     if jj.size:
                         if E:
-                            decode(jj, np.ascontiguousarray(payload_view(buf[idx], result_type, E), dtype=rdtype.newbyteorder("=")))
+                            decode(jj, native(payload_view(buf[idx], result_type, E)))
                         first_try = jj[tries[jj] == 0]       # Karn: no samples from retransmitted chunks
                         if first_try.size and E:             # negotiation rounds wait for the slowest rank
                             self._rtt_sample(float(np.median(now - sent_at[first_try])))
@@ -359,7 +356,7 @@ class Client:
                         nxt = jj + S                      # self-clocking: each result frees its slot
                         nxt = nxt[nxt < n_chunks]
                         if nxt.size:
-                            self._send(pkts, load(nxt), pkt_len, n_shards, S)
+                            self._send(pkts, load(nxt), pkt_len)
                             sent_at[nxt] = time.monotonic()
                             n_sent += nxt.size
                             max_sent = max(max_sent, int(nxt[-1]))
@@ -384,7 +381,7 @@ class Client:
                 if late.size:
                     rows = late % R
                     hv["flags"][rows] |= int(Flag.RETRANSMIT)
-                    self._send(pkts, rows, pkt_len, n_shards, S)
+                    self._send(pkts, rows, pkt_len)
                     sent_at[late] = now
                     tries[late] += 1
                     self.stats.retransmissions += late.size
@@ -411,9 +408,9 @@ class Client:
             return self.rto
         return min(self.max_rto, max(self.rto, self.srtt + 4 * self.rttvar))
 
-    def _send(self, pkts, rows, pkt_len, n_shards, S):
-        """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % n_shards."""
-        shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % n_shards
+    def _send(self, pkts, rows, pkt_len):
+        """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
+        shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += len(rows) * pkt_len

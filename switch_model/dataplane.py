@@ -407,27 +407,20 @@ def harvest(n, action, slot2, rank, job, jobs, regs, maxexp, round_chunk, ptype,
                     v = regs[s, k]
                     for b in range(8):
                         results[s, HDR + 8 * k + b] = np.uint8((v >> (56 - 8 * b)) & 0xFF)
-            elif out_pt == P_INT8N:
+            elif out_pt == P_INT32 or out_pt == P_INT8N:     # narrower than the registers: clamp, flag
+                w = _width(out_pt)
+                hi = (np.int64(1) << np.int64(8 * w - 1)) - 1
+                lo = -hi - 1
                 for k in range(E):
                     v = regs[s, k]
-                    if v > 127:
-                        v = 127
+                    if v > hi:
+                        v = hi
                         o = True
-                    elif v < -128:
-                        v = -128
+                    elif v < lo:
+                        v = lo
                         o = True
-                    results[s, HDR + k] = np.uint8(v & 0xFF)
-            elif out_pt == P_INT32:
-                for k in range(E):
-                    v = regs[s, k]
-                    if v > 0x7FFFFFFF:
-                        v = 0x7FFFFFFF
-                        o = True
-                    elif v < -0x80000000:
-                        v = -0x80000000
-                        o = True
-                    for b in range(4):
-                        results[s, HDR + 4 * k + b] = np.uint8((v >> (24 - 8 * b)) & 0xFF)
+                    for b in range(w):
+                        results[s, HDR + w * k + b] = np.uint8((v >> (8 * (w - 1 - b))) & 0xFF)
             if o:
                 flags |= F_OVERFLOW
             _wr16(results, s, O_FLAGS, flags)

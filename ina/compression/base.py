@@ -166,6 +166,13 @@ class Codec:
         the switch returns int8 sums: one byte per element down instead of four."""
         return None
 
+    def int8_sums(self, ctx: ScaleContext) -> bool:
+        """Do ``ctx.n_workers`` workers' int8 codes always sum within int8 (sent as INT8_NARROW)?"""
+        if self.payload_type != PayloadType.INT8:
+            return False
+        bound = self.max_abs_code(ctx)
+        return bound is not None and bound * ctx.n_workers <= 127
+
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
 
