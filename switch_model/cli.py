@@ -126,12 +126,9 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    sw._dp_thread = __import__("threading").current_thread()
-    sw._running = True
     try:
         sw.serve_forever()
     finally:
-        sw._running = False
         cp.stop()
         if hagg is not None:
             hagg.close()
