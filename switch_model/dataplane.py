@@ -437,16 +437,17 @@ def _nc_reencode(v, key):
 
 
 @njit(inline="always")
-def _result_type(raw_job, pt, reg_bits):
-    """The payload type a set's result goes back in (sums of NC8 codes re-encoded unless the job is raw)."""
+def _result_type(pt, raw, reg_bits):
+    """The payload type a set's result goes back in: NC8 sums re-encoded as NC8 unless the job asked
+    for raw sums (then the registers' integers), narrow int8 sums as int8, other integer sums as int32."""
     if pt == P_NONE:
         return P_NONE
-    if not raw_job and pt == P_NC8:
-        return P_NC8
     if pt == P_NC8:
+        if not raw:
+            return P_NC8
         return P_INT64 if reg_bits == 64 else P_INT32
     if pt == P_INT8N:
-        return P_INT8N                  # sums of narrow int8 codes go back as int8
+        return P_INT8N
     return P_INT32
 
 
@@ -458,7 +459,7 @@ def _write_result(dp, s, j):
     job = dp.jobs[j]
     E = job.elements
     pt = m.ptype
-    out_pt = _result_type(job.raw != 0, pt, dp.register_bits)
+    out_pt = _result_type(pt, job.raw != 0, dp.register_bits)
     flags = F_RAW if (out_pt != P_NC8 and pt != P_NONE) else 0
     o = m.overflow != 0
     for b in range(HDR):
