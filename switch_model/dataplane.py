@@ -182,7 +182,7 @@ def _width(ptype):
 
 
 @njit(inline="always")
-def _check_header(dp, buf, lens, i):
+def _check_header(jobs, buf, lens, i):
     """The verdict of packet i, and for an OK packet its job, rank and register set."""
     ln = lens[i]
     if ln < HDR or ln > buf.shape[1]:
@@ -195,7 +195,7 @@ def _check_header(dp, buf, lens, i):
     if pt > P_MAX:
         return Verdict.BAD_PAYLOAD_TYPE, 0, 0, 0
     j = _rd16(buf, i, O_JOB)
-    job = dp.jobs[j]
+    job = jobs[j]
     if job.active == 0:
         return Verdict.UNKNOWN_JOB, 0, 0, 0
     if ln != HDR + _width(pt) * job.elements:
@@ -222,15 +222,16 @@ def _check_header(dp, buf, lens, i):
 @njit(cache=True)
 def parse(dp, buf, lens, n):
     """Validate headers against the job table: dp.pkts[i].verdict = OK or a drop reason."""
+    jobs, pkts, counters = dp.jobs, dp.pkts, dp.counters       # taken out once (see aggregate)
     for i in range(n):
-        v, j, r, s = _check_header(dp, buf, lens, i)
-        p = dp.pkts[i]
+        v, j, r, s = _check_header(jobs, buf, lens, i)
+        p = pkts[i]
         p.verdict = v
         if v == Verdict.OK:
             p.job = j
             p.rank = r
             p.set_id = s
-        dp.counters[v] += 1
+        counters[v] += 1
 
 
 @njit(inline="always")
@@ -257,10 +258,10 @@ def _harvest_pending(pkts, i, s):
 
 
 @njit(inline="always")
-def _protocol(dp, i, c, bit):
+def _protocol(sets, pkts, i, c, bit):
     """The slot protocol for packet i (chunk c, worker bit): (its Action, or the Verdict it is dropped
     with; whether it is the first packet of a new round)."""
-    m = dp.sets[dp.pkts[i].set_id]
+    m = sets[pkts[i].set_id]
     if c == m.round_chunk:
         if m.bitmap & bit:
             if m.complete:
@@ -268,88 +269,12 @@ def _protocol(dp, i, c, bit):
             return np.int64(Verdict.RETRANSMIT_PENDING), False
         return np.int64(Action.ABSORBED), False
     if c > m.round_chunk:
-        if m.round_chunk >= 0 and (not m.complete or _harvest_pending(dp.pkts, i, dp.pkts[i].set_id)):
+        if m.round_chunk >= 0 and (not m.complete or _harvest_pending(pkts, i, pkts[i].set_id)):
             # busy: the round is incomplete, or it completed in this burst and its result is not
             # harvested yet (a new round would overwrite the registers before the harvest stage)
             return np.int64(Verdict.SLOT_BUSY), False
         return np.int64(Action.ABSORBED), True
     return np.int64(Verdict.STALE), False
-
-
-@njit(inline="always")
-def _decode(buf, i, pt, E, vals, max_shift, lo, hi):
-    """The chunk's codes as signed integers in vals[:E]; True if one is beyond the registers (saturated)."""
-    o = False
-    if pt == P_NC8:
-        mx_shift = np.int64(0)
-        for k in range(E):
-            code = np.int64(buf[i, HDR + k])
-            kk = code & 0x7F
-            mx_shift = max(mx_shift, kk)
-            sg = code >> 7
-            # 2**(k-1), and 0 for k = 0: a shift (unsigned, so that k = 63 gives +2**62, not -2**62)
-            mag = np.int64((np.uint64(1) << np.uint64(kk & 63)) >> np.uint64(1))
-            vals[k] = (mag ^ -sg) + sg                      # conditional negate, branch-free
-        if mx_shift - 1 >= max_shift:                       # a code beyond the register: saturate
-            for k in range(E):
-                code = np.int64(buf[i, HDR + k])
-                if (code & 0x7F) - 1 >= max_shift:
-                    vals[k] = lo if (code & 0x80) else hi
-            o = True
-    elif pt == P_INT8 or pt == P_INT8N:
-        for k in range(E):
-            vals[k] = np.int64(np.int8(buf[i, HDR + k]))
-    elif pt == P_INT32:
-        for k in range(E):
-            b0 = HDR + 4 * k
-            u = ((np.uint32(buf[i, b0]) << np.uint32(24)) | (np.uint32(buf[i, b0 + 1]) << np.uint32(16))
-                 | (np.uint32(buf[i, b0 + 2]) << np.uint32(8)) | np.uint32(buf[i, b0 + 3]))
-            vals[k] = np.int64(np.int32(u))
-    elif pt == P_INT64:
-        for k in range(E):
-            b0 = HDR + 8 * k
-            u = np.uint64(0)
-            for b in range(8):
-                u = (u << np.uint64(8)) | np.uint64(buf[i, b0 + b])
-            vals[k] = np.int64(u)
-    else:   # P_NONE (exponent round): no payload
-        for k in range(E):
-            vals[k] = 0
-    return o
-
-
-@njit(inline="always")
-def _accumulate(regs, s, vals, E, first, reg_bits, lo, hi):
-    """The ALU: the first packet of a round writes, the others add; overflow saturates and is
-    reported (True), never wrapped."""
-    o = False
-    if first:
-        for k in range(E):
-            regs[s, k] = vals[k]
-        if reg_bits < 64:
-            for k in range(E):
-                if regs[s, k] > hi or regs[s, k] < lo:
-                    regs[s, k] = hi if regs[s, k] > 0 else lo
-                    o = True
-        return o
-    acc = np.int64(0)
-    mn = np.int64(0)
-    mxv = np.int64(0)
-    for k in range(E):                                  # vectorisable: add + overflow witnesses
-        a = regs[s, k]
-        b = vals[k]
-        r = a + b
-        acc |= (a ^ r) & (b ^ r)
-        mn = min(mn, r)
-        mxv = max(mxv, r)
-    if acc < 0 or mn < lo or mxv > hi:                  # rare: redo with saturation
-        for k in range(E):
-            regs[s, k], of = _sat_add(regs[s, k], vals[k], lo, hi)
-            o |= of
-    else:
-        for k in range(E):
-            regs[s, k] += vals[k]
-    return o
 
 
 @njit(cache=True)
@@ -360,26 +285,30 @@ def aggregate(dp, buf, n):
     worker whose bit is already set in the worker bitmap is retransmitting and only reads (a replay
     if the round is complete). A round is identified by its chunk id; older chunks are stale.
     """
+    # the state's arrays, taken out once: each use of dp.<array> (or an array handed to a helper) in
+    # the packet loop costs reference counting, measurable on small packets (bench_switch)
+    regs, sets, jobs, counters, pkts, vals = dp.regs, dp.sets, dp.jobs, dp.counters, dp.pkts, dp.vals
     reg_bits = dp.register_bits
     hi = (np.int64(1) << (reg_bits - 1)) - 1
     lo = -hi - 1
+    max_shift = reg_bits - 1
     for i in range(n):
-        p = dp.pkts[i]
+        p = pkts[i]
         if p.verdict != Verdict.OK:
             p.action = p.verdict
             continue
         s = p.set_id
-        m = dp.sets[s]
+        m = sets[s]
         bit = np.uint64(1) << np.uint64(p.rank)
         c = _rd32(buf, i, O_CHUNK)
         pt = np.int64(buf[i, O_PTYPE])
-        a, first = _protocol(dp, i, c, bit)
+        a, first = _protocol(sets, pkts, i, c, bit)
         if a == Action.ABSORBED and not first and pt != m.ptype:
             a = Verdict.PAYLOAD_TYPE_MISMATCH
         p.action = a
         if a != Action.ABSORBED:
             if a != Action.REPLAY:
-                dp.counters[a] += 1
+                counters[a] += 1
             continue
         e = _rd16(buf, i, O_EXP)
         if e >= 0x8000:
@@ -400,15 +329,77 @@ def aggregate(dp, buf, n):
                 m.maxexp = e
             if cnt > m.nvalid:
                 m.nvalid = cnt
-        E = dp.jobs[p.job].elements
-        o = _decode(buf, i, pt, E, dp.vals, reg_bits - 1, lo, hi)
-        o |= _accumulate(dp.regs, s, dp.vals, E, first, reg_bits, lo, hi)
+        E = jobs[p.job].elements
+        # decode the chunk's codes into signed integers (scratch row vals), checking they are in range
+        o = False
+        if pt == P_NC8:
+            mx_shift = np.int64(0)
+            for k in range(E):
+                code = np.int64(buf[i, HDR + k])
+                kk = code & 0x7F
+                mx_shift = max(mx_shift, kk)
+                sg = code >> 7
+                # 2**(k-1), and 0 for k = 0: a shift (unsigned, so that k = 63 gives +2**62, not -2**62)
+                mag = np.int64((np.uint64(1) << np.uint64(kk & 63)) >> np.uint64(1))
+                vals[k] = (mag ^ -sg) + sg                      # conditional negate, branch-free
+            if mx_shift - 1 >= max_shift:                       # a code beyond the register: saturate
+                for k in range(E):
+                    code = np.int64(buf[i, HDR + k])
+                    if (code & 0x7F) - 1 >= max_shift:
+                        vals[k] = lo if (code & 0x80) else hi
+                o = True
+        elif pt == P_INT8 or pt == P_INT8N:
+            for k in range(E):
+                vals[k] = np.int64(np.int8(buf[i, HDR + k]))
+        elif pt == P_INT32:
+            for k in range(E):
+                b0 = HDR + 4 * k
+                u = ((np.uint32(buf[i, b0]) << np.uint32(24)) | (np.uint32(buf[i, b0 + 1]) << np.uint32(16))
+                     | (np.uint32(buf[i, b0 + 2]) << np.uint32(8)) | np.uint32(buf[i, b0 + 3]))
+                vals[k] = np.int64(np.int32(u))
+        elif pt == P_INT64:
+            for k in range(E):
+                b0 = HDR + 8 * k
+                u = np.uint64(0)
+                for b in range(8):
+                    u = (u << np.uint64(8)) | np.uint64(buf[i, b0 + b])
+                vals[k] = np.int64(u)
+        else:   # P_NONE (exponent round): no payload
+            for k in range(E):
+                vals[k] = 0
+        # the ALU: first packet of a round writes, the others add; overflow detected, never wrapped
+        if first:
+            for k in range(E):
+                regs[s, k] = vals[k]
+            if reg_bits < 64:
+                for k in range(E):
+                    if regs[s, k] > hi or regs[s, k] < lo:
+                        regs[s, k] = hi if regs[s, k] > 0 else lo
+                        o = True
+        else:
+            acc = np.int64(0)
+            mn = np.int64(0)
+            mxv = np.int64(0)
+            for k in range(E):                                  # vectorisable: add + overflow witnesses
+                x = regs[s, k]
+                y = vals[k]
+                r = x + y
+                acc |= (x ^ r) & (y ^ r)
+                mn = min(mn, r)
+                mxv = max(mxv, r)
+            if acc < 0 or mn < lo or mxv > hi:                  # rare: redo with saturation
+                for k in range(E):
+                    regs[s, k], of = _sat_add(regs[s, k], vals[k], lo, hi)
+                    o |= of
+            else:
+                for k in range(E):
+                    regs[s, k] += vals[k]
         if o:
             m.overflow = 1
-            dp.counters[C_OVERFLOW] += 1
+            counters[C_OVERFLOW] += 1
         m.bitmap |= bit
         m.count += 1
-        if m.count >= dp.jobs[p.job].n_workers:
+        if m.count >= jobs[p.job].n_workers:
             m.complete = 1
             p.action = Action.HARVEST
 
@@ -517,27 +508,28 @@ def harvest(dp, n):
     job per completed slot, a unicast per replay (negative length: the tx stage sets its REPLAY flag
     on a copy of the stored row).
     """
+    pkts, jobs, sets, tx, counters = dp.pkts, dp.jobs, dp.sets, dp.tx, dp.counters    # taken out once
     m = 0
     for i in range(n):
-        p = dp.pkts[i]
+        p = pkts[i]
         if p.action != Action.HARVEST and p.action != Action.REPLAY:
             continue
         s = p.set_id
-        job = dp.jobs[p.job]
+        job = jobs[p.job]
         if p.action == Action.HARVEST:
-            dp.counters[C_HARVESTED] += 1
+            counters[C_HARVESTED] += 1
             _write_result(dp, s, p.job)
             for w in range(job.n_workers):        # multicast
-                t = dp.tx[m]
+                t = tx[m]
                 t.set_id = s
-                t.length = dp.sets[s].result_len
+                t.length = sets[s].result_len
                 t.addr = job.addr_base + w
                 m += 1
         else:
-            dp.counters[C_REPLAYS] += 1
-            t = dp.tx[m]
+            counters[C_REPLAYS] += 1
+            t = tx[m]
             t.set_id = s
-            t.length = -dp.sets[s].result_len
+            t.length = -sets[s].result_len
             t.addr = job.addr_base + p.rank
             m += 1
     return m
