@@ -105,13 +105,10 @@ def payload_widths(method: str, n: int = 4) -> tuple[int, int]:
         return 4, 4
     if is_host_method(method):
         return None
-    from .sweep_worker import narrow_results
     from ina import compression
-    from ina.wire import PAYLOAD_WIDTH, PayloadType
+    from ina.wire import PAYLOAD_WIDTH
     c = compression.get(method[4:])
-    up = PAYLOAD_WIDTH[c.payload_type]
-    down = 1 if c.payload_type == PayloadType.NC8 or narrow_results(method[4:], n, fixed_only=False) else 4
-    return up, down
+    return PAYLOAD_WIDTH[c.payload_type], c.result_width(n)
 
 
 def ideal_time(method: str, n: int, elements: int, rate: str) -> float | None:

@@ -22,17 +22,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import burst as B
 from . import compression
-from .compression._seedutil import ErrorFeedbackMixin
-from .compression.base import ScaleContext, native, to_numpy_f32, write_back
+from .compression.base import ScaleContext, native, to_numpy_f32
 from .control import ControlChannel, ControlError
-from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
-                   payload_view)
+from .errors import AllreduceError
+from .host_client import HostAggClient
+from .wire import HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view, payload_view
+from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
 
@@ -41,26 +42,18 @@ COALESCE_TARGET = 16      # results per receive burst that receive coalescing ai
 COALESCE_SPACING = 2e-4   # ... when results arrive further apart than this (a 8 kB packet at 330 Mbit/s)
 
 
-class AllreduceError(RuntimeError):
-    """An allreduce could not complete; the message says what was missing."""
+__all__ = ["Client", "ClientStats", "AllreduceError"]
 
 
 @dataclass
-class ClientStats:
-    allreduces: int = 0
+class ClientStats(WorkerStats):
     packets_sent: int = 0
-    bytes_sent: int = 0
     packets_received: int = 0
-    bytes_received: int = 0
     retransmissions: int = 0
     stale_results: int = 0
-    elements: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
-class Client:
+class Client(Worker):
     """A worker of one job at one switch.
 
     ``Client(switch=("host", port), rank=r, world_size=n, job=j)`` joins job ``j`` at the switch
@@ -73,18 +66,11 @@ class Client:
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
                  coalesce: float = 0.004):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
-        self.rank, self.world_size, self.job = rank, world_size, job
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
-        self.stats = ClientStats()
-        self._codecs: dict[str, compression.Codec] = {}
-        self._codec_options = codec_options or {}
-        self._seed = seed if seed is not None else int(np.random.default_rng().integers(0, 2**31))
-        self._broken: str | None = None
         self.sock = B.udp_socket("0.0.0.0", 0)
         self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0))
         local_ip = self.ctl.sock.getsockname()[0]
@@ -107,7 +93,7 @@ class Client:
             self.switch_addrs[i] = B.sockaddr(host, p)[0]
         self.shards = len(ports)
         self.host_aggregator = cfg.get("host_aggregator")  # {"port", "label"} when the service runs one
-        self._host: object | None = None                    # HostAggClient, connected on first use
+        self._host: HostAggClient | None = None             # connected on first use
         B.set_recv_timeout(self.sock, 0.002)
         self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
         self.tx = B.TxBatch(self.sock, capacity=1024)
@@ -118,14 +104,6 @@ class Client:
                  self.slots, self.elements)
 
     # ----------------------------------------------------------------------------------------------
-    def codec(self, name: str) -> compression.Codec:
-        c = self._codecs.get(name)
-        if c is None:
-            opts = dict(self._codec_options.get(name, {}))
-            opts.setdefault("seed", self._seed * 1_000_003 + self.rank)
-            c = self._codecs[name] = compression.get(name, **opts)
-        return c
-
     def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None):
         """Sum (or average) ``tensor`` over the job's workers through the switch, in place.
 
@@ -134,9 +112,7 @@ class Client:
         (3lc-3v, bgt, qgt keep one residual per key; without a key they are stateless). Returns
         the same object.
         """
-        if self._broken:
-            raise AllreduceError(f"client of job {self.job} rank {self.rank} is unusable after an earlier "
-                                 f"failure: {self._broken}")
+        self._check_usable()
         c = self.codec(codec)
         if not c.switch_summable:
             return self._host_allreduce(tensor, c, key, average)
@@ -144,7 +120,7 @@ class Client:
         n = x32.size
         if n == 0:
             return tensor
-        kw = {"key": key} if isinstance(c, ErrorFeedbackMixin) else {}
+        kw = {"key": key} if c.keeps_residuals else {}
         chunk0 = self._next_chunk
         try:
             exponent = c.scale_exponent(x32, **kw)     # raises ValueError on NaN/Inf before anything is sent
@@ -159,19 +135,14 @@ class Client:
                                agreed=tuple(int(v) for v in maxima[1:]))
             out = self._reduce(c, x32, ctx, kw)
         except AllreduceError as e:
-            self._broken = str(e)
+            self._break(str(e))
             raise
         except BaseException as e:
             if self._next_chunk != chunk0:     # packets went out: the switch holds partial rounds of ours
-                self._broken = (f"{type(e).__name__} during an allreduce of job {self.job} (chunk ids from "
-                                f"{chunk0}): {e}")
+                self._break(f"{type(e).__name__} during an allreduce of job {self.job} (chunk ids from "
+                            f"{chunk0}): {e}")
             raise
-        if average:
-            out = out / np.float32(self.world_size)
-        self.stats.allreduces += 1
-        self.stats.elements += n
-        write_back(tensor, out)
-        return tensor
+        return self._deliver(tensor, out, average)
 
     def _host_allreduce(self, tensor, c, key, average):
         """A codec an integer switch cannot sum (variable-length messages: 3lc, eaq, wgt) goes through
@@ -181,30 +152,20 @@ class Client:
                              f"at {self.switch[0]}:{self.switch[1]} runs no host aggregator; switch-summable codecs: "
                              + ", ".join(n for n in compression.available() if compression.get(n).switch_summable))
         if self._host is None:
-            from .host_client import HostAggClient
             self._host = HostAggClient((self.switch[0], int(self.host_aggregator["port"])), self.rank,
                                        self.world_size, self.job, timeout=self.timeout, seed=self._seed)
             log.warning("rank %d job %d: codec %s runs through the host aggregator (%s)", self.rank, self.job,
                         c.name, self.host_aggregator.get("label", "NOT switch-feasible"))
         sent0, recv0 = self._host.stats.bytes_sent, self._host.stats.bytes_received
         try:
-            self._host.allreduce(tensor, c, key=key, average=average)
-        except AllreduceError as e:
-            self._broken = str(e)
-            raise
+            with self._latching():
+                self._host.allreduce(tensor, c, key=key, average=average)
         finally:
             self.stats.bytes_sent += self._host.stats.bytes_sent - sent0
             self.stats.bytes_received += self._host.stats.bytes_received - recv0
         self.stats.allreduces += 1
         self.stats.elements += int(np.prod(np.shape(tensor)))
         return tensor
-
-    def _result_type(self, c) -> PayloadType:
-        if c.payload_type == PayloadType.NC8:
-            if not self.raw:
-                return PayloadType.NC8
-            return PayloadType.INT64 if self.register_bits == 64 else PayloadType.INT32
-        return PayloadType.INT32
 
     def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict) -> np.ndarray:
         """Encode, stream and decode, pipelined: a block of ``slots`` chunks is encoded when its first
@@ -214,20 +175,15 @@ class Client:
         n, E, S = x32.size, self.elements, self.slots
         n_chunks = max(1, math.ceil(n / E))
         block = n_chunks if kw else S                      # chunks per encoding block
-        ptype = c.payload_type
-        res_type = self._result_type(c)
-        raw = res_type != c.payload_type or self.raw
-        if c.int8_sums(ctx):
-            ptype = res_type = PayloadType.INT8_NARROW      # the sum fits int8: 1 byte per element down
+        ptype = c.uplink_type(ctx)                         # INT8_NARROW when the sum fits int8
+        res_type = c.result_type(ctx, raw=self.raw)
+        raw = self.raw or res_type != c.payload_type       # results are register sums, not codes
         out = np.empty(n_chunks * E, np.float32)
         out2d = out.reshape(n_chunks, E)
 
         def encode_block(b: int) -> np.ndarray:
             lo, hi = b * block * E, min(n, (b + 1) * block * E)
-            # the kernels draw uniform(i, seed) = hash(i * 0x9E3779B9 + seed): shifting the seed by lo
-            # elements makes block b draw exactly what a whole-tensor encode draws for its elements
-            bctx = ctx if b == 0 else replace(ctx, seed=(ctx.seed + 0x9E3779B9 * lo) & 0xFFFFFFFF)
-            codes = c.encode_shared(x32[lo:hi], bctx, **kw)
+            codes = c.encode_shared(x32[lo:hi], ctx.from_element(lo), **kw)
             rows = math.ceil((hi - lo) / E)
             if codes.size != rows * E:                     # the last chunk is zero-padded
                 codes = np.concatenate([codes, np.zeros(rows * E - codes.size, codes.dtype)])

@@ -41,8 +41,9 @@ import zlib
 
 import numpy as np
 
-from ina.host_client import (HOST_AGG_LABEL, JOB_ROUND, MAX_WORLD, ConnectionGone, Frame, FrameError, FrameType,
-                             frame_parts, pack_encoded, recv_frame, set_send_timeout, unpack_encoded)
+from ina.errors import ConnectionGone, FrameError
+from ina.host_wire import (HOST_AGG_LABEL, JOB_ROUND, MAX_WORLD, Frame, FrameType, frame_parts, pack_encoded,
+                           recv_frame, set_send_timeout, unpack_encoded)
 
 log = logging.getLogger("ina.switch.host_agg")
 
@@ -476,8 +477,7 @@ class HostAggregator:
             total = acc.astype(np.float32)
             t2 = time.perf_counter()
             try:
-                kw = {"key": key} if key is not None and _accepts_key(codec) else {}
-                flags, env, body = pack_encoded(codec.compress(total, **kw))
+                flags, env, body = pack_encoded(codec.compress(total, **codec.key_argument(key)))
             except (ValueError, OverflowError) as e:
                 self._abort(job, "encode", f"{where}: cannot re-encode the sum: {e}")
                 return
@@ -624,11 +624,6 @@ def _drain_and_close(sock: socket.socket, bound_s: float = 1.0, max_bytes: int =
             got += k
     except OSError:
         pass
-
-
-def _accepts_key(codec) -> bool:
-    from ina.host_client import accepts_key
-    return accepts_key(codec)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -41,9 +41,9 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from ._seedutil import (HOST_AGGREGATOR, ErrorFeedbackMixin, Reader, be_bytes, element_count, finite_max_abs,
-                        pack_bits, packed_size, unpack_bits)
-from .base import Codec, Encoded, from_numpy_like, to_numpy_f32
+from .base import HOST_AGGREGATED, Codec, Encoded, from_numpy_like, to_numpy_f32
+from .encoding import Reader, be_bytes, element_count, finite_max_abs, pack_bits, packed_size, unpack_bits
+from .feedback import ErrorFeedbackMixin
 
 MAX_CODE_LEN = 56
 CODEBOOK_SPARSE, CODEBOOK_RANGE = 0, 1
@@ -265,11 +265,11 @@ class EntropyAdaptiveHuffman(ErrorFeedbackMixin, Codec):
     switch_summable = False
     variable_length = True
     aggregation = "host"
-    label = HOST_AGGREGATOR
+    label = HOST_AGGREGATED
     unbiased = False
     stochastic = True     # the entropy sample is random (the codes themselves are deterministic)
     description = ("entropy-adaptive uniform quantization (N = H + c bits per layer) with Huffman "
-                   "coding, codebook in the message [" + HOST_AGGREGATOR + "]")
+                   "coding, codebook in the message [" + HOST_AGGREGATED + "]")
 
     def __init__(self, F: float = 0.03, M: int = 4, c: float = 6.0, max_bits: int = 16,
                  min_sample: int = 64, error_feedback: bool = False, seed: int | None = 0):

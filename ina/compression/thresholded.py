@@ -38,10 +38,10 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from ._seedutil import (HOST_AGGREGATOR, ErrorFeedbackMixin, Reader, be_bytes, element_count,
-                        finite_max_abs, log_scale, log_scale_exponent, pack_bits, packed_size,
-                        unpack_bits)
-from .base import Codec, Encoded, ScaleContext, from_numpy_like, to_numpy_f32
+from .base import HOST_AGGREGATED, Codec, Encoded, ScaleContext, from_numpy_like, to_numpy_f32
+from .encoding import (Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent, pack_bits,
+                       packed_size, unpack_bits)
+from .feedback import ErrorFeedbackMixin
 
 WGT, BGT, QGT = 0, 1, 2
 VARIANT_NAMES = {WGT: "wgt", BGT: "bgt", QGT: "qgt"}
@@ -221,9 +221,9 @@ class WholeGradientTransfer(_Thresholded):
     payload_type = PayloadType.NONE
     switch_summable = False
     aggregation = "host"
-    label = HOST_AGGREGATOR
+    label = HOST_AGGREGATED
     description = ("thresholded whole-gradient transfer (WGT): values with |g| >= T sent as float32, "
-                   "rest accumulated [" + HOST_AGGREGATOR + "]")
+                   "rest accumulated [" + HOST_AGGREGATED + "]")
 
     @property
     def bits_per_element(self) -> float:
