@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .sweep_methods import is_host_method
+
 RATE_ORDER = {"10mbit": 0, "100mbit": 1, "1gbit": 2, "unlimited": 3}
 RATE_LABEL = {"10mbit": "10 Mbit/s", "100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unshaped"}
 
@@ -35,7 +37,6 @@ def _methods(records):
 def _label(m):
     if m == "gloo":
         return "Gloo ring fp32"
-    from .sweep import is_host_method
     return f"host-aggregated {m[4:]} (NOT switch-feasible)" if is_host_method(m) else "INA " + m[4:]
 
 
