@@ -109,6 +109,10 @@ class Frame:
     def text(self) -> str:
         return bytes(self.body).decode("utf-8", "replace")
 
+    @property
+    def body_bytes(self) -> int:
+        return memoryview(self.body).nbytes
+
 
 def error_frame(reason: str, text: str, *, job: int = 0, rank: int = 0, world_size: int = 0,
                 rnd: int = JOB_ROUND) -> Frame:
