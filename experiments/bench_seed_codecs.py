@@ -106,7 +106,7 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
     n_params = sum(p.numel() for p in model.parameters())
     bits_trace = []
     extra = {"sent": 0}
-    from ina.compression.thresholded import _Thresholded, paper_bits, sent_fraction
+    from ina.compression.thresholded import ThresholdedTransfer, paper_bits, sent_fraction
     t_start = time.perf_counter()
     epoch_bits = []
     for ep in range(epochs):
@@ -127,7 +127,7 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
                     p.grad = torch.from_numpy(np.ascontiguousarray(codec.decompress(enc)))
                     step_bits += 8.0 * enc.nbytes
                     values += g.size
-                    if isinstance(codec, _Thresholded):
+                    if isinstance(codec, ThresholdedTransfer):
                         paper += paper_bits(enc) * g.size
                         extra["sent"] += sent_fraction(enc) * g.size
                 bits += step_bits
@@ -147,7 +147,7 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
     if codec is not None:
         out["bits_per_value"] = bits / max(values, 1)
         out["bits_per_value_by_epoch"] = epoch_bits
-        if isinstance(codec, _Thresholded):
+        if isinstance(codec, ThresholdedTransfer):
             out["paper_bits_per_value"] = paper / max(values, 1)
             out["sent_fraction"] = extra["sent"] / max(values, 1)
     if bits_trace:

@@ -125,7 +125,7 @@ def _read_varint_gaps(buf, k, n, idx):
 
 
 # ----------------------------------------------------------------------------- codecs
-class _Thresholded(ErrorFeedbackMixin, Codec):
+class ThresholdedTransfer(ErrorFeedbackMixin, Codec):
     variant: int
     unbiased = False     # deterministic thresholding; the residual delivers the rest later
     stochastic = False
@@ -214,7 +214,7 @@ class _Thresholded(ErrorFeedbackMixin, Codec):
         return from_numpy_like(out, enc.like, enc.shape)
 
 
-class WholeGradientTransfer(_Thresholded):
+class WholeGradientTransfer(ThresholdedTransfer):
     name = "wgt"
     wire_id = 12
     variant = WGT
@@ -230,7 +230,7 @@ class WholeGradientTransfer(_Thresholded):
         return 32.0    # per sent value, positions extra; see paper_bits
 
 
-class BinarizedGradientTransfer(_Thresholded):
+class BinarizedGradientTransfer(ThresholdedTransfer):
     name = "bgt"
     wire_id = 13
     variant = BGT
