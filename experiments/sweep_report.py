@@ -40,6 +40,12 @@ def _label(m):
     return f"host-aggregated {m[4:]} (NOT switch-feasible)" if is_host_method(m) else "INA " + m[4:]
 
 
+def _rec(records, m, n, rate, el):
+    """The record of method m with n workers at this rate and size (None if not measured)."""
+    return next((x for x in records if x["method"] == m and x["workers"] == n and x["rate"] == rate
+                 and x["elements"] == el), None)
+
+
 def _pick_n(ar, prefer=4):
     ns = sorted({r["workers"] for r in ar})
     return prefer if prefer in ns else (ns[-1] if ns else None)
@@ -151,8 +157,7 @@ def _plot_speedup(plt, out: Path, ar, methods, rates, n, big) -> str:
     for m in methods:
         ys = []
         for rate in rates:
-            r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                      and x["elements"] == big), None)
+            r = _rec(ar, m, n, rate, big)
             ys.append(r.get("speedup_vs_gloo") if r else None)
         if any(y is not None for y in ys):
             ax.plot([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None], "o-",
@@ -332,8 +337,7 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
         for m in methods:
             row = []
             for rate in rates:
-                r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                          and x["elements"] == el), None)
+                r = _rec(ar, m, n, rate, el)
                 row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else ""))
             L.append(f"| {_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
         L.append("")
@@ -377,8 +381,7 @@ def _md_throughput(meta, tp, ar, methods, rates, sizes) -> list[str]:
         for m in methods:
             row = []
             for rate in rates:
-                r = next((x for x in tp if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                          and x["elements"] == el), None)
+                r = _rec(tp, m, n, rate, el)
                 row.append(f"{r['samples_per_s']:.1f} ({r['speedup_vs_gloo']:.2f}x)" if r and r.get("speedup_vs_gloo")
                            else (_fmt(r["samples_per_s"], ".1f") if r else "–"))
             L.append(f"| {_label(m)} | " + " | ".join(row) + " |")
