@@ -51,9 +51,11 @@ CODEBOOK_SPARSE, CODEBOOK_RANGE = 0, 1
 
 # ----------------------------------------------------------------------------- kernels
 @njit(cache=True)
-def _quantize(x, wmin, scale, top, out):
+def _quantize(x, wmin, step, top, out):
+    # divide by the bin width (rng / 2**N, exact) rather than multiply by its rounded reciprocal, so
+    # that a value on a bin edge lands in the bin _dequantize's centre describes
     for i in range(x.size):
-        q = np.int64(np.floor((np.float64(x[i]) - wmin) * scale))
+        q = np.int64(np.floor((np.float64(x[i]) - wmin) / step)) if step > 0 else np.int64(0)
         out[i] = min(max(q, 0), top)
 
 
@@ -305,9 +307,7 @@ class EntropyAdaptiveHuffman(ErrorFeedbackMixin, Codec):
     @staticmethod
     def _quantize(x32, wmin, wmax, nbits):
         out = np.empty(x32.size, np.int64)
-        rng = float(wmax) - float(wmin)
-        scale = (1 << nbits) / rng if rng > 0 else 0.0
-        _quantize(x32, float(wmin), scale, (1 << nbits) - 1, out)
+        _quantize(x32, float(wmin), EntropyAdaptiveHuffman._step(wmin, wmax, nbits), (1 << nbits) - 1, out)
         return out
 
     def compress(self, x, key=None) -> Encoded:
