@@ -87,7 +87,7 @@ def _host_aggregator(args):
     """The host aggregator's process (started first: it imports while the switch builds its registers)."""
     if args.host_agg_port is not None and args.host_agg_port < 0:
         return None
-    from ina.host_client import HOST_AGG_PORT_OFFSET
+    from ina.host_wire import HOST_AGG_PORT_OFFSET
     from .host_agg import HostAggregatorProcess
     hport = args.host_agg_port
     if hport is None:

@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag
+from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag, result_type
 
 # --- header offsets, from the one declaration in ina/wire.py ---------------------------------------
 O_VERSION = OFFSET["version"]
@@ -427,19 +427,7 @@ def _nc_reencode(v, key):
     return code if a != np.uint64(0) else np.uint8(0)
 
 
-@njit(inline="always")
-def _result_type(pt, raw, reg_bits):
-    """The payload type a set's result goes back in: NC8 sums re-encoded as NC8 unless the job asked
-    for raw sums (then the registers' integers), narrow int8 sums as int8, other integer sums as int32."""
-    if pt == P_NONE:
-        return P_NONE
-    if pt == P_NC8:
-        if not raw:
-            return P_NC8
-        return P_INT64 if reg_bits == 64 else P_INT32
-    if pt == P_INT8N:
-        return P_INT8N
-    return P_INT32
+_result_type = njit(inline="always")(result_type)   # ina.wire.result_type, the one rule of result widths
 
 
 @njit(inline="always")
