@@ -59,13 +59,14 @@ class Client(Worker):
     ``Client(switch=("host", port), rank=r, world_size=n, job=j)`` joins job ``j`` at the switch
     (a rendezvous: it returns once all ``n`` ranks joined, or raises after ``timeout``).
     ``elements`` is the chunk length (elements per packet) and ``slots`` the job's share of the
-    switch's slot pool, i.e. the window of chunks in flight.
+    switch's slot pool, i.e. the window of chunks in flight. ``codecs``: the codecs this job will use,
+    declared at join so that a switch under a hardware profile refuses one it cannot sum.
     """
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
-                 coalesce: float = 0.004):
+                 coalesce: float = 0.004, codecs: tuple = ()):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
@@ -77,7 +78,7 @@ class Client(Worker):
         try:
             cfg = self.ctl.request({"op": "join", "job": job, "rank": rank, "world_size": world_size,
                                     "host": local_ip, "udp_port": self.sock.getsockname()[1], "slots": slots,
-                                    "elements": elements, "raw": raw, "timeout": timeout},
+                                    "elements": elements, "raw": raw, "timeout": timeout, "codecs": list(codecs)},
                                    timeout=timeout + 5.0)["config"]
         except ControlError as e:
             self.sock.close()

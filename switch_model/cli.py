@@ -17,6 +17,23 @@ def _impair_args(p, prefix: str, help_dir: str) -> None:
     p.add_argument(f"--{prefix}delay-ms", type=float, help=f"{help_dir}: fixed one-way delay (ms)")
 
 
+_SERVE_DEFAULTS = {"slots": 512, "elements": 1024, "register_bits": 64}
+
+
+def _apply_profile(args):
+    """The switch profile of ``serve``; fills in --slots/--elements/--register-bits from it (or the
+    defaults) and refuses explicit values beyond it (ProfileError, a ValueError)."""
+    from ina.profiles import get_profile
+    prof = get_profile(args.profile)
+    for k, v in {**_SERVE_DEFAULTS, **prof.defaults()}.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    prof.check_settings(args.slots, args.elements, args.register_bits)
+    if not prof.host_aggregator and args.host_agg_port is None:
+        args.host_agg_port = -1
+    return prof
+
+
 def _collect(args, prefix: str) -> dict:
     out = {}
     for k in ("loss", "duplicate", "reorder", "delay_ms"):
@@ -32,9 +49,17 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the switch service (UDP data plane + TCP control plane on --port)")
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=DEFAULT_PORT)
-    s.add_argument("--slots", type=int, default=512, help="aggregator slots in the pool (each with a shadow copy)")
-    s.add_argument("--elements", type=int, default=1024, help="registers per slot (max elements per packet)")
-    s.add_argument("--register-bits", type=int, default=64, choices=(32, 64))
+    s.add_argument("--profile", default=None,
+                   help="switch hardware profile: what a real device imposes (software [default], tofino, "
+                        "tofino-recirc); it sets --slots/--elements/--register-bits and refuses what it cannot do")
+    s.add_argument("--slots", type=int, default=None,
+                   help=f"aggregator slots in the pool (each with a shadow copy; default {_SERVE_DEFAULTS['slots']} "
+                        f"or the profile's)")
+    s.add_argument("--elements", type=int, default=None,
+                   help=f"registers per slot (max elements per packet; default {_SERVE_DEFAULTS['elements']} or the "
+                        f"profile's)")
+    s.add_argument("--register-bits", type=int, default=None, choices=(32, 64),
+                   help=f"register width (default {_SERVE_DEFAULTS['register_bits']} or the profile's)")
     s.add_argument("--sram-mb", type=float, default=64.0, help="register memory budget in MiB")
     s.add_argument("--burst", type=int, default=64, help="packets per receive burst")
     s.add_argument("--cores", type=int, default=1,
@@ -120,6 +145,11 @@ def _serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     from .control import ControlPlane
+    try:
+        prof = _apply_profile(args)
+    except ValueError as e:
+        print(f"ina-switch serve: {e}", file=sys.stderr)
+        return 2
     hagg = _host_aggregator(args)
     try:
         cfg, group, sw = _switch(args)
@@ -134,9 +164,9 @@ def _serve(args) -> int:
           f"({cfg.slots} slots x 2 sets x {cfg.elements} x {cfg.register_bits}-bit)"
           + (f" in each of {args.cores} shards on udp ports {sw.port}..{sw.port + args.cores - 1}" if args.cores > 1
              else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}"
-          + (f"; host aggregator (NOT switch-feasible) on tcp {cfg.host}:{hagg.port}" if hagg is not None else ""),
-          file=sys.stderr, flush=True)
-    cp = ControlPlane(group, args.host, host_agg=hagg)
+          + (f"; host aggregator (NOT switch-feasible) on tcp {cfg.host}:{hagg.port}" if hagg is not None else "")
+          + f"; profile {prof.describe()}", file=sys.stderr, flush=True)
+    cp = ControlPlane(group, args.host, host_agg=hagg, profile=prof)
     cp.start()
 
     def on_signal(signum, frame):

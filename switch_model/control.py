@@ -28,8 +28,10 @@ class _Pending:
 
 
 class ControlPlane:
-    def __init__(self, switch, host: str = "0.0.0.0", host_agg=None):
+    def __init__(self, switch, host: str = "0.0.0.0", host_agg=None, profile=None):
+        from ina.profiles import get_profile
         self.switch = switch
+        self.profile = profile or get_profile(None)   # ina.profiles.SwitchProfile: what the device imposes
         self.host_agg = host_agg      # switch_model.host_agg.HostAggregatorProcess, or None
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
@@ -77,7 +79,7 @@ class ControlPlane:
                         left = True
                         reply = {}
                     elif op == "stats":
-                        reply = {"stats": self.switch.dp("stats")}
+                        reply = {"stats": {**self.switch.dp("stats"), "profile": self.profile.describe()}}
                         if self.host_agg is not None:
                             reply["stats"]["host_aggregator"] = self._host_agg_stats()
                     elif op == "status":
@@ -114,6 +116,8 @@ class ControlPlane:
             raise ValueError(f"job id {job} out of range 0..65535 (16-bit job field)")
         if n > MAX_WORKERS:
             raise ValueError(f"a job has 1..{MAX_WORKERS} workers (one 64-bit worker bitmap), got world_size {n}")
+        self.profile.check_join(n, spec["elements"], spec["raw"], len(self.switch.job_info) + len(self._pending) -
+                                (job in self._pending), codecs=[str(c) for c in msg.get("codecs", ())])
         cfg = self.switch.cfg
         if not 1 <= spec["elements"] <= cfg.elements:
             raise ValueError(f"elements per packet {spec['elements']} exceeds the switch's {cfg.elements} registers "
@@ -141,7 +145,7 @@ class ControlPlane:
                     p.result = {"job": job, "slot_lo": info.slot_lo, "slots": spec["slots"], "ports": self.switch.ports,
                                 "elements": info.elements,
                                 "raw": info.raw, "register_bits": self.switch.cfg.register_bits, "world_size": n,
-                                "incarnation": info.created}
+                                "incarnation": info.created, "profile": self.profile.name}
                     if self.host_agg is not None:
                         p.result["host_aggregator"] = self.host_agg.info()
                     self._left[job] = set()

@@ -252,6 +252,22 @@ class Codec:
         up = self.payload_type if any_state and self.adaptive_width else self.uplink_type(ctx)
         return PAYLOAD_WIDTH[PayloadType(result_type(up, False, ctx.register_bits))]
 
+    def feasible_under(self, profile, raw: bool = False) -> tuple[bool, str]:
+        """(feasible, why) of this codec under a switch profile (:mod:`ina.profiles`): its sums must be
+        computed by the switch's ALUs (or the profile allows the host aggregator), its payload type
+        summable there, NC8 sums re-encodable unless the job asks for ``raw`` sums."""
+        if self.aggregation == "host":
+            return (profile.host_aggregator,
+                    "runs on the service's host aggregator (NOT switch-feasible)" if profile.host_aggregator else
+                    "variable-length messages need a host aggregator, which this device has not")
+        if not self.switch_summable:
+            return False, "its codes cannot be summed by an integer switch"
+        if self.payload_type not in profile.payload_types:
+            return False, f"payload {PayloadType(self.payload_type).name} cannot be summed by its ALUs"
+        if self.payload_type == PayloadType.NC8 and not raw and not profile.nc8_reencode:
+            return False, "re-encoding NC8 sums needs a leading-one search per element (raw sums only)"
+        return True, "feasible"
+
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
 
