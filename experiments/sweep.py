@@ -68,7 +68,15 @@ def rate_bps(rate: str) -> float | None:
 
 
 def key_of(rec: dict) -> str:
-    return "|".join(str(rec[k]) for k in ("workload", "method", "workers", "rate", "elements"))
+    return config_key(rec["workload"], rec["method"], rec["workers"], rec["rate"], rec["elements"],
+                      rec.get("dilation", 1), rec.get("profile"))
+
+
+def config_key(workload, method, n, rate, elements, dilation=1, profile=None) -> str:
+    """A configuration's key in results.json (a re-run skips the keys it has); a dilated or profiled
+    run's keys name the factor and the profile, so runs at K and 2K can share a folder."""
+    k = f"{workload}|{method}|{n}|{rate}|{elements}"
+    return k + (f"|x{dilation:g}" if dilation != 1 else "") + (f"|{profile}" if profile not in (None, "software") else "")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -115,7 +123,8 @@ class WorkerGroup:
             p = topo.popen(h, [sys.executable, "-m", "experiments.sweep_worker", "--rank", str(r), "--world", str(n),
                                "--master", topo.workers[0].ip, "--master-port", str(master_port),
                                "--switch", f"{topo.switch.ip}:{SWITCH_PORT}", "--mtu", str(topo.mtu),
-                               "--slots", str(args.slots), "--timeout", str(args.timeout)],
+                               "--slots", str(args.slots), "--timeout", str(args.worker_timeout),
+                               "--max-elements", str(args.max_elements)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, cwd=str(Path(__file__).parent.parent),
                            text=True, bufsize=1)
             p._errf = errf
@@ -198,35 +207,43 @@ def _switch_counters(topo) -> dict:
     return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()}}
 
 
-def ina_rto(method: str, rate: str, slots: int, mtu: int, n: int = 4) -> float | None:
+def ina_rto(method: str, rate: str, slots: int, mtu: int, n: int = 4, base: float = 0.02,
+            max_elements: int = 8192) -> float | None:
     """Retransmission timeout above the queueing delay of a full window on the shaped link: a window of
     ``slots`` packets waits up to window/rate in the upload queue (and as much in the download queue);
-    a 20 ms RTO at 100 Mbit/s with 64 x 8 kB in flight (42 ms) retransmits spuriously."""
+    a 20 ms RTO at 100 Mbit/s with 64 x 8 kB in flight (42 ms) retransmits spuriously. ``base``: the
+    floor (20 ms; stretched by a dilation factor)."""
     bps = rate_bps(rate)
     if method == "gloo" or bps is None or is_host_method(method):
         return None
     from .sweep_worker import ina_elements
     up, down = payload_widths(method, n)
-    e = ina_elements(method[4:], mtu, n)
+    e = min(ina_elements(method[4:], mtu, n), max_elements)
     window = slots * e * max(up, down) * 8 / bps
-    return 0.02 + 3 * window
+    return base + 3 * window
 
 
-def wait_estimate(method: str, n: int, elements: int, rate: str) -> float:
-    """Seconds one allreduce may take, for the launcher's bounds: 3x its link-bound time plus 2 s
-    (host-aggregated codecs: 3x the time of 4 bytes per value each way)."""
+def wait_estimate(method: str, n: int, elements: int, rate: str, slack: float = 2.0) -> float:
+    """Seconds one allreduce may take, for the launcher's bounds: 3x its link-bound time plus ``slack``
+    (2 s; stretched by a dilation factor) (host-aggregated codecs: 3x the time of 4 bytes per value each way)."""
     it = ideal_time(method, n, elements, rate)
     if it is None and is_host_method(method) and rate_bps(rate):
         it = 4 * elements * 8 / rate_bps(rate)
-    return (it or 0.01) * 3 + 2
+    return (it or 0.01) * 3 + slack
 
 
-def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements: int, args, job: int, cid: int) -> dict:
+def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements: int, args, job: int, cid: int,
+              dil=None, target: str | None = None) -> dict:
+    """One allreduce configuration on links shaped at ``rate``; with a dilation ``dil``, reported in
+    the time of ``target`` (rate x K): see experiments/dilation.py."""
+    from .dilation import Dilation, codec_time
+    dil = dil or Dilation()
     reps = args.reps
     bps = rate_bps(rate)
-    est = wait_estimate(method, n, elements, rate)
+    est = wait_estimate(method, n, elements, rate, slack=dil.stretch(2.0))
     cmd = {"op": "bench", "id": cid, "method": method, "elements": elements, "warmup": args.warmup, "reps": reps,
-           "job": job, "rto": ina_rto(method, rate, args.slots, topo.mtu, n)}
+           "job": job, "rto": ina_rto(method, rate, args.slots, topo.mtu, n, base=dil.stretch(0.02),
+                                      max_elements=args.max_elements), "max_rto": dil.stretch(1.0)}
     t0 = time.monotonic()
     group.send(cmd)
     group.expect_all("ready", f"warm-up of {method} n={n} {rate} {elements} elements", args.timeout + est * args.warmup)
@@ -257,7 +274,10 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     if is_host_method(method):
         rec["aggregation"] = "host (NOT switch-feasible)"
     rec["bound_ratio"] = med / rec["ideal_time"] if rec["ideal_time"] else None
-    return rec
+    rec["profile"] = args.profile
+    target = target or rate
+    return dil.apply(rec, target, ideal_time(method, n, elements, target),
+                     codec_time(method, n, elements, args.codec_gbps))
 
 
 def run_train(group: WorkerGroup, method: str, n: int, rate: str, args, job: int, cid: int) -> dict:
@@ -314,7 +334,9 @@ def save_results(out: Path, meta: dict, records: list[dict]) -> None:
     cols = ["workload", "method", "aggregation", "workers", "rate", "rate_bps", "elements", "model", "reps", "time_median",
             "time_mean", "time_min", "ideal_time", "bound_ratio", "speedup_vs_gloo", "wire_up_bytes_per_worker",
             "wire_down_bytes_per_worker", "wire_drops", "client_bytes_sent_per_worker", "client_retransmissions",
-            "rel_error", "compute_time", "samples_per_s", "steps", "final_accuracy", "train_time", "comm_time"]
+            "rel_error", "compute_time", "samples_per_s", "steps", "final_accuracy", "train_time", "comm_time",
+            "dilation", "dilation_label", "shaped_rate_bps", "profile", "codec_time_cpu", "codec_time_device",
+            "time_end_to_end"]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()
@@ -362,6 +384,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--slots", type=int, default=64, help="INA window (slots per job)")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound of every wait (seconds)")
+    from .dilation import add_arguments
+    add_arguments(ap)
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
@@ -382,12 +406,16 @@ def _methods(ap, spec: str) -> list[str]:
 
 def _settings(ap, args) -> dict:
     """The sweep's axes from the arguments and the --quick defaults (fills in args' defaults too)."""
+    from .dilation import feasible_methods, resolve
+    resolve(ap, args)
     q = args.quick
     rates = (args.rates or ",".join(RATES)).split(",")
     for r in rates:
         rate_bps(r)     # validates (RateError names the bad spelling)
     workers = [int(x) for x in (args.workers or ("2,4" if q else "2,4,8")).split(",")]
-    methods = _methods(ap, args.methods or ("core" if q else "all"))
+    methods, skipped = feasible_methods(_methods(ap, args.methods or ("core" if q else "all")), args.profile)
+    for m, why in skipped.items():
+        print(f"ina-sweep: skipping {m}: not feasible under switch profile {args.profile!r} ({why})", file=sys.stderr)
     scale = args.scale or (4.0 if q else 1.0)
     sizes: dict[str, int] = {}
     for s in (args.sizes or ("resnet110" if q else ",".join(MODELS))).split(","):
@@ -407,7 +435,7 @@ def _settings(ap, args) -> dict:
     args.acc_steps = args.acc_steps if args.acc_steps is not None else (100 if q else 300)
     acc_workers = args.acc_workers or (2 if q else 4)
     return {"rates": rates, "workers": workers, "methods": methods, "scale": scale, "sizes": sizes,
-            "tp_sizes": tp_sizes, "names": names, "acc_workers": acc_workers}
+            "tp_sizes": tp_sizes, "names": names, "acc_workers": acc_workers, "skipped": skipped}
 
 
 def _meta(args, argv, out: Path, st: dict) -> dict:
@@ -417,7 +445,9 @@ def _meta(args, argv, out: Path, st: dict) -> dict:
             "methods": st["methods"], "reps": args.reps, "warmup": args.warmup, "mtu": args.mtu, "slots": args.slots,
             "acc_steps": args.acc_steps, "acc_rate": args.acc_rate, "acc_workers": st["acc_workers"], "batch": BATCH,
             "started": _dt.datetime.now().isoformat(timespec="seconds"), "tp_sizes": st["tp_sizes"],
-            "tp_steps": args.tp_steps}
+            "tp_steps": args.tp_steps, "dilation": args.dilation or 1, "profile": args.profile,
+            "profile_skipped": st["skipped"], "codec_device": "this CPU" if args.codec_gbps is None else
+            f"{args.codec_gbps:g} GB/s", "switch_delay_ms": args.switch_delay_ms}
     if prev_meta.get("runs"):
         meta["runs"] = prev_meta["runs"] + [meta["command"]]
     else:
@@ -433,9 +463,8 @@ def _plan(args, st: dict, done: set) -> list[tuple]:
         for rate in st["rates"]:
             for sname, el in st["sizes"].items():
                 for m in methods:
-                    k = f"allreduce|{m}|{n}|{rate}|{el}"
                     it = ideal_time(m, n, el, rate)
-                    if k in done:
+                    if _done(done, args, "allreduce", m, n, rate, el):
                         continue
                     if it is not None and it > args.max_ring_time:
                         continue
@@ -443,7 +472,7 @@ def _plan(args, st: dict, done: set) -> list[tuple]:
             for el in st["tp_sizes"].values():
                 for m in methods:
                     it = ideal_time(m, n, el, rate)
-                    if f"throughput|{m}|{n}|{rate}|{el}" not in done and not (it is not None and it > args.max_ring_time):
+                    if not _done(done, args, "throughput", m, n, rate, el) and not (it is not None and it > args.max_ring_time):
                         plan.append(("throughput", n, rate, el, m))
         if args.acc_steps and n == st["acc_workers"]:
             for m in methods:
@@ -453,24 +482,47 @@ def _plan(args, st: dict, done: set) -> list[tuple]:
     return plan
 
 
-def _start_switch(topo, out: Path):
+def _done(done: set, args, wl, m, n, rate, el) -> bool:
+    """Is this configuration in results.json already (under this dilation factor and profile)?"""
+    if args.dilation == "auto":       # any factor the probe chose
+        base = config_key(wl, m, n, rate, el, 1, args.profile)
+        return any(d == base or d.startswith(config_key(wl, m, n, rate, el) + "|x") for d in done)
+    return config_key(wl, m, n, rate, el, args.dilation or 1, args.profile) in done
+
+
+def switch_args(args) -> list[str]:
+    """ina-switch serve's arguments of the sweep: its profile, which sets the registers per slot (else
+    SWITCH_ELEMENTS). Its emulated delay is set per dilation factor (dilation.set_switch_delay)."""
+    from ina.profiles import get_profile
+    a = ["--slots", str(SWITCH_SLOTS), "--profile", args.profile]
+    if get_profile(args.profile).elements is None:
+        a += ["--elements", str(SWITCH_ELEMENTS)]
+    return a
+
+
+def _start_switch(topo, out: Path, args):
     """ina-switch in the topology's switch host, ready (its control plane answers)."""
     import functools
 
     from switch_model.launch import start_switch
-    return start_switch(SWITCH_PORT, "--slots", str(SWITCH_SLOTS), "--elements", str(SWITCH_ELEMENTS),
-                        "--stats-interval", "0", "--log-level", "WARNING", popen=functools.partial(topo.popen, topo.switch),
-                        control_host=topo.switch.ip, log_path=out / "switch.log", timeout=30.0)
+    return start_switch(SWITCH_PORT, *switch_args(args), "--stats-interval", "0", "--log-level", "WARNING",
+                        popen=functools.partial(topo.popen, topo.switch), control_host=topo.switch.ip,
+                        log_path=out / "switch.log", timeout=30.0)
 
 
 def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, t_start: float) -> None:
     """Every configuration of the plan, in one topology, one worker group per worker count; the
-    results are saved after each one."""
+    results are saved after each one. Dilated: links shaped at target/K (K fixed, or per target
+    rate and size from the auto probe, see experiments/dilation.py), times reported in the target's."""
     from tqdm import tqdm
 
     from ina.net import Topology
-    with Topology(workers=max(p[1] for p in plan), rate=st["rates"][0], mtu=args.mtu) as topo:
-        sw = _start_switch(topo, out)
+
+    from .dilation import Dilation, probe_factors, set_switch_delay
+    fixed = args.dilation if isinstance(args.dilation, float) else 1.0
+    first = Dilation(fixed if args.dilation != "auto" else 1.0).shaped_rate(st["rates"][0])
+    with Topology(workers=max(p[1] for p in plan), rate=first, mtu=args.mtu) as topo:
+        sw = _start_switch(topo, out, args)
         bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
         job = int(time.time()) % 1000 * 10
         cid = 0
@@ -479,19 +531,24 @@ def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, 
                 mine = [p for p in plan if p[1] == n]
                 if not mine:
                     continue
+                ks = probe_factors(topo, n, mine, args, out, meta, bar) if args.dilation == "auto" else {}
+                args.worker_timeout = args.timeout * max(ks.values(), default=fixed)
                 bar.set_postfix_str(f"starting {n} workers")
                 group = WorkerGroup(topo, n, out, args)
-                cur_rate = None
+                cur = None
                 try:
                     for wl, _, rate, el, m in mine:
-                        if rate != cur_rate:
-                            topo.set_rate("workers", rate)
-                            cur_rate = rate
-                        bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,}")
+                        dil = Dilation(ks.get((rate, el), fixed))
+                        shaped = dil.shaped_rate(rate)
+                        if (shaped, dil) != cur:
+                            topo.set_rate("workers", shaped)
+                            set_switch_delay(topo.switch.ip, SWITCH_PORT, args, dil)
+                            cur = (shaped, dil)
+                        bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,} {dil.label}")
                         job += 1
                         cid += 1
                         if wl == "allreduce":
-                            rec = run_bench(group, topo, m, n, rate, el, args, job, cid)
+                            rec = run_bench(group, topo, m, n, shaped, el, args, job, cid, dil, rate)
                         elif wl == "throughput":
                             rec = run_throughput(group, topo, m, n, rate, el, args, job, cid)
                         else:

@@ -10,6 +10,28 @@ RATE_ORDER = {"10mbit": 0, "100mbit": 1, "1gbit": 2, "unlimited": 3}
 RATE_LABEL = {"10mbit": "10 Mbit/s", "100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unshaped"}
 
 
+_SHOWN = {"dilated": {}, "profile": "software"}   # of the records being reported (set by _note_run)
+
+
+def _note_run(records) -> None:
+    """Remember the dilation labels per rate and the switch profile of the records being reported, so
+    that every table, plot title and axis names them."""
+    _SHOWN["dilated"] = {}
+    for r in records:
+        if r.get("dilation", 1) != 1:
+            _SHOWN["dilated"].setdefault(r["rate"], set()).add(r["dilation"])
+    _SHOWN["profile"] = next((r["profile"] for r in records if r.get("profile")), "software")
+
+
+def rate_name(rate: str) -> str:
+    """'10 Gbit/s, dilated x100' (the label of a dilated rate), '100 Mbit/s', 'unshaped'."""
+    from ina.net import parse_rate
+    b = parse_rate(rate)
+    name = RATE_LABEL.get(rate) or (f"{b / 1e9:g} Gbit/s" if b >= 1e9 else f"{b / 1e6:g} Mbit/s")
+    ks = _SHOWN["dilated"].get(rate)
+    return f"{name}, dilated " + "/".join(f"x{k:g}" for k in sorted(ks)) if ks else name
+
+
 def _rk(rate: str) -> float:
     from ina.net import parse_rate
     b = parse_rate(rate)
@@ -20,6 +42,10 @@ def _fmt(x, spec=".3g", none="–"):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return none
     return format(x, spec)
+
+
+def _ms(x):
+    return None if x is None else x * 1e3
 
 
 def _mb(x):
@@ -89,7 +115,7 @@ def targets(records, meta) -> list[dict]:
                         f"({gp[hi]['time_median'] / gp[lo]['time_median']:.2f}x)") if lo in gp and hi in gp else ""
                 grows = (lo in gp and hi in gp and gp[hi]["time_median"] > gp[lo]["time_median"])
                 out.append({"target": f"{_label(m)} time flat (within 10%) from {lo} to {hi} workers at "
-                                      f"{RATE_LABEL[rate]}{at} while the ring's grows",
+                                      f"{rate_name(rate)}{at} while the ring's grows",
                             "measured": f"{pts[lo]['time_median']:.3f} -> {pts[hi]['time_median']:.3f} s "
                                         f"({ratio:.3f}x){ring}",
                             "met": abs(ratio - 1) <= 0.10 and (grows if ring else True)})
@@ -109,7 +135,7 @@ def targets(records, meta) -> list[dict]:
         out.append({"target": "bytes on the wire per worker for nc ~ 1/4 of fp32 (measured on the links)",
                     "measured": f"nc {a['wire_up_bytes_per_worker'] / 1e6:.3f} MB vs INA fp32 (bfp32) "
                                 f"{b['wire_up_bytes_per_worker'] / 1e6:.3f} MB up per worker per allreduce = {fr:.3f} "
-                                f"({a['workers']} workers, {RATE_LABEL.get(a['rate'], a['rate'])}){extra}",
+                                f"({a['workers']} workers, {rate_name(a['rate'])}){extra}",
                     "met": 0.2 <= fr <= 0.3})
     acc = [r for r in records if r["workload"] == "accuracy"]
     base = next((r for r in acc if r["method"] == "gloo"), None)
@@ -131,6 +157,7 @@ def plots(out: Path, records) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     made = []
+    _note_run(records)
     ar = [r for r in records if r["workload"] == "allreduce"]
     methods = _methods(ar)
     rates = sorted({r["rate"] for r in ar}, key=_rk)
@@ -162,12 +189,12 @@ def _plot_speedup(plt, out: Path, ar, methods, rates, n, big) -> str:
         if any(y is not None for y in ys):
             ax.plot([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None], "o-",
                     label=_label(m))
-    ax.set_xticks(xs, [RATE_LABEL.get(r, r) for r in rates])
+    ax.set_xticks(xs, [rate_name(r) for r in rates])
     ax.set_yscale("log")
     ax.axhline(1, color="grey", lw=0.8)
     ax.set_xlabel("per-worker link rate")
     ax.set_ylabel("allreduce speedup vs Gloo ring fp32")
-    ax.set_title(f"{n} workers, {big:,} elements")
+    ax.set_title(f"{n} workers, {big:,} elements; switch profile {_SHOWN['profile']}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "speedup_vs_bandwidth.png", dpi=110)
@@ -191,8 +218,8 @@ def _plot_bytes(plt, out: Path, ar, methods, rates, n, big) -> str:
     ax.set_yscale("log")
     ax.set_xlabel("allreduce time (s, median)")
     ax.set_ylabel("bytes sent per worker (MB, link counters)")
-    ax.set_title(f"{n} workers, {big:,} elements; marker = rate: "
-                 + ", ".join(f"{marks[j]} {RATE_LABEL.get(r, r)}" for j, r in enumerate(rates)), fontsize=8)
+    ax.set_title(f"{n} workers, {big:,} elements, profile {_SHOWN['profile']}; marker = rate: "
+                 + ", ".join(f"{marks[j]} {rate_name(r)}" for j, r in enumerate(rates)), fontsize=8)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "bytes_vs_time.png", dpi=110)
@@ -220,7 +247,7 @@ def _plot_scaling(plt, out: Path, ar, methods, rates, big) -> list[str]:
         ax.set_yscale("log")
         ax.set_xlabel("workers")
         ax.set_ylabel("allreduce time (s); dotted: link-bound ideal")
-        ax.set_title(f"{RATE_LABEL.get(rate, rate)} per link, {big:,} elements")
+        ax.set_title(f"{rate_name(rate)} per link, {big:,} elements")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -239,7 +266,7 @@ def _plot_throughput(plt, out: Path, tp, methods, rates, n) -> str:
             xs = [k for k, y in enumerate(ys) if y is not None]
             if xs:
                 ax.plot(xs, [ys[k] for k in xs], "o-", color=f"C{i % 10}", label=_label(m))
-        ax.set_xticks(range(len(rates)), [RATE_LABEL.get(r, r) for r in rates], fontsize=7)
+        ax.set_xticks(range(len(rates)), [rate_name(r) for r in rates], fontsize=7)
         ax.set_yscale("log")
         ax.set_title(f"{name} ({el:,} params), {n} workers", fontsize=9)
         ax.set_ylabel("samples/s (measured, synthetic data)")
@@ -261,7 +288,7 @@ def _plot_accuracy(plt, out: Path, acc) -> str:
     a2.set_xlabel("wall time (s)")
     a1.set_ylabel("test accuracy (%), digits")
     a1.legend(fontsize=7)
-    a1.set_title(f"{acc[0]['workers']} workers, {RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}", fontsize=9)
+    a1.set_title(f"{acc[0]['workers']} workers, {rate_name(acc[0]['rate'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "accuracy.png", dpi=110)
     plt.close(fig)
@@ -273,6 +300,7 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
     ar = [r for r in records if r["workload"] == "allreduce"]
     acc = [r for r in records if r["workload"] == "accuracy"]
     tp = [r for r in records if r["workload"] == "throughput"]
+    _note_run(records)
     methods = _methods(ar or acc)
     rates = sorted({r["rate"] for r in ar}, key=_rk)
     sizes = sorted({r["elements"] for r in ar})
@@ -309,6 +337,13 @@ def _md_intro(meta) -> list[str]:
              "only (headers, Ethernet framing excluded).")
     L.append(ideal)
     L.append("")
+    L.append(f"Switch profile: {meta.get('profile', 'software')}"
+             + "".join(f"; {m} skipped ({why})" for m, why in (meta.get("profile_skipped") or {}).items()) + ". "
+             + ("Real time (not dilated)." if meta.get("dilation", 1) == 1 else
+                f"**Time-dilated** (--dilation {meta.get('dilation')}): links shaped at target/K, delays and timeouts "
+                f"x K, times / K; CPU work (per-packet costs, codecs) is not dilated (docs/performance.md).")
+             + f" End-to-end times include encode+decode at {meta.get('codec_device', 'this CPU')}.")
+    L.append("")
     return L
 
 
@@ -332,7 +367,7 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
         accd = {r["method"]: (r["final_accuracy"] - base["final_accuracy"]) * 100 for r in acc}
     for el in sizes[::-1]:
         L += [f"## Speedup over Gloo ring fp32 ({n} workers, {el:,} elements) — compare with 3LC Table 1", ""]
-        L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " | accuracy diff (points) |")
+        L.append("| method | " + " | ".join(rate_name(r) for r in rates) + " | accuracy diff (points) |")
         L.append("|---" * (len(rates) + 2) + "|")
         for m in methods:
             row = []
@@ -343,18 +378,19 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
         L.append("")
     L += ["## All allreduce measurements", "",
           "| workers | rate | elements | method | time (s) | ideal (s) | time/ideal | speedup | up MB/worker | "
-          "down MB/worker | bytes vs ring | drops | rel. error |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "down MB/worker | bytes vs ring | drops | rel. error | codec CPU (ms) | end-to-end (s) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(ar, key=lambda r: (r["workers"], _rk(r["rate"]), r["elements"], r["method"] != "gloo",
                                        r["method"])):
         g = next((x for x in ar if x["method"] == "gloo" and x["workers"] == r["workers"] and x["rate"] == r["rate"]
                   and x["elements"] == r["elements"]), None)
         bvr = r["wire_up_bytes_per_worker"] / g["wire_up_bytes_per_worker"] if g and g["wire_up_bytes_per_worker"] else None
-        L.append(f"| {r['workers']} | {RATE_LABEL.get(r['rate'], r['rate'])} | {r['elements']:,} | {_label(r['method'])} "
+        L.append(f"| {r['workers']} | {rate_name(r['rate'])} | {r['elements']:,} | {_label(r['method'])} "
                  f"| {r['time_median']:.4f} | {_fmt(r['ideal_time'], '.4f')} | {_fmt(r['bound_ratio'], '.2f')} | "
                  f"{_fmt(r.get('speedup_vs_gloo'), '.2f')} | {_mb(r['wire_up_bytes_per_worker'])} | "
                  f"{_mb(r['wire_down_bytes_per_worker'])} | {_fmt(bvr, '.3f')} | {r['wire_drops']} | "
-                 f"{_fmt(r['rel_error'], '.2g')} |")
+                 f"{_fmt(r['rel_error'], '.2g')} | {_fmt(_ms(r.get('codec_time_cpu')), '.3g')} | "
+                 f"{_fmt(r.get('time_end_to_end'), '.4f')} |")
     L.append("")
     return L
 
@@ -376,7 +412,7 @@ def _md_throughput(meta, tp, ar, methods, rates, sizes) -> list[str]:
         ct = ct[len(ct) // 2] if ct else float("nan")
         L.append(f"**{name or el} ({el:,} parameters; median compute {ct * 1000:.1f} ms/step per worker)**")
         L.append("")
-        L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " |")
+        L.append("| method | " + " | ".join(rate_name(r) for r in rates) + " |")
         L.append("|---" * (len(rates) + 1) + "|")
         for m in methods:
             row = []
@@ -405,7 +441,7 @@ def _md_accuracy(acc) -> list[str]:
     L = []
     base = next((r for r in acc if r["method"] == "gloo"), None)
     L += [f"## Accuracy on scikit-learn digits ({acc[0]['workers']} workers, "
-          f"{RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}, {acc[0]['steps']} SGD steps, same seed and batches)", "",
+          f"{rate_name(acc[0]['rate'])}, {acc[0]['steps']} SGD steps, same seed and batches)", "",
           "MLP 64-128-10 (9,610 parameters), batch 32 per worker, SGD lr 0.05 momentum 0.9, averaged gradients; "
           "test split 30% (540 images: one image is 0.185 points).", "",
           "| method | final accuracy (%) | diff vs Gloo (points) | training time (s) | of which allreduce (s) |",

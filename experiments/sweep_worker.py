@@ -77,17 +77,21 @@ class Worker:
         from ina import Client
         key = (codec, job)
         if key not in self.clients:
-            for k in list(self.clients):       # one job at a time: leave the previous one
-                self.clients.pop(k).close()
+            if self.clients:                   # one job at a time: leave the previous one, and join the next
+                for k in list(self.clients):   # only once every rank left (a switch profile may allow one job)
+                    self.clients.pop(k).close()
+                self.dist.barrier()
             host, port = self.a.switch.rsplit(":", 1)
             self.clients[key] = Client(switch=(host, int(port)), rank=self.a.rank, world_size=self.a.world,
-                                       job=job, elements=ina_elements(codec, self.a.mtu, self.a.world), slots=self.a.slots,
-                                       timeout=self.a.timeout, seed=1234)
+                                       job=job, elements=min(ina_elements(codec, self.a.mtu, self.a.world),
+                                                             self.a.max_elements),
+                                       slots=self.a.slots, timeout=self.a.timeout, seed=1234, codecs=(codec,))
         return self.clients[key]
 
-    def reducer(self, method: str, job: int, rto: float | None = None):
+    def reducer(self, method: str, job: int, rto: float | None = None, max_rto: float | None = None):
         """(allreduce function, ina.Client or None) for ``method``; ``rto``: the client's minimum
-        retransmission timeout for this configuration (from the launcher)."""
+        retransmission timeout for this configuration (from the launcher), ``max_rto`` its largest
+        (both stretched by a dilation factor)."""
         if method == "gloo":
             dist = self.dist
 
@@ -102,14 +106,14 @@ class Worker:
         cl = self.client(method[4:], job)
         if rto:
             cl.rto = float(rto)
-            cl.max_rto = max(cl.max_rto, 4 * cl.rto)
+            cl.max_rto = max(float(max_rto or cl.max_rto), 4 * cl.rto)
         return (lambda t, average=False, key=None: cl.allreduce(t, codec=method[4:], average=average, key=key)), cl
 
     # ----------------------------------------------------------------------------------------------
     def bench(self, cmd):
         torch = self.torch
         n = int(cmd["elements"])
-        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"))
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), cmd.get("max_rto"))
         g = torch.Generator().manual_seed(1000 + self.a.rank)
         x = torch.randn(n, generator=g) * 1e-2
         ref = x.clone()
@@ -282,6 +286,7 @@ def main(argv=None):
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--max-elements", type=int, default=8192, help="most elements per packet (the switch profile's)")
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     Worker(a).serve()

@@ -1,0 +1,280 @@
+"""Time-dilated emulation: a K-times slower network in real time stands for a K-times faster one.
+
+``ina-sweep --target-rates 10gbit,25gbit --dilation K|auto`` shapes the links at target/K and
+stretches every emulated delay and timeout by K (the workers' RTO, their control-plane and Gloo
+timeouts, the launcher's waits, the switch's impairment delay); the times it reports are the
+measured ones divided by K, labelled "dilated xK". Bytes are not dilated: the links' byte counters
+are reported as they are.
+
+What is not dilated: CPU work. Python and kernel per-packet costs, the switch's loop and the codecs'
+encode/decode run at this machine's real speed, so under dilation they look K times cheaper. The
+codecs' share is put back explicitly (:func:`codec_time` measures encode+decode at real speed; the
+end-to-end figure is ``time/K - codec/K + codec at the device speed``, assuming the codec work does
+not overlap the transfer: an upper bound); the per-packet costs are what the ``auto`` probe keeps
+small: it picks K so that a real-time run is link-bound (:func:`auto_factor`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+#: the rates the auto probe tries, fastest first (never above the target)
+PROBE_LADDER = ("1gbit", "500mbit", "200mbit", "100mbit", "50mbit", "20mbit", "10mbit")
+#: a probe passes when its median time is within this fraction above its link-bound ideal
+PROBE_WITHIN = 0.25
+#: the shaped rate must stay within tbf's range (8 kbit .. about 34 gbit)
+MIN_SHAPED_BPS = 8e3
+
+
+class DilationError(ValueError):
+    """A dilation that cannot be set up (the message names the setting)."""
+
+
+def _bps(rate: str) -> float | None:
+    from ina.net import parse_rate
+    return parse_rate(rate)
+
+
+@dataclass(frozen=True)
+class Dilation:
+    """One dilation factor K (1: real time)."""
+    factor: float = 1.0
+
+    def __post_init__(self):
+        if not (self.factor >= 1 and math.isfinite(self.factor)):
+            raise DilationError(f"dilation factor {self.factor!r}: expected a number >= 1")
+
+    @property
+    def on(self) -> bool:
+        return self.factor != 1
+
+    @property
+    def label(self) -> str:
+        return f"dilated x{self.factor:g}" if self.on else "real time"
+
+    def shaped_rate(self, target: str) -> str:
+        """The rate the links are shaped at for ``target``: target/K, as a tc rate string."""
+        bps = _bps(target)
+        if bps is None:
+            if self.on:
+                raise DilationError(f"rate {target!r}: an unshaped link cannot be dilated (give a target rate)")
+            return target
+        if not self.on:
+            return target
+        shaped = bps / self.factor
+        if shaped < MIN_SHAPED_BPS:
+            raise DilationError(f"target {target} dilated x{self.factor:g} is {shaped:.0f} bit/s, below tbf's "
+                                f"{MIN_SHAPED_BPS:.0f} bit/s: use a smaller factor")
+        return f"{shaped / 1e3:.6g}kbit"
+
+    def stretch(self, seconds: float | None) -> float | None:
+        """An emulated delay or a timeout, stretched by K (None stays None)."""
+        return None if seconds is None else seconds * self.factor
+
+    def report(self, seconds: float | None) -> float | None:
+        """A measured time in the target's time: divided by K."""
+        return None if seconds is None else seconds / self.factor
+
+    def apply(self, rec: dict, target: str, ideal: float | None, codec: dict | None = None) -> dict:
+        """Turn a record measured on the shaped links into the target's: times divided by K, the
+        target's rate and link-bound ideal, the label, the codec's real-speed time put back."""
+        shaped_bps = rec.get("rate_bps")
+        for k in ("time_median", "time_mean", "time_min", "wall_per_allreduce"):
+            if rec.get(k) is not None:
+                rec[k] = self.report(rec[k])
+        if rec.get("times"):
+            rec["times"] = [self.report(t) for t in rec["times"]]
+        rec.update(rate=target, rate_bps=_bps(target), shaped_rate_bps=shaped_bps, dilation=self.factor,
+                   dilation_label=self.label)
+        if not rec.get("ideal_from_measured_bytes"):
+            rec["ideal_time"] = ideal
+        elif rec.get("ideal_time") is not None:
+            rec["ideal_time"] = self.report(rec["ideal_time"])
+        rec["bound_ratio"] = rec["time_median"] / rec["ideal_time"] if rec.get("ideal_time") else None
+        if codec is not None:
+            rec.update(codec)
+            # the codec's CPU time shrank by K in the reported time: put it back at the device's speed
+            rec["time_end_to_end"] = (rec["time_median"] - self.report(codec["codec_time_cpu"])
+                                      + codec["codec_time_device"])
+        return rec
+
+
+def codec_time(method: str, n: int, elements: int, device_gbps: float | None = None, reps: int = 3) -> dict:
+    """Encode + decode CPU seconds of one worker's share of an allreduce, measured here at real speed
+    (best of ``reps``), and the same work at ``device_gbps`` GB/s of float32 input per pass
+    (None: this CPU). Gloo's ring: 0 (its float sums are part of the measured transfer)."""
+    import numpy as np
+    out = {"codec_time_cpu": 0.0, "codec_time_device": 0.0,
+           "codec_device": "this CPU" if device_gbps is None else f"{device_gbps:g} GB/s"}
+    if method == "gloo":
+        return out
+    from ina import compression
+    from ina.compression.base import ScaleContext
+    from ina.wire import PAYLOAD_DTYPE
+    c = compression.get(method[4:])
+    x = (np.random.default_rng(0).standard_normal(elements) * 1e-2).astype(np.float32)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if c.aggregation == "host":
+            c.decompress(c.compress(x))
+        else:
+            ctx = ScaleContext(c.scale_exponent(x), n, agreed=c.negotiated())
+            codes = c.encode_shared(x, ctx)      # the switch's result has the shape and type of a sum
+            c.decode_sum(codes.astype(PAYLOAD_DTYPE[c.result_type(ctx)].newbyteorder("=")), ctx, raw=False)
+        best = min(best, time.perf_counter() - t0)
+    out["codec_time_cpu"] = best
+    out["codec_time_device"] = best if device_gbps is None else 2 * elements * 4 / (device_gbps * 1e9)
+    return out
+
+
+def auto_factor(target: str, probe, ladder=PROBE_LADDER, within: float = PROBE_WITHIN) -> tuple[float, list]:
+    """K for ``target`` from a measured CPU-headroom probe. The rule: the highest rate of ``ladder``
+    (at most the target) at which a short real-time run stays within ``within`` of its link-bound
+    ideal (``probe(rate)`` returns the run's median time / ideal time); K = target / that rate.
+    Returns (K, the probe's [rate, ratio] steps). Raises if no rate of the ladder passes."""
+    tbps = _bps(target)
+    if tbps is None:
+        raise DilationError(f"rate {target!r}: an unshaped link cannot be dilated")
+    steps = []
+    for rate in ladder:
+        if _bps(rate) > tbps:
+            continue
+        ratio = probe(rate)
+        steps.append([rate, ratio])
+        if ratio is not None and ratio <= 1 + within:
+            return max(1.0, tbps / _bps(rate)), steps
+    raise DilationError(f"auto dilation for {target}: no probe rate of {', '.join(ladder)} stayed within "
+                        f"{within:.0%} of its link-bound ideal (probe: {steps}); give --dilation K")
+
+
+def parse_dilation(text: str | None) -> float | str | None:
+    """--dilation: a factor >= 1 or 'auto' (None: off)."""
+    if text is None or text == "auto":
+        return text
+    try:
+        k = float(text)
+    except ValueError:
+        raise DilationError(f"--dilation {text!r}: expected a factor >= 1 or 'auto'") from None
+    Dilation(k)
+    return k
+
+
+# ------------------------------------------------------------------------------------------------
+# the sweep's options
+def add_arguments(ap) -> None:
+    """ina-sweep's dilation, codec-speed and switch-profile options."""
+    ap.add_argument("--target-rates", help="comma-separated target link rates (e.g. 10gbit,25gbit,100gbit) emulated "
+                                           "by time dilation (needs --dilation; replaces --rates)")
+    ap.add_argument("--dilation", help="time-dilation factor K (links shaped at target/K, delays and timeouts x K, "
+                                       "times reported / K) or 'auto' (K from a CPU-headroom probe)")
+    ap.add_argument("--probe-within", type=float, default=PROBE_WITHIN,
+                    help="auto dilation: a probe rate passes when its time is within this fraction of its ideal")
+    ap.add_argument("--codec-gbps", type=float, default=None,
+                    help="codec speed of the modelled device in GB/s of float32 per pass (default: this CPU, "
+                         "measured); end-to-end times include encode+decode at that speed")
+    ap.add_argument("--profile", default="software",
+                    help="switch hardware profile (software, tofino, tofino-recirc): the switch runs under it, "
+                         "packets are sized for it, codecs it cannot sum are skipped")
+    ap.add_argument("--switch-delay-ms", type=float, default=None,
+                    help="one-way delay the switch adds to every packet (ms, emulated; stretched x K)")
+
+
+def resolve(ap, args) -> None:
+    """Check and fill in the options of :func:`add_arguments` (ap.error names a bad one):
+    args.dilation (None, 'auto' or K), args.rates from --target-rates, args.max_elements,
+    args.worker_timeout; the real-speed workloads (throughput, accuracy) are off under dilation."""
+    from ina.profiles import ProfileError, get_profile
+    try:
+        args.dilation = parse_dilation(args.dilation)
+        prof = get_profile(args.profile)
+    except (DilationError, ProfileError) as e:
+        ap.error(str(e))
+    if args.target_rates:
+        if args.dilation is None:
+            ap.error("--target-rates needs --dilation K or --dilation auto")
+        if args.rates:
+            ap.error("give either --rates (real time) or --target-rates (dilated), not both")
+        args.rates = args.target_rates
+    if args.codec_gbps is not None and not args.codec_gbps > 0:
+        ap.error(f"--codec-gbps {args.codec_gbps}: expected a positive speed in GB/s")
+    if args.dilation is not None:
+        if "unlimited" in (args.rates or "unlimited"):
+            ap.error("--dilation needs shaped rates (--target-rates or --rates without 'unlimited')")
+        if (args.tp_sizes not in (None, "none")) or args.acc_steps:
+            ap.error("the throughput and accuracy workloads compute at real speed and cannot be dilated: "
+                     "use --tp-sizes none --acc-steps 0 (the defaults under --dilation)")
+        args.tp_sizes, args.acc_steps = "none", 0
+    k = args.dilation if isinstance(args.dilation, float) else 1.0
+    args.worker_timeout = Dilation(k).stretch(args.timeout)
+    args.max_elements = prof.elements or 8192
+
+
+def feasible_methods(methods: list[str], profile_name: str) -> tuple[list[str], dict]:
+    """(the methods a switch under the profile can run, {skipped method: why})."""
+    from ina import compression
+    from ina.profiles import get_profile
+    prof = get_profile(profile_name)
+    keep, skipped = [], {}
+    for m in methods:
+        ok, why = (True, "") if m == "gloo" else compression.get(m[4:]).feasible_under(prof)
+        if ok:
+            keep.append(m)
+        else:
+            skipped[m] = why
+    return keep, skipped
+
+
+def switch_delay(args, dil: Dilation) -> dict | None:
+    """The control-plane request that sets the switch's emulated one-way delay (each direction through
+    the switch), stretched by K; None when the sweep emulates no delay."""
+    if not args.switch_delay_ms:
+        return None
+    d = {"delay_ms": dil.stretch(args.switch_delay_ms)}
+    return {"op": "impair", "ingress": d, "egress": d}
+
+
+def set_switch_delay(host: str, port: int, args, dil: Dilation) -> None:
+    msg = switch_delay(args, dil)
+    if msg is not None:
+        from ina.control import request
+        request(host, port, msg, timeout=10.0)
+
+
+def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> dict:
+    """--dilation auto: K per (target rate, size) of the allreduce rows of ``plan`` with ``n`` workers,
+    by :func:`auto_factor` over every method of the row (short real-time runs: 2 repetitions; the
+    largest K of the row's methods, so every method of a row shares one K). The probe's steps go
+    into ``meta["dilation_probe"]``."""
+    import copy
+
+    from .sweep import WorkerGroup, run_bench
+    pa = copy.copy(args)
+    pa.reps, pa.worker_timeout = 2, args.timeout
+    rows: dict = {}
+    for wl, _, rate, el, m in plan:
+        if wl == "allreduce":
+            rows.setdefault((rate, el), []).append(m)
+    ks, job = {}, 50000 + n * 1000
+    group = WorkerGroup(topo, n, out, pa)
+    try:
+        for (rate, el), methods in rows.items():
+            start, k = 0, 1.0
+            for m in methods:
+                def probe(r, m=m):
+                    nonlocal job
+                    job += 1
+                    if bar is not None:
+                        bar.set_postfix_str(f"dilation probe {m} n={n} {r} {el:,}")
+                    topo.set_rate("workers", r)
+                    return run_bench(group, topo, m, n, r, el, pa, job, job)["bound_ratio"]
+                km, steps = auto_factor(rate, probe, PROBE_LADDER[start:], args.probe_within)
+                start = PROBE_LADDER.index(steps[-1][0])      # later methods start at the rate this one passed
+                k = max(k, km)
+                meta.setdefault("dilation_probe", []).append({"workers": n, "target": rate, "elements": el,
+                                                              "method": m, "steps": steps, "factor": km})
+            ks[(rate, el)] = k
+    finally:
+        group.close()
+    return ks
