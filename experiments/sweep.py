@@ -274,7 +274,7 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     if is_host_method(method):
         rec["aggregation"] = "host (NOT switch-feasible)"
     rec["bound_ratio"] = med / rec["ideal_time"] if rec["ideal_time"] else None
-    rec["profile"] = args.profile
+    rec.update(profile=args.profile, rto=cmd["rto"], max_rto=cmd["max_rto"], worker_timeout=args.worker_timeout)
     target = target or rate
     return dil.apply(rec, target, ideal_time(method, n, elements, target),
                      codec_time(method, n, elements, args.codec_gbps))

@@ -44,6 +44,10 @@ def _fmt(x, spec=".3g", none="–"):
     return format(x, spec)
 
 
+def _kname(k) -> str:
+    return k if isinstance(k, str) else format(k, "g")
+
+
 def _ms(x):
     return None if x is None else x * 1e3
 
@@ -340,7 +344,7 @@ def _md_intro(meta) -> list[str]:
     L.append(f"Switch profile: {meta.get('profile', 'software')}"
              + "".join(f"; {m} skipped ({why})" for m, why in (meta.get("profile_skipped") or {}).items()) + ". "
              + ("Real time (not dilated)." if meta.get("dilation", 1) == 1 else
-                f"**Time-dilated** (--dilation {meta.get('dilation')}): links shaped at target/K, delays and timeouts "
+                f"**Time-dilated** (--dilation {_kname(meta.get('dilation'))}): links shaped at target/K, delays and timeouts "
                 f"x K, times / K; CPU work (per-packet costs, codecs) is not dilated (docs/performance.md).")
              + f" End-to-end times include encode+decode at {meta.get('codec_device', 'this CPU')}.")
     L.append("")

@@ -1,0 +1,146 @@
+"""Time-dilated emulation: the bookkeeping of ina-sweep --target-rates/--dilation, and a dilated sweep
+under the Tofino profile on a real emulated topology (labels, the target's ideal, stretched timeouts,
+the profile's packet sizes in the links' byte counters)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.dilation import (PROBE_LADDER, Dilation, DilationError, auto_factor, codec_time, resolve,
+                                  switch_delay)
+from experiments.sweep import _parser, ideal_time, ina_rto, switch_args, wait_estimate
+from ina.net import parse_rate
+from ina.wire import HEADER_SIZE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shaped_rate_and_times_follow_the_factor():
+    d = Dilation(100)
+    assert parse_rate(d.shaped_rate("10gbit")) == pytest.approx(1e8)
+    assert parse_rate(d.shaped_rate("25gbit")) == pytest.approx(2.5e8)
+    assert d.stretch(0.02) == pytest.approx(2.0) and d.report(3.0) == pytest.approx(0.03)
+    assert d.label == "dilated x100" and Dilation().label == "real time"
+    assert Dilation().shaped_rate("unlimited") == "unlimited"
+    with pytest.raises(DilationError, match="unshaped link cannot be dilated"):
+        d.shaped_rate("unlimited")
+    with pytest.raises(DilationError, match="below tbf's 8000 bit/s"):
+        Dilation(1e6).shaped_rate("1gbit")
+    with pytest.raises(DilationError, match="expected a number >= 1"):
+        Dilation(0.5)
+
+
+def test_record_reports_the_targets_time_and_ideal():
+    d, n, el = Dilation(40), 8, 1_700_000
+    shaped = d.shaped_rate("10gbit")
+    measured = ideal_time("ina:nc", n, el, shaped) * 1.1          # a run 10% above its link bound, at 250 Mbit/s
+    rec = {"method": "ina:nc", "rate": shaped, "rate_bps": parse_rate(shaped), "times": [measured, measured * 2],
+           "time_median": measured, "time_min": measured, "time_mean": measured * 1.5,
+           "ideal_time": ideal_time("ina:nc", n, el, shaped)}
+    codec = codec_time("ina:nc", n, 4096)
+    d.apply(rec, "10gbit", ideal_time("ina:nc", n, el, "10gbit"), codec)
+    assert rec["ideal_time"] == ideal_time("ina:nc", n, el, "10gbit")     # the target's ideal, not the shaped one
+    assert rec["time_median"] == pytest.approx(measured / 40) and rec["times"][1] == pytest.approx(measured / 20)
+    assert rec["bound_ratio"] == pytest.approx(1.1)                        # dilation keeps time/ideal
+    assert rec["rate"] == "10gbit" and rec["rate_bps"] == 1e10 and rec["shaped_rate_bps"] == pytest.approx(2.5e8)
+    assert rec["dilation"] == 40 and rec["dilation_label"] == "dilated x40"
+    # the codec's real-speed time is put back: end to end = time/K - codec/K + codec (this CPU)
+    assert codec["codec_time_cpu"] > 0 and codec["codec_device"] == "this CPU"
+    assert rec["time_end_to_end"] == pytest.approx(rec["time_median"] + codec["codec_time_cpu"] * (1 - 1 / 40))
+    fast = codec_time("ina:nc", n, 4096, device_gbps=16.384)                # 2 passes x 16 kB at 16.4 GB/s
+    assert fast["codec_time_device"] == pytest.approx(2e-6) and fast["codec_device"] == "16.384 GB/s"
+
+
+def test_delays_and_timeouts_scale_with_the_factor():
+    k, target = 50, "10gbit"
+    shaped = Dilation(k).shaped_rate(target)
+    # the RTO at the shaped rate is K times the target's (its floor and the window's queueing delay)
+    assert ina_rto("ina:nc", shaped, 64, 9000, 8, base=Dilation(k).stretch(0.02)) == pytest.approx(
+        k * ina_rto("ina:nc", target, 64, 9000, 8))
+    assert wait_estimate("ina:bfp32", 8, 10**6, shaped, slack=Dilation(k).stretch(2.0)) == pytest.approx(
+        k * wait_estimate("ina:bfp32", 8, 10**6, target))
+    ap = _parser()
+    args = ap.parse_args(["--target-rates", "10gbit,25gbit", "--dilation", "50", "--timeout", "30",
+                          "--switch-delay-ms", "0.2"])
+    resolve(ap, args)
+    assert args.rates == "10gbit,25gbit" and args.dilation == 50 and args.worker_timeout == pytest.approx(1500)
+    assert args.tp_sizes == "none" and args.acc_steps == 0        # real-speed workloads are off under dilation
+    msg = switch_delay(args, Dilation(50))
+    assert msg["ingress"]["delay_ms"] == pytest.approx(10) and msg["egress"]["delay_ms"] == pytest.approx(10)
+    assert switch_delay(ap.parse_args([]), Dilation(50)) is None
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--target-rates", "10gbit"], "--target-rates needs --dilation K or --dilation auto"),
+    (["--target-rates", "10gbit", "--dilation", "0.5"], "dilation factor 0.5: expected a number >= 1"),
+    (["--target-rates", "10gbit", "--dilation", "fast"], "--dilation 'fast': expected a factor >= 1 or 'auto'"),
+    (["--rates", "unlimited", "--dilation", "10"], "--dilation needs shaped rates"),
+    (["--target-rates", "10gbit", "--dilation", "10", "--tp-sizes", "resnet110"], "cannot be dilated"),
+    (["--profile", "asic9"], "unknown switch profile 'asic9'"),
+    (["--codec-gbps", "0"], "--codec-gbps 0.0: expected a positive speed"),
+])
+def test_bad_dilation_settings_are_named(argv, error, capsys):
+    ap = _parser()
+    with pytest.raises(SystemExit):
+        resolve(ap, ap.parse_args(argv))
+    assert error in capsys.readouterr().err
+
+
+def test_auto_factor_rule():
+    """The highest ladder rate (at most the target) whose probe is within 25% of its ideal sets K."""
+    ratios = {"1gbit": 3.0, "500mbit": 1.6, "200mbit": 1.2, "100mbit": 1.05}
+    asked = []
+
+    def probe(rate):
+        asked.append(rate)
+        return ratios[rate]
+    k, steps = auto_factor("10gbit", probe)
+    assert k == pytest.approx(50) and asked == ["1gbit", "500mbit", "200mbit"]
+    assert steps == [["1gbit", 3.0], ["500mbit", 1.6], ["200mbit", 1.2]]
+    k, _ = auto_factor("300mbit", lambda r: 1.0)          # never probes above the target
+    assert k == pytest.approx(1.5)
+    with pytest.raises(DilationError, match="no probe rate .* stayed within 25%"):
+        auto_factor("10gbit", lambda r: 2.0)
+    assert PROBE_LADDER[0] == "1gbit"
+
+
+def test_profile_sets_the_sweeps_switch():
+    ap = _parser()
+    assert "--profile" in switch_args(ap.parse_args(["--profile", "tofino"]))
+    assert "--elements" not in switch_args(ap.parse_args(["--profile", "tofino"]))      # the profile's 64
+    assert switch_args(ap.parse_args([]))[switch_args(ap.parse_args([])).index("--elements") + 1] == "8192"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+@pytest.mark.timeout(300)
+def test_dilated_sweep_under_the_tofino_profile(tmp_path):
+    out = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(out), "--target-rates", "1gbit",
+                        "--dilation", "10", "--profile", "tofino", "--workers", "2", "--sizes", "60000",
+                        "--methods", "gloo,ina:nc,ina:bfp32", "--reps", "2", "--timeout", "30"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "skipping ina:nc: not feasible under switch profile 'tofino'" in p.stderr
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["profile"] == "tofino" and data["meta"]["dilation"] == 10
+    recs = {r["method"]: r for r in data["records"]}
+    assert set(recs) == {"gloo", "ina:bfp32"}
+    for m, r in recs.items():
+        assert r["rate"] == "1gbit" and r["shaped_rate_bps"] == pytest.approx(1e8)
+        assert r["dilation_label"] == "dilated x10" and r["profile"] == "tofino"
+        assert r["ideal_time"] == pytest.approx(ideal_time(m, 2, 60000, "1gbit"))
+        assert r["worker_timeout"] == pytest.approx(300)
+        assert r["time_end_to_end"] >= r["time_median"]
+    assert recs["ina:bfp32"]["rto"] == pytest.approx(10 * ina_rto("ina:bfp32", "1gbit", 64, 9000, 2, max_elements=64))
+    # 64 int32 values (256 bytes) per packet: the headers show in the links' byte counters
+    per_packet = 256 + HEADER_SIZE + 28 + 14
+    up = recs["ina:bfp32"]["wire_up_bytes_per_worker"]
+    assert 0.97 * 60000 / 64 * per_packet < up < 1.15 * 60000 / 64 * per_packet, up
+    report = (out / "report.md").read_text()
+    assert "Switch profile: tofino" in report and "1 Gbit/s, dilated x10" in report and "**Time-dilated**" in report
+    assert "dilated x10" in (out / "results.csv").read_text()
