@@ -36,6 +36,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import re
 import selectors
 import subprocess
 import sys
@@ -485,8 +486,7 @@ def _plan(args, st: dict, done: set) -> list[tuple]:
 def _done(done: set, args, wl, m, n, rate, el) -> bool:
     """Is this configuration in results.json already (under this dilation factor and profile)?"""
     if args.dilation == "auto":       # any factor the probe chose
-        base = config_key(wl, m, n, rate, el, 1, args.profile)
-        return any(d == base or d.startswith(config_key(wl, m, n, rate, el) + "|x") for d in done)
+        return config_key(wl, m, n, rate, el, 1, args.profile) in {re.sub(r"\|x[^|]+", "", d) for d in done}
     return config_key(wl, m, n, rate, el, args.dilation or 1, args.profile) in done
 
 
@@ -520,7 +520,7 @@ def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, 
 
     from .dilation import Dilation, probe_factors, set_switch_delay
     fixed = args.dilation if isinstance(args.dilation, float) else 1.0
-    first = Dilation(fixed if args.dilation != "auto" else 1.0).shaped_rate(st["rates"][0])
+    first = Dilation(fixed).shaped_rate(st["rates"][0]) if args.dilation != "auto" else "1gbit"   # (then probed)
     with Topology(workers=max(p[1] for p in plan), rate=first, mtu=args.mtu) as topo:
         sw = _start_switch(topo, out, args)
         bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
