@@ -65,19 +65,19 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     common = ["--sizes", a.sizes, "--methods", a.methods, "--reps", a.reps, "--timeout", "60"]
     res = {"settings": vars(a) | {"json": str(a.json)}, "tolerance": a.tol}
-    with tempfile.TemporaryDirectory(prefix="bench-dilation-") as tmp:
-        t = Path(tmp)
-        if "k_vs_2k" not in a.skip:
-            dil = ["--target-rates", a.target, "--workers", a.workers, *common]
-            r1 = sweep(t / "k", *dil, "--dilation", f"{a.k:g}")
-            r2 = sweep(t / "2k", *dil, "--dilation", f"{2 * a.k:g}")
-            res["k_vs_2k"] = compare(r1, r2, a.tol)
-        if "dilated_vs_real" not in a.skip:
-            real = sweep(t / "real", "--rates", a.real_rate, "--workers", a.real_workers, "--acc-steps", "0",
-                         "--tp-sizes", "none", *common)
-            dil = sweep(t / "dil", "--target-rates", a.real_rate, "--workers", a.real_workers, "--dilation",
-                        f"{a.real_k:g}", *common)
-            res["dilated_vs_real"] = compare(real, dil, a.tol)
+    t = Path(tempfile.mkdtemp(prefix="bench-dilation-"))      # kept: the sweeps' reports and worker logs
+    res["folder"] = str(t)
+    if "k_vs_2k" not in a.skip:
+        dil = ["--target-rates", a.target, "--workers", a.workers, *common]
+        r1 = sweep(t / "k", *dil, "--dilation", f"{a.k:g}")
+        r2 = sweep(t / "2k", *dil, "--dilation", f"{2 * a.k:g}")
+        res["k_vs_2k"] = compare(r1, r2, a.tol)
+    if "dilated_vs_real" not in a.skip:
+        real = sweep(t / "real", "--rates", a.real_rate, "--workers", a.real_workers, "--acc-steps", "0",
+                     "--tp-sizes", "none", *common)
+        dil = sweep(t / "dil", "--target-rates", a.real_rate, "--workers", a.real_workers, "--dilation",
+                    f"{a.real_k:g}", *common)
+        res["dilated_vs_real"] = compare(real, dil, a.tol)
     for check in ("k_vs_2k", "dilated_vs_real"):
         for m, c in res.get(check, {}).items():
             print(f"{check:16s} {m:12s} ratio {c['ratio']:.3f} ({c['label_a']} {c['time_a']:.4f} s vs "
