@@ -31,6 +31,7 @@ from . import compression
 from .compression._seedutil import ErrorFeedbackMixin
 from .compression.base import ScaleContext, native, to_numpy_f32, write_back
 from .control import ControlChannel, ControlError
+from .recovery import LossDetector
 from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
                    payload_view)
 
@@ -52,7 +53,10 @@ class ClientStats:
     bytes_sent: int = 0
     packets_received: int = 0
     bytes_received: int = 0
-    retransmissions: int = 0
+    retransmissions: int = 0          # every resend: fast_retransmissions + timeout_retransmissions
+    fast_retransmissions: int = 0     # resent because results of later chunks arrived first
+    timeout_retransmissions: int = 0  # resent after the retransmission timeout (tail losses)
+    duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
     stale_results: int = 0
     elements: int = 0
 
@@ -71,7 +75,7 @@ class Client:
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
-                 rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
+                 rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
                  coalesce: float = 0.004):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
@@ -79,6 +83,7 @@ class Client:
         self.switch = (host, int(port))
         self.rank, self.world_size, self.job = rank, world_size, job
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
+        self.min_rto = float(min_rto)         # floor of the adaptive timeout (``rto``: before any sample)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
         self.stats = ClientStats()
         self._codecs: dict[str, compression.Codec] = {}
@@ -298,18 +303,16 @@ class Client:
         res_len = HEADER_SIZE + rwidth * E
         exps = np.zeros(n_chunks, np.int64)
         done = np.zeros(n_chunks, bool)
-        sent_at = np.zeros(n_chunks)
-        tries = np.zeros(n_chunks, np.int64)
+        ld = LossDetector(n_chunks)
         overflow = 0
         first = np.arange(min(S, n_chunks))
         self._send(pkts, load(first), pkt_len)
         now = time.monotonic()
-        sent_at[first] = now
+        ld.sent(first, now)
         max_sent = first.size - 1
         low = 0                       # every chunk below `low` is done
         n_done = 0
         last_progress = now
-        next_check = now + self.current_rto()
         n_sent = first.size
         last_rx, per_pkt = None, 0.0          # arrival spacing (EWMA, seconds per packet) for coalescing
         while n_done < n_chunks:
@@ -341,23 +344,24 @@ class Client:
                     idx = np.nonzero(ok)[0][fresh]
                     jj, first_pos = np.unique(jj[fresh], return_index=True)
                     idx = idx[first_pos]
-                    stale += int(np.count_nonzero(ok)) - jj.size
+                    self.stats.duplicate_results += int(np.count_nonzero(ok)) - jj.size
                     if jj.size:
                         if E:
                             decode(jj, native(payload_view(buf[idx], result_type, E)))
-                        first_try = jj[tries[jj] == 0]       # Karn: no samples from retransmitted chunks
+                        first_try = jj[ld.tries[jj] == 0]    # Karn: no samples from retransmitted chunks
                         if first_try.size and E:             # negotiation rounds wait for the slowest rank
-                            self._rtt_sample(float(np.median(now - sent_at[first_try])))
+                            self._rtt_sample(float(np.median(now - ld.sent_at[first_try])))
                         exps[jj] = h["exponent"][idx]
                         overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
                         done[jj] = True
+                        ld.delivered(jj, ld.pending(low, max_sent, done))
                         n_done += jj.size
                         last_progress = now
                         nxt = jj + S                      # self-clocking: each result frees its slot
                         nxt = nxt[nxt < n_chunks]
                         if nxt.size:
                             self._send(pkts, load(nxt), pkt_len)
-                            sent_at[nxt] = time.monotonic()
+                            ld.sent(nxt, time.monotonic())
                             n_sent += nxt.size
                             max_sent = max(max_sent, int(nxt[-1]))
                         while low < n_chunks and done[low]:
@@ -371,26 +375,25 @@ class Client:
                     pause = min(self.coalesce, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)
                     if pause > 5e-5:
                         time.sleep(pause)
-            if now >= next_check and n_done < n_chunks:
-                rto = self.current_rto()
-                next_check = now + rto / 2
-                hi = max_sent + 1             # every sent, not-done chunk still owns its ring row
-                win = np.arange(low, hi)
-                w = win[(~done[low:hi]) & (sent_at[low:hi] > 0)]
-                late = w[now - sent_at[w] > np.minimum(rto * 2.0 ** tries[w], self.max_rto)]
-                if late.size:
-                    rows = late % R
+            if n_done < n_chunks:
+                fast, late = ld.lost(ld.pending(low, max_sent, done), now, self.srtt, self.current_rto(),
+                                     self.max_rto)
+                lost = np.concatenate([fast, late])
+                if lost.size:                 # every sent, not-done chunk still owns its ring row
+                    rows = lost % R
                     hv["flags"][rows] |= int(Flag.RETRANSMIT)
                     self._send(pkts, rows, pkt_len)
-                    sent_at[late] = now
-                    tries[late] += 1
-                    self.stats.retransmissions += late.size
+                    ld.resent(lost, now)
+                    self.stats.fast_retransmissions += fast.size
+                    self.stats.timeout_retransmissions += late.size
+                    self.stats.retransmissions += lost.size
                 if now - last_progress > self.timeout:
                     raise AllreduceError(self._stall_message(n_chunks, n_done, c0))
         if overflow:
             raise AllreduceError(f"job {self.job}: {overflow} chunk(s) came back with the OVERFLOW flag: a switch "
                                  "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
         return exps
+
 
     def _rtt_sample(self, r: float) -> None:
         if self.srtt is None:
@@ -400,13 +403,14 @@ class Client:
             self.srtt = 0.875 * self.srtt + 0.125 * r
 
     def current_rto(self) -> float:
-        """Retransmission timeout: srtt + 4 rttvar of the chunks' measured round trips (RFC 6298 with
-        Karn's rule), at least ``rto`` (the configured minimum) and at most ``max_rto``. A full window
-        queued behind a slow link or a busy switch makes the round trip long; a fixed timeout would
-        retransmit spuriously and add to the load."""
+        """Retransmission timeout of the tail (losses the stream itself does not reveal, see
+        :mod:`ina.recovery`): srtt + 4 rttvar of the chunks' measured round trips (RFC 6298 with
+        Karn's rule), at least ``min_rto`` and at most ``max_rto``; ``rto`` before the first sample.
+        A full window queued behind a slow link or a busy switch makes the round trip long, and the
+        measured round trip follows it, so the timeout does not fire spuriously there."""
         if self.srtt is None:
             return self.rto
-        return min(self.max_rto, max(self.rto, self.srtt + 4 * self.rttvar))
+        return min(self.max_rto, max(self.min_rto, self.srtt + 4 * self.rttvar))
 
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
