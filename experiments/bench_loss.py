@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
+import hashlib
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-from ina.control import request
-from switch_model.launch import free_port, start_switch
+from ina.control import ControlError, request
+from switch_model.launch import free_port
 
 SETTINGS = {                      # name: impairment of each direction
     "lossless": {},
@@ -40,60 +39,97 @@ def log(msg: str) -> None:
     print(f"[bench_loss] {msg}", file=sys.stderr, flush=True)
 
 
-def _worker(rank, n, host, port, job, elements, reps, seed, q):
-    os.environ["OMP_NUM_THREADS"] = "1"
+def worker_main(spec: dict) -> dict:
+    """One rank: ``reps`` bfp32 allreduces of its input after a warm-up; returns its time per
+    allreduce, its recovery counters and a digest of every result (to compare with the lossless run)."""
     from ina import Client
-    rng = np.random.default_rng([seed, rank])
-    x = rng.standard_normal(elements).astype(np.float32)
-    with Client((host, port), rank=rank, world_size=n, job=job, timeout=60) as cl:
+    rng = np.random.default_rng([spec["seed"], spec["rank"]])
+    x = rng.standard_normal(spec["elements"]).astype(np.float32)
+    h = hashlib.sha256()
+    with Client((spec["host"], spec["port"]), rank=spec["rank"], world_size=spec["workers"], job=spec["job"],
+                timeout=60) as cl:
         y = x.copy()
         cl.allreduce(y, codec="bfp32")                   # warm-up: caches, the first RTT samples
-        out = np.empty((reps, elements), np.float32)
         t0 = time.perf_counter()
-        for i in range(reps):
+        for _ in range(spec["reps"]):
             y[:] = x
             cl.allreduce(y, codec="bfp32")
-            out[i] = y
+            h.update(y.tobytes())
         dt = time.perf_counter() - t0
         st = cl.stats.as_dict()
-    q.put((rank, dt / reps, {k: st.get(k, 0) for k in COUNTERS}, out if rank == 0 else None))
+    return {"rank": spec["rank"], "time_per_allreduce_s": dt / spec["reps"], "digest": h.hexdigest(),
+            **{k: st.get(k, 0) for k in COUNTERS}}
 
 
-def run_setting(host, port, n, job, elements, reps, seed, imp: dict, timeout: float):
+class Links:
+    """Where the switch and the workers run: loopback, or emulated hosts of an ina.net Topology."""
+
+    def __init__(self, rate: str | None, workers: int):
+        self.rate, self.topo = rate, None
+        if rate:
+            from ina.net import Topology
+            self.topo = Topology(workers=workers, rate=rate).up()
+            self.switch_ip = self.topo.switch.ip
+        else:
+            self.switch_ip = "127.0.0.1"
+
+    def popen(self, rank, argv, **kw) -> subprocess.Popen:
+        if self.topo is None:
+            return subprocess.Popen(argv, **kw)
+        host = self.topo.switch if rank is None else self.topo.workers[rank]
+        return self.topo.popen(host, argv, **kw)
+
+    def close(self) -> None:
+        if self.topo is not None:
+            self.topo.down()
+
+
+def run_setting(links: Links, port, n, job, elements, reps, seed, imp: dict, timeout: float):
     cfg = {"loss": 0.0, "duplicate": 0.0, "reorder": 0.0, "seed": seed, **imp}
-    request(host, port, {"op": "impair", "ingress": cfg, "egress": {**cfg, "seed": seed + 1}}, timeout=10)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, n, host, port, job, elements, reps, seed, q)) for r in range(n)]
-    for p in ps:
-        p.start()
-    got = [q.get(timeout=timeout) for _ in ps]
-    for p in ps:
-        p.join(30)
-        if p.exitcode != 0:
-            raise RuntimeError(f"a benchmark worker exited with code {p.exitcode}")
-    per = max(g[1] for g in got)                     # the slowest worker's time per allreduce
-    counters = {k: sum(g[2][k] for g in got) for k in COUNTERS}
-    out = next(g[3] for g in got if g[3] is not None)
-    return per, counters, out
+    request(links.switch_ip, port, {"op": "impair", "ingress": cfg, "egress": {**cfg, "seed": seed + 1}},
+            timeout=10)
+    base = {"host": links.switch_ip, "port": port, "workers": n, "job": job, "elements": elements, "reps": reps,
+            "seed": seed}
+    ps = [links.popen(r, [sys.executable, "-m", "experiments.bench_loss", "--worker", json.dumps({**base, "rank": r})],
+                      stdout=subprocess.PIPE, text=True) for r in range(n)]
+    got = []
+    for r, p in enumerate(ps):
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in ps:
+                q.kill()
+            raise RuntimeError(f"rank {r} did not finish {reps} allreduces within {timeout:g} s") from None
+        if p.returncode != 0:
+            raise RuntimeError(f"rank {r} exited with code {p.returncode}")
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    per = max(g["time_per_allreduce_s"] for g in got)          # the slowest worker's time per allreduce
+    counters = {k: sum(g[k] for g in got) for k in COUNTERS}
+    digests = {g["digest"] for g in got}
+    if len(digests) != 1:
+        raise RuntimeError(f"ranks disagree on the results ({len(digests)} different digests)")
+    return per, counters, digests.pop()
 
 
-def run(n: int, sizes: list[int], reps: dict, seed: int, settings: dict):
+def run(n: int, sizes: list[int], reps: dict, seed: int, settings: dict, rate: str | None = None):
+    links = Links(rate, n)
     port = free_port()
-    sw = start_switch(port, "--host", "127.0.0.1", "--slots", "512", "--log-level", "WARNING",
-                      "--stats-interval", "0", stderr=subprocess.DEVNULL)
+    sw = links.popen(None, [sys.executable, "-m", "switch_model", "serve", "--host", links.switch_ip, "--port",
+                            str(port), "--slots", "512", "--log-level", "WARNING", "--stats-interval", "0"],
+                     stderr=subprocess.DEVNULL)
     rows = []
     try:
+        wait_for_control(links.switch_ip, port, sw)
         job = 1
         for elements in sizes:
-            ref_time, ref_out = None, None
+            ref_time, ref_digest = None, None
             for name, imp in settings.items():
                 job += 1
                 r = reps[elements]
-                per, counters, out = run_setting("127.0.0.1", port, n, job, elements, r, seed, imp, timeout=600)
-                if ref_out is None:
-                    ref_time, ref_out = per, out
-                exact = bool(np.array_equal(out.view(np.uint32), ref_out.view(np.uint32)))
+                per, counters, digest = run_setting(links, port, n, job, elements, r, seed, imp, timeout=900)
+                if ref_digest is None:
+                    ref_time, ref_digest = per, digest
+                exact = digest == ref_digest
                 row = {"workers": n, "elements": elements, "setting": name, "impairment_each_direction": imp,
                        "allreduces": r, "time_per_allreduce_s": per, "vs_lossless": per / ref_time,
                        "exact": exact, **counters}
@@ -106,7 +142,22 @@ def run(n: int, sizes: list[int], reps: dict, seed: int, settings: dict):
     finally:
         sw.terminate()
         sw.wait(30)
+        links.close()
     return rows
+
+
+def wait_for_control(host: str, port: int, proc, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            request(host, port, {"op": "stats"}, timeout=2.0)
+            return
+        except ControlError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the switch exited with code {proc.returncode} before serving") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the switch at {host}:{port} did not answer within {timeout:g} s") from None
+            time.sleep(0.05)        # a bounded poll of the control plane
 
 
 def main(argv=None) -> int:
@@ -116,13 +167,19 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, nargs="+", default=[200, 10],
                     help="allreduces per setting, one number per size")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rate", default=None, help="emulated link rate per worker, e.g. 100mbit (root); "
+                    "default: loopback")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker_main(json.loads(a.worker))), flush=True)
+        return 0
     if len(a.reps) != len(a.sizes):
         ap.error(f"--reps needs one count per size ({len(a.sizes)}), got {len(a.reps)}")
-    rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.seed, SETTINGS)
+    rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.seed, SETTINGS, a.rate)
     if a.json:
-        print(json.dumps({"benchmark": "allreduce_under_loss", "links": "loopback",
+        print(json.dumps({"benchmark": "allreduce_under_loss", "links": f"emulated {a.rate} per worker (tbf)" if a.rate else "loopback",
                           "impairments": "switch user-space impairments, both directions",
                           "codec": "bfp32", "reference": "the lossless run of the same size in the same invocation",
                           "results": rows}, indent=2))

@@ -119,6 +119,7 @@ class Client:
         self._next_chunk = 0
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
+        self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
                  self.slots, self.elements)
 
@@ -350,11 +351,13 @@ class Client:
                             decode(jj, native(payload_view(buf[idx], result_type, E)))
                         first_try = jj[ld.tries[jj] == 0]    # Karn: no samples from retransmitted chunks
                         if first_try.size and E:             # negotiation rounds wait for the slowest rank
-                            self._rtt_sample(float(np.median(now - ld.sent_at[first_try])))
+                            rtts = now - ld.sent_at[first_try]
+                            self._rtt_sample(float(np.median(rtts)))
+                            self.rtt_min = min(self.rtt_min, float(rtts.min()))
                         exps[jj] = h["exponent"][idx]
                         overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
                         done[jj] = True
-                        ld.delivered(jj, ld.pending(low, max_sent, done))
+                        ld.delivered(jj, ld.pending(low, max_sent, done), now)
                         n_done += jj.size
                         last_progress = now
                         nxt = jj + S                      # self-clocking: each result frees its slot
@@ -377,7 +380,7 @@ class Client:
                         time.sleep(pause)
             if n_done < n_chunks:
                 fast, late = ld.lost(ld.pending(low, max_sent, done), now, self.srtt, self.current_rto(),
-                                     self.max_rto)
+                                     self.max_rto, self.probe_timeout(per_pkt))
                 lost = np.concatenate([fast, late])
                 if lost.size:                 # every sent, not-done chunk still owns its ring row
                     rows = lost % R
@@ -411,6 +414,14 @@ class Client:
         if self.srtt is None:
             return self.rto
         return min(self.max_rto, max(self.min_rto, self.srtt + 4 * self.rttvar))
+
+    def probe_timeout(self, spacing: float) -> float | None:
+        """How long a silence (no result at all) may last while chunks are out before the oldest are
+        resent (the tail probe of :mod:`ina.recovery`): two of the fastest round trips plus four
+        result spacings, at least ``min_rto``. None before the first round trip was measured."""
+        if math.isinf(self.rtt_min):
+            return None
+        return max(self.min_rto, 2 * self.rtt_min + 4 * spacing)
 
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""

@@ -12,10 +12,19 @@ Three rules, in the order a lost chunk meets them:
 1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived;
 2. **reordering window** (RACK-style): results of at least one chunk sent after it arrived, and it
    has been out for longer than ``1.25 x srtt + REO_FLOOR``: a late chunk, not a reordered one;
-3. **timeout** (the tail: nothing sent after it, or everything after it lost too): out for longer
-   than the retransmission timeout, doubled with every resend of that chunk (exponential backoff).
+3. **tail probe** (nothing sent after it arrived, or everything after it was lost too): no result
+   at all arrived for a probe timeout ``PTO = 2 x rtt_min + 4 x spacing`` (at least ``min_rto``),
+   where ``rtt_min`` is the fastest round trip a chunk took (no queue ahead of it) and ``spacing``
+   the time between results while they flow: a silence that long means the results are not
+   coming. Only the oldest such chunk is resent (one probe, as TCP's tail loss probe: its result
+   restarts the flow, and any further lost chunk then meets rule 2 or another probe), and ``PTO``
+   doubles with every resend of that chunk (exponential backoff);
+4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO), doubled per
+   resend, at most ``max_rto``.
 
-Rules 1 and 2 are *fast* retransmissions, rule 3 a *timeout*: the client counts them apart.
+Rules 1 and 2 are *fast* retransmissions, rules 3 and 4 *timeouts*: the client counts them apart.
+A waiting peer (a rank that has not sent its packet yet) looks like a loss to rule 3; the resend is
+then only read by the switch, and the backoff keeps such resends to a handful per chunk.
 """
 from __future__ import annotations
 
@@ -34,10 +43,13 @@ class LossDetector:
         self.later = np.zeros(n, np.int64)         # results of chunks sent after it, since its last send
         self.tries = np.zeros(n, np.int64)         # resends so far (Karn: no RTT sample from these)
         self._next_seq = 1
+        self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
 
     def sent(self, chunks: np.ndarray, now: float) -> None:
         """``chunks`` went out (first time or again) at ``now``, in this order."""
         k = len(chunks)
+        if self._next_seq == 1:
+            self.last_arrival = now
         self.sent_at[chunks] = now
         self.seq[chunks] = np.arange(self._next_seq, self._next_seq + k)
         self.later[chunks] = 0
@@ -49,24 +61,32 @@ class LossDetector:
         w = slice(low, high + 1)
         return low + np.flatnonzero(~done[w] & (self.seq[w] > 0))
 
-    def delivered(self, chunks: np.ndarray, pending: np.ndarray) -> None:
+    def delivered(self, chunks: np.ndarray, pending: np.ndarray, now: float) -> None:
         """Results of ``chunks`` arrived; count them against every still ``pending`` chunk sent before."""
-        if not (len(chunks) and len(pending)):
+        self.last_arrival = now
+        chunks = chunks[self.tries[chunks] == 0]   # a resent chunk's result may answer its first send:
+        if not (len(chunks) and len(pending)):      # it says nothing of the order (Karn's ambiguity)
             return
         arrived = np.sort(self.seq[chunks])
         self.later[pending] += arrived.size - np.searchsorted(arrived, self.seq[pending], side="right")
 
-    def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float,
-             max_rto: float) -> tuple[np.ndarray, np.ndarray]:
-        """(fast, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule."""
+    def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
+             pto: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(fast, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule.
+        ``pto``: the tail probe timeout (None before any round trip was measured)."""
         if not len(pending):
             return pending, pending
         age = now - self.sent_at[pending]
         later = self.later[pending]
+        backoff = 2.0 ** self.tries[pending]
         fast = later >= DUPTHRESH
         if srtt is not None:
             fast |= (later > 0) & (age > 1.25 * srtt + REO_FLOOR)
-        timed_out = ~fast & (age > np.minimum(rto * 2.0 ** self.tries[pending], max_rto))
+        timed_out = age > np.minimum(rto * backoff, max_rto)
+        if pto is not None and now - self.last_arrival > pto:
+            probe = np.flatnonzero(~fast & (age > np.minimum(pto * backoff, max_rto)))[:1]
+            timed_out[probe] = True
+        timed_out &= ~fast
         return pending[fast], pending[timed_out]
 
     def resent(self, chunks: np.ndarray, now: float) -> None:

@@ -28,11 +28,11 @@ def test_duplicate_threshold_marks_the_gap_lost_and_nothing_else():
     ld.sent(np.arange(10), now=0.0)
     pending = np.arange(10)
     arrived = np.array([1, 2])                 # chunk 0's result is missing, two later ones arrived
-    ld.delivered(arrived, np.setdiff1d(pending, arrived))
+    ld.delivered(arrived, np.setdiff1d(pending, arrived), now=1e-4)
     pending = np.setdiff1d(pending, arrived)
     fast, late = ld.lost(pending, now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
     assert fast.size == 0 and late.size == 0   # below the threshold: could be reordering
-    ld.delivered(np.array([3]), np.setdiff1d(pending, [3]))
+    ld.delivered(np.array([3]), np.setdiff1d(pending, [3]), now=1e-4)
     pending = np.setdiff1d(pending, [3])
     fast, late = ld.lost(pending, now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
     assert fast.tolist() == [0] and late.size == 0
@@ -47,14 +47,14 @@ def test_a_chunk_resent_later_is_not_counted_against_by_older_results():
     ld = LossDetector(6)
     ld.sent(np.arange(6), now=0.0)
     ld.resent(np.array([0]), now=0.01)         # chunk 0 went out again after chunks 1..5
-    ld.delivered(np.array([1, 2, 3, 4, 5]), np.array([0]))
+    ld.delivered(np.array([1, 2, 3, 4, 5]), np.array([0]), now=0.02)
     assert ld.later[0] == 0                    # their sends are older than chunk 0's resend
 
 
 def test_reordering_window_needs_a_later_result_and_an_age_above_srtt():
     ld = LossDetector(4)
     ld.sent(np.arange(4), now=0.0)
-    ld.delivered(np.array([3]), np.array([0, 1, 2]))
+    ld.delivered(np.array([3]), np.array([0, 1, 2]), now=0.002)
     pending = np.array([0, 1, 2])
     srtt = 0.010
     fast, _ = ld.lost(pending, now=0.005, srtt=srtt, rto=1.0, max_rto=1.0)
@@ -136,3 +136,26 @@ def test_tail_loss_is_recovered_by_the_measured_timeout(tmp_path):
     for m in out.values():
         assert m["rto_s"] < 0.25, m["rto_s"]   # measured, not the 1 s initial timeout
     _check_exact(out, ops, N)
+
+
+def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
+    ld = LossDetector(5)
+    ld.sent(np.arange(5), now=0.0)
+    ld.delivered(np.array([0, 1]), np.array([2, 3, 4]), now=0.001)
+    pending = np.array([2, 3, 4])
+    pto = 0.002
+    _, late = ld.lost(pending, now=0.0025, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    assert late.size == 0                      # silent for 1.5 ms only
+    _, late = ld.lost(pending, now=0.0035, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    assert late.tolist() == [2]                # one probe: the oldest chunk
+    ld.resent(late, now=0.0035)
+    _, late = ld.lost(pending, now=0.0040, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    assert late.tolist() == [3]                # still silent: the next oldest (chunk 2 backs off)
+
+
+def test_a_resent_chunks_result_is_no_evidence_against_others():
+    ld = LossDetector(4)
+    ld.sent(np.arange(4), now=0.0)
+    ld.resent(np.array([0]), now=0.001)        # a probe; then chunk 0's (first) result arrives
+    ld.delivered(np.array([0]), np.array([1, 2, 3]), now=0.002)
+    assert ld.later[1:].tolist() == [0, 0, 0]
