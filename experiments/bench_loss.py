@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import functools
 import hashlib
 import subprocess
 import sys
@@ -23,8 +24,8 @@ import time
 
 import numpy as np
 
-from ina.control import ControlError, request
-from switch_model.launch import free_port
+from ina.control import request
+from switch_model.launch import start_switch
 
 SETTINGS = {                      # name: impairment of each direction
     "lossless": {},
@@ -32,7 +33,8 @@ SETTINGS = {                      # name: impairment of each direction
     "loss 1%": {"loss": 0.01},
     "loss 2% + dup 2% + reorder 2%": {"loss": 0.02, "duplicate": 0.02, "reorder": 0.02},
 }
-COUNTERS = ("retransmissions", "fast_retransmissions", "timeout_retransmissions", "duplicate_results")
+COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
+            "duplicate_results")
 
 
 def log(msg: str) -> None:
@@ -74,10 +76,16 @@ class Links:
             self.switch_ip = "127.0.0.1"
 
     def popen(self, rank, argv, **kw) -> subprocess.Popen:
+        """Start ``argv`` where worker ``rank`` runs (None: the switch)."""
         if self.topo is None:
             return subprocess.Popen(argv, **kw)
         host = self.topo.switch if rank is None else self.topo.workers[rank]
         return self.topo.popen(host, argv, **kw)
+
+    def start_switch(self):
+        return start_switch(None if self.topo is None else 9999, "--slots", "512", "--log-level", "WARNING",
+                            "--stats-interval", "0", host=self.switch_ip, control_host=self.switch_ip,
+                            popen=functools.partial(self.popen, None))
 
     def close(self) -> None:
         if self.topo is not None:
@@ -113,51 +121,37 @@ def run_setting(links: Links, port, n, job, elements, reps, seed, imp: dict, tim
 
 def run(n: int, sizes: list[int], reps: dict, seed: int, settings: dict, rate: str | None = None):
     links = Links(rate, n)
-    port = free_port()
-    sw = links.popen(None, [sys.executable, "-m", "switch_model", "serve", "--host", links.switch_ip, "--port",
-                            str(port), "--slots", "512", "--log-level", "WARNING", "--stats-interval", "0"],
-                     stderr=subprocess.DEVNULL)
-    rows = []
     try:
-        wait_for_control(links.switch_ip, port, sw)
-        job = 1
-        for elements in sizes:
-            ref_time, ref_digest = None, None
-            for name, imp in settings.items():
-                job += 1
-                r = reps[elements]
-                per, counters, digest = run_setting(links, port, n, job, elements, r, seed, imp, timeout=900)
-                if ref_digest is None:
-                    ref_time, ref_digest = per, digest
-                exact = digest == ref_digest
-                row = {"workers": n, "elements": elements, "setting": name, "impairment_each_direction": imp,
-                       "allreduces": r, "time_per_allreduce_s": per, "vs_lossless": per / ref_time,
-                       "exact": exact, **counters}
-                rows.append(row)
-                log(f"{elements} elements, {name}: {per * 1e3:.2f} ms per allreduce ({per / ref_time:.2f}x lossless),"
-                    f" fast {counters['fast_retransmissions']}, timeouts {counters['timeout_retransmissions']},"
-                    f" exact {exact}")
-                if not exact:
-                    raise RuntimeError(f"{name}: results differ from the lossless run")
+        with links.start_switch() as sw:
+            rows = _run_all(links, sw.port, n, sizes, reps, seed, settings)
     finally:
-        sw.terminate()
-        sw.wait(30)
         links.close()
     return rows
 
 
-def wait_for_control(host: str, port: int, proc, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            request(host, port, {"op": "stats"}, timeout=2.0)
-            return
-        except ControlError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the switch exited with code {proc.returncode} before serving") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the switch at {host}:{port} did not answer within {timeout:g} s") from None
-            time.sleep(0.05)        # a bounded poll of the control plane
+def _run_all(links: Links, port: int, n: int, sizes: list[int], reps: dict, seed: int, settings: dict) -> list:
+    rows = []
+    job = 1
+    for elements in sizes:
+        ref_time, ref_digest = None, None
+        for name, imp in settings.items():
+            job += 1
+            r = reps[elements]
+            per, counters, digest = run_setting(links, port, n, job, elements, r, seed, imp, timeout=900)
+            if ref_digest is None:
+                ref_time, ref_digest = per, digest
+            exact = digest == ref_digest
+            row = {"workers": n, "elements": elements, "setting": name, "impairment_each_direction": imp,
+                   "allreduces": r, "time_per_allreduce_s": per, "vs_lossless": per / ref_time,
+                   "exact": exact, **counters}
+            rows.append(row)
+            log(f"{elements} elements, {name}: {per * 1e3:.2f} ms per allreduce ({per / ref_time:.2f}x lossless),"
+                f" fast {counters['fast_retransmissions']}, probes {counters['probe_retransmissions']},"
+                f" timeouts {counters['timeout_retransmissions']},"
+                f" exact {exact}")
+            if not exact:
+                raise RuntimeError(f"{name}: results differ from the lossless run")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -184,10 +178,11 @@ def main(argv=None) -> int:
                           "codec": "bfp32", "reference": "the lossless run of the same size in the same invocation",
                           "results": rows}, indent=2))
     else:
-        print(f"{'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'fast':>6} {'timeouts':>8} exact")
+        print(f"{'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'fast':>6} {'probes':>6} {'timeouts':>8} exact")
         for r in rows:
             print(f"{r['elements']:>9} {r['setting']:<32} {r['time_per_allreduce_s'] * 1e3:>8.2f} "
-                  f"{r['vs_lossless']:>10.2f} {r['fast_retransmissions']:>6} {r['timeout_retransmissions']:>8} "
+                  f"{r['vs_lossless']:>10.2f} {r['fast_retransmissions']:>6} {r['probe_retransmissions']:>6} "
+                  f"{r['timeout_retransmissions']:>8} "
                   f"{'yes' if r['exact'] else 'NO'}")
     return 0
 

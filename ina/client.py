@@ -50,9 +50,10 @@ __all__ = ["Client", "ClientStats", "AllreduceError"]
 class ClientStats(WorkerStats):
     packets_sent: int = 0
     packets_received: int = 0
-    retransmissions: int = 0          # every resend: fast_retransmissions + timeout_retransmissions
+    retransmissions: int = 0          # every resend: fast + probe + timeout retransmissions
     fast_retransmissions: int = 0     # resent because results of later chunks arrived first
-    timeout_retransmissions: int = 0  # resent after a silence or the retransmission timeout (tail losses)
+    probe_retransmissions: int = 0    # resent after a silence of the probe timeout (tail losses)
+    timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
     stale_results: int = 0
 
@@ -74,7 +75,7 @@ class Client(Worker):
         host, port = switch
         self.switch = (host, int(port))
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
-        self.min_rto = float(min_rto)         # floor of the adaptive timeout (``rto``: before any sample)
+        self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
         self.sock = B.udp_socket("0.0.0.0", 0)
         self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0))
@@ -227,12 +228,13 @@ class Client(Worker):
 
     def current_rto(self) -> float:
         """Retransmission timeout, the safety net of :mod:`ina.recovery`: srtt + 4 rttvar of the chunks'
-        measured round trips (RFC 6298 with Karn's rule), at least ``min_rto`` and at most ``max_rto``;
-        ``rto`` before the first sample. A full window queued behind a slow link or a busy switch makes
-        the round trip long, and the measured round trip follows it, so it does not fire spuriously."""
+        measured round trips (RFC 6298 with Karn's rule), at least ``rto`` and at most ``max_rto``. It
+        resends every chunk it finds late, so it stays well above a round trip: a whole window waiting
+        for a slow peer would otherwise be resent again and again (fast retransmission and the tail
+        probe find real losses much sooner)."""
         if self.srtt is None:
             return self.rto
-        return min(self.max_rto, max(self.min_rto, self.srtt + 4 * self.rttvar))
+        return min(self.max_rto, max(self.rto, self.srtt + 4 * self.rttvar))
 
     def probe_timeout(self, spacing: float) -> float | None:
         """How long a silence (no result at all) may last while chunks are out before the oldest is
@@ -414,10 +416,13 @@ class _Transfer:
             self.decode(jj, native(payload_view(buf[idx], self.result_type, E)))
         ld = self.ld
         first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
-        if first_try.size and E:                  # negotiation rounds wait for the slowest rank
+        if first_try.size:
             rtts = now - ld.sent_at[first_try]
-            self.cl._rtt_sample(float(np.median(rtts)))
+            # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
+            # is at most that long (so the tail probe has a bound from the first allreduce on)
             self.cl.rtt_min = min(self.cl.rtt_min, float(rtts.min()))
+            if E:
+                self.cl._rtt_sample(float(np.median(rtts)))
         self.exps[jj] = h["exponent"][idx]
         self.overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
         self.done[jj] = True
@@ -446,14 +451,15 @@ class _Transfer:
         """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results
         show the gap, after a silence or the timeout for the tail."""
         cl = self.cl
-        fast, late = self.ld.lost(self.ld.pending(self.low, self.max_sent, self.done), now, cl.srtt,
-                                  cl.current_rto(), cl.max_rto, cl.probe_timeout(self.per_pkt))
-        lost = np.concatenate([fast, late])
+        fast, probe, late = self.ld.lost(self.ld.pending(self.low, self.max_sent, self.done), now, cl.srtt,
+                                         cl.current_rto(), cl.max_rto, cl.probe_timeout(self.per_pkt))
+        lost = np.concatenate([fast, probe, late])
         if lost.size:                            # every sent, not-done chunk still owns its ring row
             rows = lost % self.R
             self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
             cl._send(self.pkts, rows, self.pkt_len)
             self.ld.resent(lost, now)
             cl.stats.fast_retransmissions += fast.size
+            cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size
             cl.stats.retransmissions += lost.size

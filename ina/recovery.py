@@ -19,10 +19,10 @@ Three rules, in the order a lost chunk meets them:
    coming. Only the oldest such chunk is resent (one probe, as TCP's tail loss probe: its result
    restarts the flow, and any further lost chunk then meets rule 2 or another probe), and ``PTO``
    doubles with every resend of that chunk (exponential backoff);
-4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO), doubled per
-   resend, at most ``max_rto``.
+4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
+   ``rto``, 20 ms by default), doubled per resend, at most ``max_rto``.
 
-Rules 1 and 2 are *fast* retransmissions, rules 3 and 4 *timeouts*: the client counts them apart.
+The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart.
 A waiting peer (a rank that has not sent its packet yet) looks like a loss to rule 3; the resend is
 then only read by the switch, and the backoff keeps such resends to a handful per chunk.
 """
@@ -71,23 +71,22 @@ class LossDetector:
         self.later[pending] += arrived.size - np.searchsorted(arrived, self.seq[pending], side="right")
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
-             pto: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(fast, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule.
-        ``pto``: the tail probe timeout (None before any round trip was measured)."""
+             pto: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(fast, probe, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule
+        (1 and 2, 3, 4). ``pto``: the tail probe timeout (None before any round trip was measured)."""
         if not len(pending):
-            return pending, pending
+            return pending, pending, pending
         age = now - self.sent_at[pending]
         later = self.later[pending]
         backoff = 2.0 ** self.tries[pending]
         fast = later >= DUPTHRESH
         if srtt is not None:
             fast |= (later > 0) & (age > 1.25 * srtt + REO_FLOOR)
-        timed_out = age > np.minimum(rto * backoff, max_rto)
+        timed_out = ~fast & (age > np.minimum(rto * backoff, max_rto))
+        probe = np.zeros_like(fast)
         if pto is not None and now - self.last_arrival > pto:
-            probe = np.flatnonzero(~fast & (age > np.minimum(pto * backoff, max_rto)))[:1]
-            timed_out[probe] = True
-        timed_out &= ~fast
-        return pending[fast], pending[timed_out]
+            probe[np.flatnonzero(~fast & ~timed_out & (age > np.minimum(pto * backoff, max_rto)))[:1]] = True
+        return pending[fast], pending[probe], pending[timed_out]
 
     def resent(self, chunks: np.ndarray, now: float) -> None:
         self.tries[chunks] += 1

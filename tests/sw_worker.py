@@ -92,7 +92,7 @@ def main(spec_path: str) -> int:
     finally:
         if client is not None:
             meta["stats"] = client.stats.as_dict()
-            meta["rto_s"] = client.current_rto()
+            meta["probe_timeout_s"] = client.probe_timeout(0.0)
             client.close()
     np.savez(spec["out"], **{f"r{i}": r for i, r in enumerate(results)})
     Path(spec["meta"]).write_text(json.dumps(meta))

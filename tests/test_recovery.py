@@ -30,16 +30,16 @@ def test_duplicate_threshold_marks_the_gap_lost_and_nothing_else():
     arrived = np.array([1, 2])                 # chunk 0's result is missing, two later ones arrived
     ld.delivered(arrived, np.setdiff1d(pending, arrived), now=1e-4)
     pending = np.setdiff1d(pending, arrived)
-    fast, late = ld.lost(pending, now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+    fast, _, late = ld.lost(pending, now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
     assert fast.size == 0 and late.size == 0   # below the threshold: could be reordering
     ld.delivered(np.array([3]), np.setdiff1d(pending, [3]), now=1e-4)
     pending = np.setdiff1d(pending, [3])
-    fast, late = ld.lost(pending, now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+    fast, _, late = ld.lost(pending, now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
     assert fast.tolist() == [0] and late.size == 0
     assert ld.later[0] == DUPTHRESH
     ld.resent(fast, now=2e-4)                  # a resend starts the count again
     assert ld.later[0] == 0 and ld.tries[0] == 1
-    fast, late = ld.lost(pending, now=3e-4, srtt=None, rto=1.0, max_rto=1.0)
+    fast, _, late = ld.lost(pending, now=3e-4, srtt=None, rto=1.0, max_rto=1.0)
     assert fast.size == 0 and late.size == 0
 
 
@@ -57,9 +57,9 @@ def test_reordering_window_needs_a_later_result_and_an_age_above_srtt():
     ld.delivered(np.array([3]), np.array([0, 1, 2]), now=0.002)
     pending = np.array([0, 1, 2])
     srtt = 0.010
-    fast, _ = ld.lost(pending, now=0.005, srtt=srtt, rto=1.0, max_rto=1.0)
+    fast, _, _ = ld.lost(pending, now=0.005, srtt=srtt, rto=1.0, max_rto=1.0)
     assert fast.size == 0                      # younger than 1.25 srtt: may still be reordered
-    fast, late = ld.lost(pending, now=0.020, srtt=srtt, rto=1.0, max_rto=1.0)
+    fast, _, late = ld.lost(pending, now=0.020, srtt=srtt, rto=1.0, max_rto=1.0)
     assert fast.tolist() == [0, 1, 2] and late.size == 0
 
 
@@ -67,16 +67,16 @@ def test_tail_timeout_backs_off_per_chunk():
     ld = LossDetector(2)
     ld.sent(np.arange(2), now=0.0)
     pending = np.arange(2)
-    _, late = ld.lost(pending, now=0.009, srtt=0.001, rto=0.01, max_rto=1.0)
+    _, _, late = ld.lost(pending, now=0.009, srtt=0.001, rto=0.01, max_rto=1.0)
     assert late.size == 0
-    _, late = ld.lost(pending, now=0.011, srtt=0.001, rto=0.01, max_rto=1.0)
+    _, _, late = ld.lost(pending, now=0.011, srtt=0.001, rto=0.01, max_rto=1.0)
     assert late.tolist() == [0, 1]             # nothing sent after them: only the timeout sees it
     ld.resent(np.array([0]), now=0.011)
-    _, late = ld.lost(pending, now=0.030, srtt=0.001, rto=0.01, max_rto=1.0)
+    _, _, late = ld.lost(pending, now=0.030, srtt=0.001, rto=0.01, max_rto=1.0)
     assert late.tolist() == [1]                # chunk 0 waits 2 x rto after its first resend
-    _, late = ld.lost(pending, now=0.032, srtt=0.001, rto=0.01, max_rto=1.0)
+    _, _, late = ld.lost(pending, now=0.032, srtt=0.001, rto=0.01, max_rto=1.0)
     assert late.tolist() == [0, 1]
-    _, late = ld.lost(pending, now=0.011 + 0.015, srtt=0.001, rto=0.01, max_rto=0.012)
+    _, _, late = ld.lost(pending, now=0.011 + 0.015, srtt=0.001, rto=0.01, max_rto=0.012)
     assert 0 in late.tolist()                  # the backoff never exceeds max_rto
 
 
@@ -115,29 +115,33 @@ def test_lost_packets_are_recovered_by_fast_retransmission(tmp_path, direction):
     def after_warmup(key):
         return sum(m["stats"][key] - m["stats_after_warmup"][key] for m in out.values())
     fast = after_warmup("fast_retransmissions")
-    timeouts = after_warmup("timeout_retransmissions")
+    timeouts = after_warmup("probe_retransmissions") + after_warmup("timeout_retransmissions")
     assert fast >= dropped                      # every loss was seen by at least the rank that lost it
     assert timeouts < fast / 3, (timeouts, fast)
     _check_exact(out, OPS, N)
 
 
-def test_tail_loss_is_recovered_by_the_measured_timeout(tmp_path):
-    """Allreduces of one chunk each (nothing is sent after it, so only a timeout can see its loss)
-    under 10% loss: they complete and are exact, and the timeout that recovered them is the
-    measured one (a few round trips on loopback), far below the 1 s initial value."""
+def test_tail_loss_is_recovered_by_the_probe_not_the_timeout(tmp_path):
+    """Allreduces of one chunk each (nothing is sent after it, so the stream cannot show its loss)
+    under 10% loss: they complete and are exact, and after the first allreduce every loss was
+    recovered by the tail probe (a few loopback round trips), none by the 1 s safety-net timeout."""
     sw = SwitchProc("--slots", "64", "--elements", "64", "--loss", "0.1", "--seed", "5",
                     log_path=tmp_path / "switch.log")
     try:
         ops = [{"codec": "bfp32", "shape": [50], "seed": 40 + i} for i in range(60)]
         client = {"elements": 64, "slots": 4, "timeout": 60.0, "rto": 1.0, "min_rto": 0.002, "max_rto": 2.0}
-        out = Workers(tmp_path, sw.port, N, job=4, ops=ops, client=client).wait(timeout=120)
+        out = Workers(tmp_path, sw.port, N, job=4, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
         dropped = sum(sw.stats()["impairments"][d]["dropped"] for d in ("ingress", "egress"))
     finally:
         sw.terminate()
     assert dropped >= 10, f"the impairment dropped only {dropped} packets: the test shows nothing"
-    assert sum(m["stats"]["timeout_retransmissions"] for m in out.values()) > 0
+
+    def after_warmup(key):
+        return sum(m["stats"][key] - m["stats_after_warmup"][key] for m in out.values())
+    assert after_warmup("probe_retransmissions") > 0
+    assert after_warmup("timeout_retransmissions") == 0
     for m in out.values():
-        assert m["rto_s"] < 0.25, m["rto_s"]   # measured, not the 1 s initial timeout
+        assert m["probe_timeout_s"] < 0.25, m["probe_timeout_s"]   # measured, far below the safety net
     _check_exact(out, ops, N)
 
 
@@ -147,12 +151,12 @@ def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
     ld.delivered(np.array([0, 1]), np.array([2, 3, 4]), now=0.001)
     pending = np.array([2, 3, 4])
     pto = 0.002
-    _, late = ld.lost(pending, now=0.0025, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    _, late, _ = ld.lost(pending, now=0.0025, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
     assert late.size == 0                      # silent for 1.5 ms only
-    _, late = ld.lost(pending, now=0.0035, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    _, late, _ = ld.lost(pending, now=0.0035, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
     assert late.tolist() == [2]                # one probe: the oldest chunk
     ld.resent(late, now=0.0035)
-    _, late = ld.lost(pending, now=0.0040, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    _, late, _ = ld.lost(pending, now=0.0040, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
     assert late.tolist() == [3]                # still silent: the next oldest (chunk 2 backs off)
 
 
