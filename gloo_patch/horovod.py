@@ -67,12 +67,12 @@ class InaHandle:
     """Handle of an allreduce queued by the INA backend (Horovod's own handles are ints)."""
 
     __slots__ = ("name", "tensors", "outputs", "op", "prescale", "postscale", "grouped", "done", "error", "seq",
-                 "consumed", "desc")
+                 "consumed", "desc", "polled")
 
     def __init__(self, name, tensors, outputs, op, prescale, postscale, grouped, seq, desc):
         self.name, self.tensors, self.outputs, self.op = name, tensors, outputs, op
         self.prescale, self.postscale, self.grouped, self.seq = prescale, postscale, grouped, seq
-        self.done, self.error, self.consumed, self.desc = False, None, False, desc
+        self.done, self.error, self.consumed, self.desc, self.polled = False, None, False, desc, False
 
     def result(self):
         return tuple(self.outputs) if self.grouped else self.outputs[0]
@@ -322,12 +322,15 @@ class _HorovodIna:
 
         h0 = group[0]
         pairs = [(t, o) for h in group for t, o in zip(h.tensors, h.outputs)]
-        if len(pairs) == 1:
+        # Horovod scales half-precision tensors in float32 math: so do we
+        wide = (h0.prescale != 1.0 or h0.postscale != 1.0) and h0.tensors[0].dtype in (torch.float16, torch.bfloat16)
+        copied = len(pairs) > 1 or wide
+        if not copied:
             t, buf = pairs[0]
             if buf is not t:
                 buf.copy_(t)
         else:
-            buf = torch.cat([t.reshape(-1) for t, _ in pairs])
+            buf = torch.cat([t.reshape(-1).to(torch.float32 if wide else t.dtype) for t, _ in pairs])
         if h0.prescale != 1.0:
             buf.mul_(h0.prescale)
         # a named buffer keeps its error-feedback residual across steps; Horovod's generated names
@@ -337,11 +340,11 @@ class _HorovodIna:
         self.client.allreduce(buf, codec=self.config.codec, average=h0.op == self.M.Average, key=key)
         if h0.postscale != 1.0:
             buf.mul_(h0.postscale)
-        if len(pairs) > 1:
+        if copied:
             off = 0
             for t, o in pairs:
                 n = t.numel()
-                o.copy_(buf[off:off + n].view_as(o))
+                o.copy_(buf[off:off + n].reshape(o.shape))
                 off += n
         for h in group:
             h.done = True
@@ -362,9 +365,14 @@ class _HorovodIna:
         return self.orig["synchronize"](handle)
 
     def poll(self, handle) -> bool:
+        """Nothing runs in the background: the first poll of a queued allreduce says it is not done
+        (Horovod's poll of an op in progress), the next one runs the queue and says it is."""
         if isinstance(handle, InaHandle):
             if not handle.done and handle.error is None and not handle.consumed:
-                self.complete(handle)     # nothing runs in the background: polling completes the queue
+                if not handle.polled:
+                    handle.polled = True
+                    return False
+                self.complete(handle)
             return True
         return self.orig["poll"](handle)
 
@@ -374,8 +382,11 @@ class _HorovodIna:
         return out
 
     def shutdown(self, *args, **kwargs):
+        # Horovod's own shutdown first: ranks leave a barrier together and shut Gloo down at once; a delay
+        # on one rank before it (leaving the switch) lets the other re-init and read a stale address
+        out = self.orig["shutdown"](*args, **kwargs)
         self.disconnect()
-        return self.orig["shutdown"](*args, **kwargs)
+        return out
 
     def stats(self) -> dict:
         d = self.fallbacks.counters.as_dict()

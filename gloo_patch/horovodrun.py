@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -60,16 +59,6 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-def horovodrun_bin() -> str:
-    cand = Path(sys.executable).parent / "horovodrun"
-    if cand.exists():
-        return str(cand)
-    found = shutil.which("horovodrun")
-    if not found:
-        raise SystemExit("[ina-horovodrun] error: horovodrun not found; run `make install` (builds Horovod)")
-    return found
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gloo_patch.horovodrun", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             env["INA_SWITCH"] = f"{host}:{port}"
         print(f"[ina-horovodrun] INA_SWITCH={env['INA_SWITCH']} INA_CODEC={env.get('INA_CODEC', 'nc')}",
               file=sys.stderr, flush=True)
-        return subprocess.call([horovodrun_bin(), *rest], env=env)
+        # horovodrun, with Horovod's rendezvous server fixed for jobs that re-initialize (gloo_patch.rendezvous_fix)
+        return subprocess.call([sys.executable, "-m", "gloo_patch.rendezvous_fix", *rest], env=env)
     finally:
         if switch_proc is not None:
             stop(switch_proc)
