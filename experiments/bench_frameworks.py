@@ -116,7 +116,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(kind: str, codec: str | None, switch: str | None, prefix: str | None, a) -> dict:
+def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dict:
+    prefix = topo.prefix if topo else None
     out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("INA_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
@@ -134,7 +135,7 @@ def run_config(kind: str, codec: str | None, switch: str | None, prefix: str | N
         port, procs = free_port(), []
         for r in range(2):
             e = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                     MASTER_ADDR=topo.host("w0").ip if topo else "127.0.0.1", MASTER_PORT=str(port))  # rank 0 serves
             procs.append(subprocess.Popen([*shim, *me], env=e, cwd=ROOT, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
@@ -190,13 +191,12 @@ def main(argv=None) -> int:
         print(f"{results['emulated']}; compute only {results['compute_only_s'] * 1e3:.1f} ms/step", flush=True)
     try:
         sw, addr = start_switch(topo, 9999 if topo else free_port())
-        prefix = topo.prefix if topo else None
         try:
             for fw in a.frameworks.split(","):
-                base = run_config(fw, None, None, prefix, a)
+                base = run_config(fw, None, None, topo, a)
                 results["runs"].append({"framework": fw, "codec": "gloo", **base, "ratio_to_gloo": 1.0})
                 for codec in a.codecs.split(","):
-                    r = run_config("ddp-ina" if fw == "ddp" else fw, codec, addr, prefix, a)
+                    r = run_config("ddp-ina" if fw == "ddp" else fw, codec, addr, topo, a)
                     results["runs"].append({"framework": fw, "codec": codec, **r,
                                             "ratio_to_gloo": r["median_s"] / base["median_s"]})
                     if not a.json:

@@ -90,7 +90,6 @@ def read(total: torch.Tensor) -> Agreement:
 # sees every row, so every rank raises the same error, or takes the same path.
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
            "complex64", "complex128")
-_ROW = 12    # n tensors, elements, dtype, op, description digest, nonfinite, unusable, ndim, 4 dims
 
 
 def _dtype_code(dtype) -> int:
@@ -99,15 +98,13 @@ def _dtype_code(dtype) -> int:
 
 
 def row(tensors, op: int, unusable: bool = False) -> torch.Tensor:
-    """This rank's row for an allreduce of ``tensors`` with reduce op code ``op``."""
+    """This rank's row for an allreduce of ``tensors`` with reduce op code ``op``: tensor count, elements,
+    dtype, op, digest of every tensor's dtype/shape/device, NaN/Inf, failed client, ndim, first 4 dims."""
     t0 = tensors[0] if tensors else torch.zeros(0)
     dims = list(t0.shape)[:4]
     v = [len(tensors), sum(t.numel() for t in tensors), _dtype_code(t0.dtype), op,
          _hash(describe_tensors(tensors), b"row"), int(nonfinite(tensors)), int(unusable), t0.dim()]
     return torch.tensor(v + dims + [0] * (4 - len(dims)), dtype=torch.int64)
-
-
-ROW_LENGTH = _ROW
 
 
 def _describe_row(r: list[int], op_names: dict) -> str:
