@@ -44,6 +44,8 @@ import sys
 import threading
 import time
 
+from ina import AllreduceError
+
 from . import agreement
 from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
@@ -100,6 +102,7 @@ class _HorovodIna:
         self.stale = None          # an agreement round that timed out, completed before the next one
         self.fallbacks = FallbackLog("[ina horovod rank ?]")
         self.rounds = 0
+        self.switch_failed = False   # an allreduce through the switch failed: the client is latched broken
 
     # -- switch connection ---------------------------------------------------------------------------
     def connect(self) -> None:
@@ -126,7 +129,7 @@ class _HorovodIna:
                      "ops/dtypes/process sets, NaN/Inf)", size, job, self.config.describe(), fusion_threshold())
 
     def disconnect(self) -> None:
-        c, self.client = self.client, None
+        c, self.client, self.switch_failed = self.client, None, False
         with self.lock:
             for h in self.pending:
                 h.error = RuntimeError(f"allreduce {h.name!r} was still queued when Horovod was shut down")
@@ -138,7 +141,7 @@ class _HorovodIna:
                 log.warning("[ina horovod rank %d] leaving job %s: %s", self.rank, self.job, e)
 
     def client_unusable(self) -> bool:
-        return self.client is None or bool(getattr(self.client, "_broken", None))
+        return self.client is None or self.switch_failed
 
     # -- decisions ---------------------------------------------------------------------------------------
     def why_not(self, h: InaHandle) -> str | None:
@@ -311,6 +314,7 @@ class _HorovodIna:
                 for g in groups:
                     self._fused_allreduce(g)
         except Exception as e:
+            self.switch_failed = self.switch_failed or isinstance(e, AllreduceError)
             log.error("[ina horovod rank %d] allreduce through switch %s:%d (job %s) failed: %s", self.rank,
                       *self.config.switch, self.job, e)
             for h in handles:      # each raises from its synchronize; the next rounds go through Gloo

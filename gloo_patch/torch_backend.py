@@ -137,7 +137,7 @@ class _Lane:
                 fut.set_exception(e)
 
     def unusable(self) -> bool:
-        return self._error is not None or bool(getattr(self.client, "_broken", None))
+        return self._error is not None
 
     def close(self) -> None:
         self._q.put(None)
