@@ -16,15 +16,17 @@ traffic both cross those links (emulated with tbf/htb; loopback has no shaping).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from switch_model.launch import free_port, start_switch
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -110,12 +112,6 @@ def compute_only(warmup: int, steps: int) -> float:
 
 
 # ---- the launcher ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dict:
     prefix = topo.prefix if topo else None
     out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
@@ -147,22 +143,12 @@ def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dic
     return res
 
 
-def start_switch(topo, port: int):
-    cmd = [PY, "-m", "switch_model", "serve", "--port", str(port), "--stats-interval", "0"]
-    log = open(Path(tempfile.gettempdir()) / f"bench_fw_switch_{port}.log", "w")
-    proc = topo.popen("sw", cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT) if topo else \
-        subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    host = topo.host("sw").ip if topo else "127.0.0.1"
-    deadline = time.monotonic() + 30
-    while True:
-        probe = [PY, "-c", f"import socket; socket.create_connection(('{host}', {port}), 1)"]
-        ok = (topo.run("w0", probe, timeout=20) if topo else
-              subprocess.run(probe, timeout=20, capture_output=True)).returncode == 0
-        if ok:
-            return proc, f"{host}:{port}"
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"switch did not come up on {host}:{port}")
-        time.sleep(0.1)
+def switch_for(topo):
+    """The switch (switch_model.launch): on loopback, or in host ``sw`` of the topology."""
+    if topo is None:
+        return start_switch(None, "--stats-interval", "0")
+    return start_switch(9999, "--stats-interval", "0", popen=functools.partial(topo.popen, "sw"),
+                        control_host=topo.host("sw").ip, timeout=30)
 
 
 def main(argv=None) -> int:
@@ -190,7 +176,8 @@ def main(argv=None) -> int:
     if not a.json:
         print(f"{results['emulated']}; compute only {results['compute_only_s'] * 1e3:.1f} ms/step", flush=True)
     try:
-        sw, addr = start_switch(topo, 9999 if topo else free_port())
+        sw = switch_for(topo)
+        addr = f"{topo.host('sw').ip if topo else '127.0.0.1'}:{sw.port}"
         try:
             for fw in a.frameworks.split(","):
                 base = run_config(fw, None, None, topo, a)
@@ -204,8 +191,7 @@ def main(argv=None) -> int:
                               f"{r['median_s'] / base['median_s']:.2f}x Gloo ({base['median_s'] * 1e3:.1f} ms)",
                               flush=True)
         finally:
-            sw.terminate()
-            sw.wait(timeout=10)
+            sw.stop(timeout=10)
     finally:
         if topo is not None:
             topo.__exit__(None, None, None)
