@@ -28,7 +28,8 @@ import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag, result_type
+from ina.wire import (HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, VERSION, Flag, MsgType, PayloadType, chunk_newer,
+                      result_type, slot_of_chunk)
 
 # --- header offsets, from the one declaration in ina/wire.py ---------------------------------------
 O_VERSION = OFFSET["version"]
@@ -68,9 +69,9 @@ class Verdict(IntEnum):
     UNKNOWN_JOB = 7
     UNKNOWN_WORKER = 8         # rank >= the job's worker count
     SLOT_OUT_OF_RANGE = 9      # pool index >= the job's slots (or one of another shard)
-    SLOT_CHUNK_MISMATCH = 10   # pool index / shadow set do not follow from the chunk id
+    SLOT_CHUNK_MISMATCH = 10   # pool index / shadow set do not follow from the chunk id (or id >= chunk modulus)
     PAYLOAD_TYPE_MISMATCH = 11  # differs from the slot's current round
-    STALE = 12                 # chunk older than the slot's current round (late duplicate)
+    STALE = 12                 # chunk older than the slot's round in serial-number order (late duplicate)
     SLOT_BUSY = 13             # newer chunk while the slot's round is incomplete (protocol violation)
     RETRANSMIT_PENDING = 14    # retransmission while the round is still waiting for other workers
 
@@ -105,8 +106,9 @@ SET = np.dtype([("round_chunk", np.int64),   # the chunk id of the round it hold
 # one job-table entry, derived from a pipeline.Job record (Job.table_row): the fields of the same names.
 # pool_slots is the job's whole pool (pool indices 0..pool_slots-1 in packets); with --cores N the pool
 # is sharded: pool index p lives in shard p % shards at local slot slot_lo + p // shards.
+# chunk_modulus: ina.wire.chunk_modulus(pool_slots), the job's chunk id space (ids wrap to 0 there).
 JOB = np.dtype([(name, np.int64) for name in ("active", "n_workers", "slot_lo", "pool_slots", "elements", "raw",
-                                              "addr_base", "shards", "shard")])
+                                              "addr_base", "shards", "shard", "chunk_modulus")])
 # one packet of the burst: what parse and aggregate decided
 PKT = np.dtype([("verdict", np.int64), ("set_id", np.int64), ("rank", np.int64), ("job", np.int64),
                 ("action", np.int64)])
@@ -212,7 +214,7 @@ def _check_header(jobs, buf, lens, i):
         return Verdict.UNKNOWN_WORKER, 0, 0, 0
     if pool >= job.pool_slots:
         return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0
-    if (c % job.pool_slots) != pool or ((c // job.pool_slots) & 1) != shadow:
+    if c >= job.chunk_modulus or _slot_of_chunk(c, job.pool_slots) != s:
         return Verdict.SLOT_CHUNK_MISMATCH, 0, 0, 0
     if pool % job.shards != job.shard:
         return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0             # a pool index of another shard
@@ -257,10 +259,14 @@ def _harvest_pending(pkts, i, s):
     return False
 
 
+_slot_of_chunk = njit(inline="always")(slot_of_chunk)   # ina.wire's rules of chunk ids, shared with clients
+_chunk_newer = njit(inline="always")(chunk_newer)
+
+
 @njit(inline="always")
-def _protocol(sets, pkts, i, c, bit):
-    """The slot protocol for packet i (chunk c, worker bit): (its Action, or the Verdict it is dropped
-    with; whether it is the first packet of a new round)."""
+def _protocol(sets, pkts, i, c, bit, modulus):
+    """The slot protocol for packet i (chunk c, worker bit; chunk ids modulo ``modulus``): (its Action,
+    or the Verdict it is dropped with; whether it is the first packet of a new round)."""
     m = sets[pkts[i].set_id]
     if c == m.round_chunk:
         if m.bitmap & bit:
@@ -268,7 +274,7 @@ def _protocol(sets, pkts, i, c, bit):
                 return np.int64(Action.REPLAY), False
             return np.int64(Verdict.RETRANSMIT_PENDING), False
         return np.int64(Action.ABSORBED), False
-    if c > m.round_chunk:
+    if m.round_chunk < 0 or _chunk_newer(c, m.round_chunk, modulus):
         if m.round_chunk >= 0 and (not m.complete or _harvest_pending(pkts, i, pkts[i].set_id)):
             # busy: the round is incomplete, or it completed in this burst and its result is not
             # harvested yet (a new round would overwrite the registers before the harvest stage)
@@ -283,7 +289,8 @@ def aggregate(dp, buf, n):
 
     Per (slot, shadow set): the first packet of a round writes its values, later ones add; a
     worker whose bit is already set in the worker bitmap is retransmitting and only reads (a replay
-    if the round is complete). A round is identified by its chunk id; older chunks are stale.
+    if the round is complete). A round is identified by its chunk id; older chunks (serial-number
+    order modulo the job's chunk modulus, ina.wire.chunk_newer) are stale.
     """
     # the state's arrays, taken out once: each use of dp.<array> (or an array handed to a helper) in
     # the packet loop costs reference counting, measurable on small packets (bench_switch)
@@ -302,7 +309,7 @@ def aggregate(dp, buf, n):
         bit = np.uint64(1) << np.uint64(p.rank)
         c = _rd32(buf, i, O_CHUNK)
         pt = np.int64(buf[i, O_PTYPE])
-        a, first = _protocol(sets, pkts, i, c, bit)
+        a, first = _protocol(sets, pkts, i, c, bit, jobs[p.job].chunk_modulus)
         if a == Action.ABSORBED and not first and pt != m.ptype:
             a = Verdict.PAYLOAD_TYPE_MISMATCH
         p.action = a

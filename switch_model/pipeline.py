@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ina import burst as B
-from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, Flag, MsgType, pack
+from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, pack
 
 from . import dataplane as D
 from .impair import Impairment, ImpairmentConfig
@@ -89,6 +89,10 @@ class Job:
     @property
     def addr_base(self) -> int:
         return self.addr_block * MAX_WORKERS
+
+    @property
+    def chunk_modulus(self) -> int:
+        return chunk_modulus(self.pool_slots)
 
     def table_row(self) -> tuple:
         return tuple(int(getattr(self, name)) for name in D.JOB.names)

@@ -24,7 +24,7 @@ from numba import njit
 sys.path.insert(0, os.path.dirname(__file__))
 from sw_fuzz import PARSE_REASONS, PROTOCOL_REASONS, JobSpec, ProtocolModel, bad_packets, header  # noqa: E402
 from sw_harness import (PY, ROOT, SwitchProc, Workers, bfp_reference, control, expected_inputs,  # noqa: E402
-                        free_port, wait_until)
+                        free_port, join_all, wait_until)
 
 from ina.client import AllreduceError, Client  # noqa: E402
 from ina.wire import HEADER_DTYPE, HEADER_SIZE, Flag, MsgType  # noqa: E402
@@ -37,30 +37,6 @@ def switch(tmp_path_factory):
     sw = SwitchProc("--slots", "64", "--elements", "64", log_path=tmp_path_factory.mktemp("sw") / "switch.log")
     yield sw
     assert sw.terminate() == 0, sw.log()
-
-
-def join_all(port: int, job: int, n: int, **kw) -> list[Client]:
-    """n Clients of one job joined from threads of this process (the join is a rendezvous)."""
-    out, errs = [None] * n, [None] * n
-
-    def one(r):
-        try:
-            out[r] = Client(("127.0.0.1", port), rank=r, world_size=n, job=job, **kw)
-        except Exception as e:  # noqa: BLE001
-            errs[r] = e
-
-    ts = [threading.Thread(target=one, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=kw.get("timeout", 30) + 10)
-    assert not any(t.is_alive() for t in ts), "join did not return"
-    if any(errs):
-        for c in out:
-            if c:
-                c.close()
-        raise next(e for e in errs if e)
-    return out
 
 
 _RESULT_DTYPE = {5: "i1"}      # INT8_NARROW results are int8; everything else here is read as int32
