@@ -411,12 +411,32 @@ def aggregate(dp, buf, n):
             p.action = Action.HARVEST
 
 
+# --- the re-encoding's random numbers (specified in docs/switch.md, "The rounding hash") -------------
+KEY_CHUNK_MUL = 0x9E3779B97F4A7C15     # (job << 32 | chunk) times this: a bijection of 64-bit words
+KEY_ELEMENT_MUL = 0xD1B54A32D192ED03   # element k adds k times this
+
+
 @njit(inline="always")
 def _mix64(z):
     # splitmix64 finaliser: a counter-based 64-bit integer hash (a switch's random-number extern)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+@njit(inline="always")
+def _round_key0(seed, job, chunk):
+    # the key of element 0 of a round; element k's key is key0 + k * KEY_ELEMENT_MUL (mod 2**64)
+    return (np.uint64(seed) << np.uint64(32)) ^ (((np.uint64(job) << np.uint64(32)) | np.uint64(chunk))
+                                                 * np.uint64(KEY_CHUNK_MUL))
+
+
+@njit(cache=True)
+def nc_reencode_one(v, seed, job, chunk, k):
+    """The code the switch writes for register sum ``v``, element ``k`` of job ``job``'s round
+    ``chunk`` under ``--seed`` ``seed``: the specified rounding, for test vectors and other
+    implementations."""
+    return _nc_reencode(np.int64(v), _round_key0(seed, job, chunk) + np.uint64(k) * np.uint64(KEY_ELEMENT_MUL))
 
 
 @njit(inline="always")
@@ -467,9 +487,9 @@ def _write_result(dp, s, j):
     results[s, O_CHUNK + 3] = np.uint8(c & 0xFF)
     regs = dp.regs
     if out_pt == P_NC8:
-        key0 = (np.uint64(dp.seed) << np.uint64(32)) ^ (np.uint64(c) * np.uint64(0x9E3779B97F4A7C15))
+        key0 = _round_key0(dp.seed, j, c)
         for k in range(E):
-            results[s, HDR + k] = _nc_reencode(regs[s, k], key0 + np.uint64(k) * np.uint64(0xD1B54A32D192ED03))
+            results[s, HDR + k] = _nc_reencode(regs[s, k], key0 + np.uint64(k) * np.uint64(KEY_ELEMENT_MUL))
     elif out_pt == P_INT64:
         for k in range(E):
             v = regs[s, k]

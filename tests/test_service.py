@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from sw_fuzz import header  # noqa: E402
 from sw_harness import SwitchProc, bfp_reference, join_all  # noqa: E402
 
-from ina.wire import chunk_modulus, chunk_newer, slot_of_chunk  # noqa: E402
+from ina.wire import HEADER_SIZE, chunk_modulus, chunk_newer, slot_of_chunk  # noqa: E402
+from switch_model.dataplane import nc_reencode_one  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -81,4 +83,74 @@ def test_a_job_continues_across_the_chunk_id_wrap(switch, slots):
         assert after["stale"] == before["stale"] and after["slot_chunk_mismatch"] == before["slot_chunk_mismatch"]
     finally:
         for c in clients:
+            c.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# the rounding hash (docs/switch.md, "The rounding hash")
+# ------------------------------------------------------------------------------------------------
+_M64 = 2**64 - 1
+
+
+def _spec_code(v, seed, job, chunk, k):
+    """The re-encoding exactly as docs/switch.md specifies it, in plain Python integers."""
+    key = ((seed << 32) & _M64) ^ ((((job << 32) | chunk) * 0x9E3779B97F4A7C15) & _M64)
+    z = (key + k * 0xD1B54A32D192ED03) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z ^= z >> 31
+    a = abs(v)
+    if a == 0:
+        return 0
+    p = a.bit_length() - 1
+    r = z >> (64 - p) if p > 0 else 0
+    return (0x80 if v < 0 else 0) | min(p + (r < a - (1 << p)) + 1, 127)
+
+
+# (register sum, seed, job, chunk, element) -> the code byte: the test vectors of docs/switch.md
+HASH_VECTORS = [
+    ((5, 0, 0, 0, 0), 0x04), ((5, 0, 1, 0, 0), 0x03), ((-12345, 0, 0, 0, 0), 0x8F), ((-12345, 0, 1, 0, 0), 0x8E),
+    ((-12345, 7, 3, 99, 2), 0x8E), ((-12345, 1, 65535, 0xFFFFFFFF, 1023), 0x8F), ((3, 0, 0, 0, 0), 0x03),
+    ((3, 0, 1, 0, 0), 0x02), ((-(2**40 + 2**39), 0, 0, 0, 0), 0xAA), ((-(2**40 + 2**39), 7, 3, 99, 2), 0xA9),
+    ((1000, 1, 65535, 0xFFFFFFFF, 1023), 0x0B), ((1, 0, 0, 0, 0), 0x01), ((0, 5, 5, 5, 5), 0x00),
+]
+
+
+@pytest.mark.parametrize("args,code", HASH_VECTORS)
+def test_rounding_hash_test_vectors(args, code):
+    assert int(nc_reencode_one(*args)) == code
+    assert _spec_code(*args) == code
+
+
+def test_spec_matches_the_switch_on_random_inputs():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        v = int(rng.integers(-2**62, 2**62)) >> int(rng.integers(0, 62))
+        args = (v, int(rng.integers(0, 2**31)), int(rng.integers(0, 2**16)), int(rng.integers(0, 2**32)),
+                int(rng.integers(0, 16384)))
+        assert int(nc_reencode_one(*args)) == _spec_code(*args), args
+
+
+def _nc_round(clients, job, chunk, elements, codes):
+    """Send one NC8 round (chunk ``chunk``, rank r's codes codes[r]) from the joined sockets; the result payload."""
+    for c in clients:
+        c.sock.settimeout(10.0)
+    for r, c in enumerate(clients):
+        pkt = header(job=job, rank=r, slot=slot_of_chunk(chunk, 4), ptype=1, codec=1, count=elements, chunk=chunk)
+        c.sock.sendto(pkt + bytes([codes[r]]) * elements, ("127.0.0.1", c.switch[1]))
+    return clients[0].sock.recv(65536)[HEADER_SIZE:]
+
+
+def test_two_jobs_with_equal_chunk_ids_round_differently(switch):
+    elements = 64
+    a = join_all(switch.port, 70, 2, elements=elements, slots=4, timeout=20)
+    b = join_all(switch.port, 71, 2, elements=elements, slots=4, timeout=20)
+    try:
+        # codes 4 and 2: 8 + 2 = 10 in every register, rounded to 8 or 16 by the hash
+        ra, rb = _nc_round(a, 70, 0, elements, (4, 2)), _nc_round(b, 71, 0, elements, (4, 2))
+        assert list(ra) == [_spec_code(10, 0, 70, 0, k) for k in range(elements)]
+        assert list(rb) == [_spec_code(10, 0, 71, 0, k) for k in range(elements)]
+        assert set(ra) == {4, 5} and ra != rb
+    finally:
+        for c in a + b:
             c.close()
