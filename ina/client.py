@@ -68,14 +68,14 @@ class Client(Worker):
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
-                 coalesce: float = 0.004, first_chunk: int = 0):
+                 coalesce: float = 0.004, first_chunk: int = 0, token: str | None = None):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
         self.sock = B.udp_socket("0.0.0.0", 0)
-        self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0))
+        self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0), token=token)   # token: INA_TOKEN
         local_ip = self.ctl.sock.getsockname()[0]
         try:
             cfg = self.ctl.request({"op": "join", "job": job, "rank": rank, "world_size": world_size,

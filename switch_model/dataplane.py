@@ -74,6 +74,7 @@ class Verdict(IntEnum):
     STALE = 12                 # chunk older than the slot's round in serial-number order (late duplicate)
     SLOT_BUSY = 13             # newer chunk while the slot's round is incomplete (protocol violation)
     RETRANSMIT_PENDING = 14    # retransmission while the round is still waiting for other workers
+    FOREIGN_SOURCE = 15        # source address is not the one the rank joined from (checked last in parse)
 
 
 class Action(IntEnum):
@@ -126,17 +127,21 @@ class DataPlane(NamedTuple):
     pkts: np.ndarray       # (burst,) PKT: the current burst's verdicts and actions
     vals: np.ndarray       # (elements,) int64: the ALU's decoded chunk
     tx: np.ndarray         # (burst * MAX_WORKERS,) TX: the transmissions harvest planned
+    peers: np.ndarray      # (worker addresses,) int64: source_key of the address each job's rank joined from
+    src: np.ndarray        # (4 * burst,) int64: source_key of each packet of the current burst
     register_bits: int     # 32 or 64
     seed: int              # of the stochastic re-encoding
 
     @classmethod
-    def allocate(cls, slots: int, elements: int, burst: int, stride: int, register_bits: int, seed: int) -> "DataPlane":
+    def allocate(cls, slots: int, elements: int, burst: int, stride: int, register_bits: int, seed: int,
+                 peers: int) -> "DataPlane":
         sets = np.zeros(2 * slots, SET)
         sets["round_chunk"] = -1
         return cls(regs=np.zeros((2 * slots, elements), np.int64), sets=sets,
                    results=np.zeros((2 * slots, stride), np.uint8), jobs=np.zeros(MAX_JOBS, JOB),
                    counters=np.zeros(len(COUNTERS), np.int64), pkts=np.zeros(burst, PKT),
                    vals=np.zeros(elements, np.int64), tx=np.zeros(burst * MAX_WORKERS, TX),
+                   peers=np.full(peers, -1, np.int64), src=np.zeros(4 * burst, np.int64),
                    register_bits=int(register_bits), seed=int(seed))
 
     def reset_sets(self, lo: int, slots: int) -> None:
@@ -145,6 +150,11 @@ class DataPlane(NamedTuple):
         s["round_chunk"] = -1
         for name in ("complete", "bitmap", "count", "overflow"):
             s[name] = 0
+
+
+def source_key(ip: int, port: int):
+    """A UDP source address as one integer: IPv4 address (host order) << 16 | port (numpy arrays too)."""
+    return (ip << 16) | port
 
 
 def bind(kernel, *example_args):
@@ -184,7 +194,7 @@ def _width(ptype):
 
 
 @njit(inline="always")
-def _check_header(jobs, buf, lens, i):
+def _check_header(jobs, peers, src, buf, lens, i):
     """The verdict of packet i, and for an OK packet its job, rank and register set."""
     ln = lens[i]
     if ln < HDR or ln > buf.shape[1]:
@@ -218,15 +228,17 @@ def _check_header(jobs, buf, lens, i):
         return Verdict.SLOT_CHUNK_MISMATCH, 0, 0, 0
     if pool % job.shards != job.shard:
         return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0             # a pool index of another shard
+    if src[i] != peers[job.addr_base + r]:
+        return Verdict.FOREIGN_SOURCE, 0, 0, 0
     return Verdict.OK, j, r, (job.slot_lo + pool // job.shards) * 2 + shadow
 
 
 @njit(cache=True)
 def parse(dp, buf, lens, n):
     """Validate headers against the job table: dp.pkts[i].verdict = OK or a drop reason."""
-    jobs, pkts, counters = dp.jobs, dp.pkts, dp.counters       # taken out once (see aggregate)
+    jobs, pkts, counters, peers, src = dp.jobs, dp.pkts, dp.counters, dp.peers, dp.src   # taken out once
     for i in range(n):
-        v, j, r, s = _check_header(jobs, buf, lens, i)
+        v, j, r, s = _check_header(jobs, peers, src, buf, lens, i)
         p = pkts[i]
         p.verdict = v
         if v == Verdict.OK:

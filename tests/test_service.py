@@ -154,3 +154,120 @@ def test_two_jobs_with_equal_chunk_ids_round_differently(switch):
     finally:
         for c in a + b:
             c.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# safe defaults: the data plane takes a rank's packets only from the address it joined from
+# ------------------------------------------------------------------------------------------------
+def test_foreign_source_dropped_and_counted_while_the_job_stays_exact(switch):
+    import socket
+    n, elements, slots = 2, 16, 4
+    clients = join_all(switch.port, 80, n, elements=elements, slots=slots, timeout=20)
+    forger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        before = switch.stats()["drops"]["foreign_source"]
+        # forged packets claiming to be rank 0 and rank 1 for the chunk ids the job uses next (the
+        # exponent round, then data): absorbed, they would poison the sums or complete rounds early
+        forged = 0
+        for chunk in range(8):
+            for r in range(n):
+                if chunk == 0:
+                    pkt = header(job=80, rank=r, slot=slot_of_chunk(chunk, slots), ptype=0, count=0, chunk=chunk,
+                                 exponent=30)
+                else:
+                    pkt = header(job=80, rank=r, slot=slot_of_chunk(chunk, slots), ptype=2, count=elements,
+                                 chunk=chunk) + np.full(elements, 2**30, ">i4").tobytes()
+                forger.sendto(pkt, ("127.0.0.1", switch.port))
+                forged += 1
+        for k in range(3):
+            xs = [np.random.default_rng([k, r, 7]).standard_normal(90).astype(np.float32) for r in range(n)]
+            ref = bfp_reference([x.copy() for x in xs])
+            allreduce_all(clients, xs)
+            for r, x in enumerate(xs):
+                assert np.array_equal(x.view(np.uint32), ref.view(np.uint32)), f"allreduce {k} rank {r} differs"
+        assert switch.stats()["drops"]["foreign_source"] - before == forged
+    finally:
+        forger.close()
+        for c in clients:
+            c.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# safe defaults: the shared token, the control plane's limits, the bind address
+# ------------------------------------------------------------------------------------------------
+TOKEN = "s3cret-for-the-test"
+
+
+@pytest.fixture(scope="module")
+def token_switch(tmp_path_factory):
+    sw = SwitchProc("--slots", "16", "--elements", "32", "--token", TOKEN, "--host-agg-port", "-1",
+                    log_path=tmp_path_factory.mktemp("swt") / "switch.log")
+    yield sw
+    assert sw.terminate() == 0, sw.log()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_join_and_impair_without_the_token_are_refused_and_counted(token_switch, monkeypatch):
+    from ina.client import AllreduceError
+    from ina.control import ControlError, request
+    monkeypatch.delenv("INA_TOKEN", raising=False)
+    port = token_switch.port
+    refused0 = token_switch.stats()["control"]["refused"].get("bad_token", 0)
+    with pytest.raises(AllreduceError, match="token"):
+        join_all(port, 90, 1, elements=8, slots=2, timeout=5)
+    with pytest.raises(AllreduceError, match="wrong token"):
+        join_all(port, 90, 1, elements=8, slots=2, timeout=5, token="guess")
+    with pytest.raises(ControlError, match="token"):
+        request("127.0.0.1", port, {"op": "impair", "ingress": {"loss": 1.0}})
+    st = token_switch.stats()                                # stats: read-only, no token needed
+    assert st["control"]["token_required"] is True
+    assert st["control"]["refused"]["bad_token"] - refused0 == 3
+    assert st["impairments"]["ingress"]["loss"] == 0.0
+    assert "refused bad token from 127.0.0.1" in token_switch.log()
+    (c,) = join_all(port, 90, 1, elements=8, slots=2, timeout=5, token=TOKEN)
+    try:
+        x = np.arange(20, dtype=np.float32)
+        c.allreduce(x, "bfp32")
+        assert np.array_equal(x, np.arange(20, dtype=np.float32))
+    finally:
+        c.close()
+
+
+def test_oversized_control_line_refused_without_growing_memory(token_switch):
+    import socket
+    rss0 = _rss_kib(token_switch.proc.pid)
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", token_switch.port), timeout=10)
+        try:
+            chunk = b"x" * (1 << 20)
+            try:
+                for _ in range(16):                          # 16 MiB without a newline
+                    s.sendall(chunk)
+            except OSError:
+                pass                                         # the switch closed the connection: expected
+            reply = s.makefile("rb").readline()
+        finally:
+            s.close()
+        assert b"request line longer than 65536 bytes" in reply, reply
+    assert _rss_kib(token_switch.proc.pid) - rss0 < 8 * 1024, "the switch's memory grew with the line"
+    assert token_switch.stats()["control"]["refused"]["line_too_long"] == 3
+
+
+def test_serve_beyond_loopback_needs_a_token(tmp_path, monkeypatch):
+    import subprocess
+
+    from sw_harness import PY, ROOT
+    monkeypatch.delenv("INA_TOKEN", raising=False)
+    env = {k: v for k, v in os.environ.items() if k != "INA_TOKEN"}
+    r = subprocess.run([PY, "-m", "switch_model", "serve", "--host", "0.0.0.0", "--port", "0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "beyond loopback" in r.stderr and "token" in r.stderr, r.stderr
+    helptext = subprocess.run([PY, "-m", "switch_model", "serve", "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60, env=env).stdout
+    assert "(default: 127.0.0.1)" in helptext and "(default: 512)" in helptext
