@@ -461,3 +461,59 @@ def write_docs(out: Path, docs: Path, intro: str) -> None:
     body = report_md(data["meta"], data["records"], images, img_prefix="img/sweep-")
     body = body.replace("# ina-sweep report\n", "", 1)
     (docs / "results.md").write_text(intro.rstrip() + "\n\n" + body)
+
+
+# ------------------------------------------------------------------------------------------------
+# The terminal summary at the end of ina-sweep: the headline table and what its numbers mean.
+HEADLINE_NOTES = [
+    "speedup: Gloo ring fp32's allreduce time / the method's (same workers, size and link rate); > 1 is faster.",
+    "(x.xx): time vs ideal = measured time / link-bound ideal: the ring 2(n-1)/n x 4 bytes x N / rate, INA",
+    "  N x its widest payload width / rate, headers excluded; 1.00 = the link is the only cost; unshaped: no ideal.",
+    "At 1 Gbit/s and unshaped the 2-core CPU is measured, not the link (Gloo's C++ ring wins there).",
+    "host-aggregated rows are NOT switch-feasible: variable-length messages summed on a CPU by the switch service;",
+    "  their ideal is the link time of the bytes they actually sent.",
+]
+
+
+def headline(meta, records) -> list[str]:
+    """Speed-up over the ring per rate with time vs ideal, and accuracy, as terminal lines."""
+    ar = [r for r in records if r["workload"] == "allreduce"]
+    acc = {r["method"]: r for r in records if r["workload"] == "accuracy"}
+    if not ar and not acc:
+        return ["ina-sweep: no measurements"]
+    n = _pick_n(ar) if ar else None
+    el = max({r["elements"] for r in ar}, key=lambda e: (sum(1 for r in ar if r["elements"] == e), e)) if ar else None
+    rates = sorted({r["rate"] for r in ar}, key=_rk)
+    methods = _methods(ar or list(acc.values()))
+    base = acc.get("gloo")
+    acc_head = ""
+    if acc:
+        a0 = next(iter(acc.values()))
+        acc_head = f"accuracy ({a0['workers']} workers, {RATE_LABEL.get(a0['rate'], a0['rate'])}, {a0['steps']} steps)"
+    w = max(len(_label(m)) for m in methods)
+    head = f"{'method':<{w}}" + "".join(f"  {RATE_LABEL.get(r, r):>14}" for r in rates) + (f"  {acc_head}" if acc else "")
+    L = ["", f"ina-sweep headline: speedup over the Gloo ring (time vs ideal)"
+             + (f", {n} workers, {el:,} elements" if ar else ""), head, "-" * len(head)]
+    for m in methods:
+        cells = []
+        for rate in rates:
+            r = _get(ar, m, n, rate, el)
+            sp = r.get("speedup_vs_gloo") if r else None
+            cells.append(f"{_fmt(sp, '.2f')}x ({_fmt(r['bound_ratio'], '.2f', '-')})" if sp is not None else "-")
+        a = acc.get(m)
+        at = (f"{a['final_accuracy'] * 100:.2f}% ({(a['final_accuracy'] - base['final_accuracy']) * 100:+.2f})"
+              if a and base else (f"{a['final_accuracy'] * 100:.2f}%" if a else "-"))
+        L.append(f"{_label(m):<{w}}" + "".join(f"  {c:>14}" for c in cells) + (f"  {at}" if acc else ""))
+    L += ["", "How to read it:"] + ["  " + s for s in HEADLINE_NOTES]
+    if acc:
+        L.append("  accuracy: final test accuracy on scikit-learn digits, in parentheses the difference to Gloo in "
+                 "points (one test image = 0.185 points).")
+    return L
+
+
+def print_headline(out: Path, meta, records, file=None) -> None:
+    """The headline table and its notes on the terminal, then where the full report is."""
+    import sys
+    lines = headline(meta, records) + [f"  Full report: {out / 'report.md'} (every size and worker count, bytes, "
+                                       f"errors, throughput); raw data: {out / 'results.json'}"]
+    print("\n".join(lines), file=file or sys.stdout, flush=True)
