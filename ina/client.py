@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import burst as B
-from . import compression
+from . import compression, staging
 from .compression._seedutil import ErrorFeedbackMixin
-from .compression.base import ScaleContext, native, to_numpy_f32, write_back
+from .compression.base import ScaleContext, native
 from .control import ControlChannel, ControlError
 from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
                    payload_view)
@@ -140,7 +140,7 @@ class Client:
         c = self.codec(codec)
         if not c.switch_summable:
             return self._host_allreduce(tensor, c, key, average)
-        x32 = to_numpy_f32(tensor)
+        x32 = staging.to_host(tensor)        # CUDA tensors: through a pinned host buffer
         n = x32.size
         if n == 0:
             return tensor
@@ -170,7 +170,7 @@ class Client:
             out = out / np.float32(self.world_size)
         self.stats.allreduces += 1
         self.stats.elements += n
-        write_back(tensor, out)
+        staging.write_back(tensor, out)      # on the tensor's device and current stream
         return tensor
 
     def _host_allreduce(self, tensor, c, key, average):
