@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import burst as B
-from . import compression, staging
+from . import compression, lifetime, staging
 from .compression._seedutil import ErrorFeedbackMixin
 from .compression.base import ScaleContext, native
 from .control import ControlChannel, ControlError
@@ -114,6 +114,7 @@ class Client:
         self._next_chunk = 0
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
+        self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
                  self.slots, self.elements)
 
@@ -329,8 +330,9 @@ class Client:
                 if (mt == int(MsgType.ABORT)).any():
                     ab = h[(mt == int(MsgType.ABORT)) & (h["job"] == self.job)]
                     if ab.size:
-                        raise AllreduceError(f"job {self.job} was aborted by the switch: rank {int(ab['rank'][0])} "
-                                             f"left the job; {n_chunks - n_done} of {n_chunks} chunks incomplete")
+                        why = lifetime.abort_reason(self.ctl, self.job, int(ab["rank"][0]))
+                        raise AllreduceError(f"job {self.job} was aborted by the switch: {why}; "
+                                             f"{n_chunks - n_done} of {n_chunks} chunks incomplete")
                 ok = (mt == int(MsgType.RESULT)) & (h["job"] == self.job) & (self.rx.lens[:k] == res_len)
                 j = h["chunk"].astype(np.int64) - (c0 & 0xFFFFFFFF)
                 ok &= (j >= 0) & (j < n_chunks)
@@ -423,7 +425,9 @@ class Client:
         except ControlError as e:
             return msg + f"; the switch does not answer either: {e}"
         if not st.get("active"):
-            return msg + f"; the switch no longer knows job {self.job} (it was torn down)"
+            return msg + f"; the switch no longer knows job {self.job} (it was torn down: {st.get('ended', '?')})"
+        for key, how in (("left", "left the job cleanly"), ("disconnected", "disconnected without leaving")):
+            msg += f"; rank(s) {st[key]} {how}" if st.get(key) else ""
         missing = sorted({r for w in st.get("waiting", []) for r in w["missing_ranks"]})
         if missing:
             return msg + f"; the switch is waiting for rank(s) {missing} in {st['incomplete_slots']} slot(s)"
@@ -434,6 +438,7 @@ class Client:
         """Leave the job (the switch frees its slots once every worker left)."""
         if self.ctl is None:
             return
+        self._leave_at_exit.detach()
         if self._host is not None:
             self._host.close()
             self._host = None
