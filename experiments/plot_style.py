@@ -61,10 +61,11 @@ def family(method: str) -> str:
 
 
 def aggregation(method: str) -> str:
+    """baseline, switch or host (the codec's declared aggregation: host = NOT switch-feasible)."""
     if not method.startswith("ina:"):
         return "baseline"
-    from ina import compression
-    return "switch" if compression.get(method[4:]).switch_summable else "host"
+    from .sweep_methods import is_host_method
+    return "host" if is_host_method(method) else "switch"
 
 
 @lru_cache(maxsize=None)

@@ -42,39 +42,15 @@ import sys
 import time
 from pathlib import Path
 
+from .sweep_methods import CORE_METHODS, all_methods, host_methods, is_host_method, seed_methods
+
 log = logging.getLogger("ina.sweep")
 
 MODELS = {"resnet110": 1_700_000, "alexnet": 61_000_000, "vgg16": 138_000_000}
 RATES = ["10mbit", "100mbit", "1gbit", "unlimited"]
-CORE_METHODS = ["gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd"]
-NOT_SEED = {"bfp32", "nc", "nc-det", "nd", "rd"}
 SWITCH_PORT = 9999
 SWITCH_SLOTS, SWITCH_ELEMENTS = 256, 8192
 BATCH = 32
-
-
-def seed_methods() -> list[str]:
-    """Every switch-summable codec of the seed papers (3LC, thresholded, MQGrad, TernGrad, QSGD ...)."""
-    from ina import compression
-    return [f"ina:{n}" for n in compression.available() if n not in NOT_SEED and compression.get(n).switch_summable]
-
-
-def host_methods() -> list[str]:
-    """Codecs with variable-length messages (3lc, eaq, wgt): they run through the switch service's host
-    aggregator (decode, sum, re-encode on a CPU), labelled NOT switch-feasible in every output."""
-    from ina import compression
-    return [f"ina:{n}" for n in compression.available() if not compression.get(n).switch_summable]
-
-
-def is_host_method(method: str) -> bool:
-    if not method.startswith("ina:"):
-        return False
-    from ina import compression
-    return not compression.get(method[4:]).switch_summable
-
-
-def all_methods() -> list[str]:
-    return CORE_METHODS + ["ina:rd"] + seed_methods() + host_methods()
 
 
 def parse_size(s: str) -> int:
@@ -105,13 +81,10 @@ def payload_widths(method: str, n: int = 4) -> tuple[int, int]:
         return 4, 4
     if is_host_method(method):
         return None
-    from .sweep_worker import narrow_results
     from ina import compression
-    from ina.wire import PAYLOAD_WIDTH, PayloadType
+    from ina.wire import PAYLOAD_WIDTH
     c = compression.get(method[4:])
-    up = PAYLOAD_WIDTH[c.payload_type]
-    down = 1 if c.payload_type == PayloadType.NC8 or narrow_results(method[4:], n, fixed_only=False) else 4
-    return up, down
+    return PAYLOAD_WIDTH[c.payload_type], c.result_width(n)
 
 
 def ideal_time(method: str, n: int, elements: int, rate: str) -> float | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .sweep_methods import is_host_method
+
 RATE_ORDER = {"10mbit": 0, "100mbit": 1, "1gbit": 2, "unlimited": 3}
 RATE_LABEL = {"10mbit": "10 Mbit/s", "100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unshaped"}
 
@@ -35,8 +37,13 @@ def _methods(records):
 def _label(m):
     if m == "gloo":
         return "Gloo ring fp32"
-    from .sweep import is_host_method
     return f"host-aggregated {m[4:]} (NOT switch-feasible)" if is_host_method(m) else "INA " + m[4:]
+
+
+def _rec(records, m, n, rate, el):
+    """The record of method m with n workers at this rate and size (None if not measured)."""
+    return next((x for x in records if x["method"] == m and x["workers"] == n and x["rate"] == rate
+                 and x["elements"] == el), None)
 
 
 def _pick_n(ar, prefer=4):
@@ -167,11 +174,6 @@ def _log_y(ax) -> None:
         lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
 
 
-def _get(ar, m, n, rate, el):
-    return next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                 and x["elements"] == el), None)
-
-
 def _plot_speedup(out, ar, methods, rates, n, big, made):
     from .plot_style import style
     fig, axs = _figure()
@@ -179,7 +181,7 @@ def _plot_speedup(out, ar, methods, rates, n, big, made):
     shown = []
     for i, m in enumerate(methods):
         pts = [(k + _dodge(i, len(methods)), r["speedup_vs_gloo"]) for k, rate in enumerate(rates)
-               if (r := _get(ar, m, n, rate, big)) and r.get("speedup_vs_gloo") is not None]
+               if (r := _rec(ar, m, n, rate, big)) and r.get("speedup_vs_gloo") is not None]
         if pts:
             ax.plot(*zip(*pts), **style(m).kw())
             shown.append(m)
@@ -200,12 +202,12 @@ def _plot_bytes_time(out, ar, methods, rates, n, big, made):
     shown = []
     for m in methods:
         pts = [(r["time_median"], r["wire_up_bytes_per_worker"] / 1e6) for rate in rates
-               if (r := _get(ar, m, n, rate, big))]
+               if (r := _rec(ar, m, n, rate, big))]
         if pts:
             ax.plot(*zip(*pts), **style(m).kw())
             shown.append(m)
     for rate in rates:                    # the rate of each point: the ring's time at that rate
-        g = _get(ar, "gloo", n, rate, big)
+        g = _rec(ar, "gloo", n, rate, big)
         if g:
             ax.axvline(g["time_median"], color="grey", lw=0.6, alpha=0.6)
             ax.annotate(RATE_LABEL.get(rate, rate), (g["time_median"], 1), xycoords=("data", "axes fraction"),
@@ -323,6 +325,23 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
     methods = _methods(ar or acc)
     rates = sorted({r["rate"] for r in ar}, key=_rk)
     sizes = sorted({r["elements"] for r in ar})
+    L = _md_intro(meta) + _md_targets(records, meta)
+    if ar:
+        L += _md_allreduce(ar, acc, methods, rates, sizes)
+    if tp:
+        L += _md_throughput(meta, tp, ar, methods, rates, sizes)
+    if acc:
+        L += _md_accuracy(acc)
+    if images:
+        L += ["## Figures", "", "Colour hue: codec family; marker: method; line: solid switch-summable INA, dashed "
+              "host-aggregated (NOT switch-feasible), dotted Gloo ring baseline.", ""]
+        for im in images:
+            L.append(f"![{im}]({img_prefix}{im})")
+            L.append("")
+    return "\n".join(L)
+
+
+def _md_intro(meta) -> list[str]:
     L = ["# ina-sweep report", ""]
     L.append(f"Command(s): " + "; ".join(f"`{c}`" for c in meta.get("runs", [meta.get("command", "")])))
     L.append("")
@@ -340,104 +359,113 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
              "only (headers, Ethernet framing excluded).")
     L.append(ideal)
     L.append("")
+    return L
+
+
+def _md_targets(records, meta) -> list[str]:
+    L = []
     tg = targets(records, meta)
     if tg:
-        L += ["## Targets (issue 6)", "", "| target | measured | met |", "|---|---|---|"]
+        L += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
         for t in tg:
             L.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |")
         L.append("")
-    if ar:
-        n = _pick_n(ar)
-        accd = {}
-        base = next((r for r in acc if r["method"] == "gloo"), None)
-        if base:
-            accd = {r["method"]: (r["final_accuracy"] - base["final_accuracy"]) * 100 for r in acc}
-        for el in sizes[::-1]:
-            L += [f"## Speedup over Gloo ring fp32 ({n} workers, {el:,} elements) — compare with 3LC Table 1", ""]
-            L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " | accuracy diff (points) |")
-            L.append("|---" * (len(rates) + 2) + "|")
-            for m in methods:
-                row = []
-                for rate in rates:
-                    r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                              and x["elements"] == el), None)
-                    row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else ""))
-                L.append(f"| {_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
-            L.append("")
-        L += ["## All allreduce measurements", "",
-              "| workers | rate | elements | method | time (s) | ideal (s) | time/ideal | speedup | up MB/worker | "
-              "down MB/worker | bytes vs ring | drops | rel. error |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(ar, key=lambda r: (r["workers"], _rk(r["rate"]), r["elements"], r["method"] != "gloo",
-                                           r["method"])):
-            g = next((x for x in ar if x["method"] == "gloo" and x["workers"] == r["workers"] and x["rate"] == r["rate"]
-                      and x["elements"] == r["elements"]), None)
-            bvr = r["wire_up_bytes_per_worker"] / g["wire_up_bytes_per_worker"] if g and g["wire_up_bytes_per_worker"] else None
-            L.append(f"| {r['workers']} | {RATE_LABEL.get(r['rate'], r['rate'])} | {r['elements']:,} | {_label(r['method'])} "
-                     f"| {r['time_median']:.4f} | {_fmt(r['ideal_time'], '.4f')} | {_fmt(r['bound_ratio'], '.2f')} | "
-                     f"{_fmt(r.get('speedup_vs_gloo'), '.2f')} | {_mb(r['wire_up_bytes_per_worker'])} | "
-                     f"{_mb(r['wire_down_bytes_per_worker'])} | {_fmt(bvr, '.3f')} | {r['wire_drops']} | "
-                     f"{_fmt(r['rel_error'], '.2g')} |")
-        L.append("")
-    if tp:
-        n = _pick_n(tp)
-        L += [f"## Training throughput (samples/s, {n} workers) — compare with the natural-compression paper's "
-              "throughput figures", "",
-              f"Measured: data-parallel SGD with synthetic data (batch {meta.get('batch', 32)} per worker) of a "
-              "fully connected model with that parameter count; per step forward+backward, one allreduce of all "
-              f"gradients, SGD step; {meta.get('tp_steps', '?')} timed steps after one warm-up step. samples/s = "
-              "workers x batch x steps / wall time of the slowest rank (in parentheses: ratio to Gloo). The model has "
-              "little compute per parameter, like an accelerator; on this 2-core CPU the workers share the cores, "
-              "and the median forward+backward time per step is given with each model.", ""]
-        models = sorted({(r["elements"], r.get("model") or "") for r in tp})
-        for el, name in models:
-            ct = sorted(r["compute_time"] for r in tp if r["elements"] == el and r["workers"] == n)
-            ct = ct[len(ct) // 2] if ct else float("nan")
-            L.append(f"**{name or el} ({el:,} parameters; median compute {ct * 1000:.1f} ms/step per worker)**")
-            L.append("")
-            L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " |")
-            L.append("|---" * (len(rates) + 1) + "|")
-            for m in methods:
-                row = []
-                for rate in rates:
-                    r = next((x for x in tp if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                              and x["elements"] == el), None)
-                    row.append(f"{r['samples_per_s']:.1f} ({r['speedup_vs_gloo']:.2f}x)" if r and r.get("speedup_vs_gloo")
-                               else (_fmt(r["samples_per_s"], ".1f") if r else "–"))
-                L.append(f"| {_label(m)} | " + " | ".join(row) + " |")
-            L.append("")
-        L += ["## Data volume per worker per allreduce (MB sent, link counters) — compare with the natural-compression "
-              "paper's data-volume figure", ""]
-        L.append("| method | " + " | ".join(f"{el:,}" for el in sizes) + " |")
-        L.append("|---" * (len(sizes) + 1) + "|")
+    return L
+
+
+def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
+    L = []
+    n = _pick_n(ar)
+    accd = {}
+    base = next((r for r in acc if r["method"] == "gloo"), None)
+    if base:
+        accd = {r["method"]: (r["final_accuracy"] - base["final_accuracy"]) * 100 for r in acc}
+    for el in sizes[::-1]:
+        L += [f"## Speedup over Gloo ring fp32 ({n} workers, {el:,} elements) — compare with 3LC Table 1", ""]
+        L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " | accuracy diff (points) |")
+        L.append("|---" * (len(rates) + 2) + "|")
         for m in methods:
             row = []
-            for el in sizes:
-                r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] != "unlimited"
-                          and x["elements"] == el), None)
-                row.append(_mb(r["wire_up_bytes_per_worker"]) if r else "–")
+            for rate in rates:
+                r = _rec(ar, m, n, rate, el)
+                row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else ""))
+            L.append(f"| {_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
+        L.append("")
+    L += ["## All allreduce measurements", "",
+          "| workers | rate | elements | method | time (s) | ideal (s) | time/ideal | speedup | up MB/worker | "
+          "down MB/worker | bytes vs ring | drops | rel. error |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(ar, key=lambda r: (r["workers"], _rk(r["rate"]), r["elements"], r["method"] != "gloo",
+                                       r["method"])):
+        g = next((x for x in ar if x["method"] == "gloo" and x["workers"] == r["workers"] and x["rate"] == r["rate"]
+                  and x["elements"] == r["elements"]), None)
+        bvr = r["wire_up_bytes_per_worker"] / g["wire_up_bytes_per_worker"] if g and g["wire_up_bytes_per_worker"] else None
+        L.append(f"| {r['workers']} | {RATE_LABEL.get(r['rate'], r['rate'])} | {r['elements']:,} | {_label(r['method'])} "
+                 f"| {r['time_median']:.4f} | {_fmt(r['ideal_time'], '.4f')} | {_fmt(r['bound_ratio'], '.2f')} | "
+                 f"{_fmt(r.get('speedup_vs_gloo'), '.2f')} | {_mb(r['wire_up_bytes_per_worker'])} | "
+                 f"{_mb(r['wire_down_bytes_per_worker'])} | {_fmt(bvr, '.3f')} | {r['wire_drops']} | "
+                 f"{_fmt(r['rel_error'], '.2g')} |")
+    L.append("")
+    return L
+
+
+def _md_throughput(meta, tp, ar, methods, rates, sizes) -> list[str]:
+    L = []
+    n = _pick_n(tp)
+    L += [f"## Training throughput (samples/s, {n} workers) — compare with the natural-compression paper's "
+          "throughput figures", "",
+          f"Measured: data-parallel SGD with synthetic data (batch {meta.get('batch', 32)} per worker) of a "
+          "fully connected model with that parameter count; per step forward+backward, one allreduce of all "
+          f"gradients, SGD step; {meta.get('tp_steps', '?')} timed steps after one warm-up step. samples/s = "
+          "workers x batch x steps / wall time of the slowest rank (in parentheses: ratio to Gloo). The model has "
+          "little compute per parameter, like an accelerator; on this 2-core CPU the workers share the cores, "
+          "and the median forward+backward time per step is given with each model.", ""]
+    models = sorted({(r["elements"], r.get("model") or "") for r in tp})
+    for el, name in models:
+        ct = sorted(r["compute_time"] for r in tp if r["elements"] == el and r["workers"] == n)
+        ct = ct[len(ct) // 2] if ct else float("nan")
+        L.append(f"**{name or el} ({el:,} parameters; median compute {ct * 1000:.1f} ms/step per worker)**")
+        L.append("")
+        L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " |")
+        L.append("|---" * (len(rates) + 1) + "|")
+        for m in methods:
+            row = []
+            for rate in rates:
+                r = _rec(tp, m, n, rate, el)
+                row.append(f"{r['samples_per_s']:.1f} ({r['speedup_vs_gloo']:.2f}x)" if r and r.get("speedup_vs_gloo")
+                           else (_fmt(r["samples_per_s"], ".1f") if r else "–"))
             L.append(f"| {_label(m)} | " + " | ".join(row) + " |")
         L.append("")
-    if acc:
-        base = next((r for r in acc if r["method"] == "gloo"), None)
-        L += [f"## Accuracy on scikit-learn digits ({acc[0]['workers']} workers, "
-              f"{RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}, {acc[0]['steps']} SGD steps, same seed and batches)", "",
-              "MLP 64-128-10 (9,610 parameters), batch 32 per worker, SGD lr 0.05 momentum 0.9, averaged gradients; "
-              "test split 30% (540 images: one image is 0.185 points).", "",
-              "| method | final accuracy (%) | diff vs Gloo (points) | training time (s) | of which allreduce (s) |",
-              "|---|---|---|---|---|"]
-        for r in sorted(acc, key=lambda r: (r["method"] != "gloo", r["method"])):
-            d = (r["final_accuracy"] - base["final_accuracy"]) * 100 if base else None
-            L.append(f"| {_label(r['method'])} | {r['final_accuracy'] * 100:.2f} | {_fmt(d, '+.2f')} | "
-                     f"{r['train_time']:.2f} | {r['comm_time']:.2f} |")
-        L.append("")
-    if images:
-        L += ["## Figures", "", "Colour hue: codec family; marker: method; line: solid switch-summable INA, dashed "
-              "host-aggregated (NOT switch-feasible), dotted Gloo ring baseline.", ""]
-        for im in images:
-            L.append(f"![{im}]({img_prefix}{im})")
-            L.append("")
-    return "\n".join(L)
+    L += ["## Data volume per worker per allreduce (MB sent, link counters) — compare with the natural-compression "
+          "paper's data-volume figure", ""]
+    L.append("| method | " + " | ".join(f"{el:,}" for el in sizes) + " |")
+    L.append("|---" * (len(sizes) + 1) + "|")
+    for m in methods:
+        row = []
+        for el in sizes:
+            r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] != "unlimited"
+                      and x["elements"] == el), None)
+            row.append(_mb(r["wire_up_bytes_per_worker"]) if r else "–")
+        L.append(f"| {_label(m)} | " + " | ".join(row) + " |")
+    L.append("")
+    return L
+
+
+def _md_accuracy(acc) -> list[str]:
+    L = []
+    base = next((r for r in acc if r["method"] == "gloo"), None)
+    L += [f"## Accuracy on scikit-learn digits ({acc[0]['workers']} workers, "
+          f"{RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}, {acc[0]['steps']} SGD steps, same seed and batches)", "",
+          "MLP 64-128-10 (9,610 parameters), batch 32 per worker, SGD lr 0.05 momentum 0.9, averaged gradients; "
+          "test split 30% (540 images: one image is 0.185 points).", "",
+          "| method | final accuracy (%) | diff vs Gloo (points) | training time (s) | of which allreduce (s) |",
+          "|---|---|---|---|---|"]
+    for r in sorted(acc, key=lambda r: (r["method"] != "gloo", r["method"])):
+        d = (r["final_accuracy"] - base["final_accuracy"]) * 100 if base else None
+        L.append(f"| {_label(r['method'])} | {r['final_accuracy'] * 100:.2f} | {_fmt(d, '+.2f')} | "
+                 f"{r['train_time']:.2f} | {r['comm_time']:.2f} |")
+    L.append("")
+    return L
 
 
 def write_report(out: Path, meta, records, plots: bool = True) -> None:
@@ -497,7 +525,7 @@ def headline(meta, records) -> list[str]:
     for m in methods:
         cells = []
         for rate in rates:
-            r = _get(ar, m, n, rate, el)
+            r = _rec(ar, m, n, rate, el)
             sp = r.get("speedup_vs_gloo") if r else None
             cells.append(f"{_fmt(sp, '.2f')}x ({_fmt(r['bound_ratio'], '.2f', '-')})" if sp is not None else "-")
         a = acc.get(m)

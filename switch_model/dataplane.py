@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from ina.wire import HEADER_SIZE, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag
+from ina.wire import HEADER_SIZE, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag, result_type
 
 # --- header offsets, from the one declaration in ina/wire.py ---------------------------------------
 O_VERSION = OFFSET["version"]
@@ -78,6 +78,9 @@ C_OVERFLOW = N_REASONS   # the "overflow" counter follows the drop reasons
 ABSORBED = 100   # added into the registers
 HARVEST = 101    # completed the slot
 REPLAY = 102     # retransmission to a completed slot: unicast the stored result
+
+
+_result_type = njit(inline="always")(result_type)   # ina.wire.result_type, for the kernels
 
 
 @njit(inline="always")
@@ -366,16 +369,7 @@ def harvest(n, action, slot2, rank, job, jobs, regs, maxexp, round_chunk, ptype,
             E = jobs[j, J_ELEMENTS]
             pt = ptype[s]
             raw = jobs[j, J_RAW] != 0 or pt != P_NC8
-            if pt == P_NONE:
-                out_pt = P_NONE
-            elif not raw:
-                out_pt = P_NC8
-            elif pt == P_NC8:
-                out_pt = P_INT64 if reg_bits == 64 else P_INT32
-            elif pt == P_INT8N:
-                out_pt = P_INT8N                  # sums of narrow int8 codes go back as int8
-            else:
-                out_pt = P_INT32
+            out_pt = _result_type(pt, raw, reg_bits)      # the one rule of result widths (ina.wire)
             flags = (F_RAW if (raw and pt != P_NONE) else 0)
             o = ovf[s] != 0
             # header

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ina.compression as C
-from ina.compression import _kernels as K
+from ina.compression import kernels as K
 from ina.compression.base import ScaleContext
 from ina.compression.bfp import INT32_MAX, bfp_scale
 from ina.compression.natural import exponent_window, window_low

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import ina.compression as C
-from ina.client import AllreduceError
 from ina.control import ControlChannel, request
-from ina.host_client import (HEADER, HOST_AGG_LABEL, MAGIC, VERSION, FrameType, HostAggClient,
-                             host_aggregator_address, recv_frame)
+from ina.errors import AllreduceError
+from ina.host_client import HostAggClient, host_aggregator_address
+from ina.host_wire import HEADER, HOST_AGG_LABEL, MAGIC, VERSION, FrameType, recv_frame
 from switch_model.launch import free_port, start_switch
 
 HOST_CODECS = [("3lc", {}), ("eaq", {}), ("wgt", {"threshold": 0.5})]

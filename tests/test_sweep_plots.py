@@ -10,7 +10,7 @@ import pytest
 matplotlib.use("Agg")
 
 from experiments.plot_style import legend_label, style, styles  # noqa: E402
-from experiments.sweep import all_methods, is_host_method  # noqa: E402
+from experiments.sweep_methods import all_methods, is_host_method  # noqa: E402
 
 
 def _hue(colour: str) -> float:
