@@ -55,6 +55,15 @@ class HostStaging:
         self.allocations = 0      # how often a buffer was (re)allocated: a counter for tests and stats
         self.staged = 0           # tensors that went through the buffer
 
+    @property
+    def capacity(self) -> int:
+        """Elements the host buffer holds now (0 before the first staged tensor)."""
+        return 0 if self._buf is None else self._buf.numel()
+
+    @property
+    def pinned(self) -> bool:
+        return self._buf is not None and self._buf.is_pinned()
+
     def _staged(self, x) -> bool:
         return is_torch(x) and (x.device.type != "cpu" or self.stage_cpu)
 
@@ -125,6 +134,11 @@ def staging() -> HostStaging:
     if s is None:
         s = _local.staging = HostStaging()
     return s
+
+
+def use(s: HostStaging) -> None:
+    """Make ``s`` this thread's staging (e.g. ``HostStaging(stage_cpu=True)`` to exercise it without a GPU)."""
+    _local.staging = s
 
 
 def to_host(x) -> np.ndarray:

@@ -68,7 +68,7 @@ def test_one_buffer_reused_grown_on_demand():
     st.write_back(b, np.ones(600, np.float32))
     assert st.allocations == 1 and pa == pb                  # smaller tensors reuse the same memory
     st.to_host(torch.randn(1500))
-    assert st.allocations == 2 and st._buf.numel() >= 2000    # grown geometrically, not to the exact size
+    assert st.allocations == 2 and st.capacity >= 2000    # grown geometrically, not to the exact size
     st.to_host(torch.randn(1900))
     assert st.allocations == 2
     assert torch.equal(b, torch.ones(600))
@@ -106,7 +106,7 @@ def _allreduce_in_threads(port, inputs, stage_cpu, codec="bfp32"):
     def rank(r):
         try:
             if stage_cpu:
-                staging._local.staging = HostStaging(stage_cpu=True, pin=False)
+                staging.use(HostStaging(stage_cpu=True, pin=False))
             with Client(("127.0.0.1", port), rank=r, world_size=len(inputs), job=77 + stage_cpu,
                         elements=64, slots=8, timeout=20) as cl:
                 cl.allreduce(inputs[r], codec=codec)
@@ -147,7 +147,7 @@ def test_cuda_round_trip_pinned_and_on_the_device():
     st = HostStaging()
     x = torch.randn(1000, device="cuda", dtype=torch.float16)
     host = st.to_host(x)
-    assert st._buf.is_pinned()
+    assert st.pinned
     np.testing.assert_array_equal(host, x.float().cpu().numpy())
     st.write_back(x, host * 2)
     torch.cuda.current_stream().synchronize()
