@@ -244,7 +244,7 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     est = wait_estimate(method, n, elements, rate, slack=dil.stretch(2.0))
     cmd = {"op": "bench", "id": cid, "method": method, "elements": elements, "warmup": args.warmup, "reps": reps,
            "job": job, "rto": ina_rto(method, rate, args.slots, topo.mtu, n, base=dil.stretch(0.02),
-                                      max_elements=args.max_elements), "max_rto": dil.stretch(1.0)}
+                                      max_elements=args.max_elements), "max_rto": dil.stretch(1.0), "stretch": dil.factor}
     t0 = time.monotonic()
     group.send(cmd)
     group.expect_all("ready", f"warm-up of {method} n={n} {rate} {elements} elements", args.timeout + est * args.warmup)
@@ -507,7 +507,8 @@ def _start_switch(topo, out: Path, args):
     from switch_model.launch import start_switch
     return start_switch(SWITCH_PORT, *switch_args(args), "--stats-interval", "0", "--log-level", "WARNING",
                         popen=functools.partial(topo.popen, topo.switch), control_host=topo.switch.ip,
-                        log_path=out / "switch.log", timeout=30.0)
+                        host="0.0.0.0", log_path=out / "switch.log",
+                        timeout=30.0)
 
 
 def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, t_start: float) -> None:
@@ -585,10 +586,11 @@ def main(argv=None) -> int:
     meta["elapsed"] = time.monotonic() - t_start
     final = derive(records, names)
     save_results(out, meta, final)
-    from .sweep_report import write_report
+    from .sweep_report import print_headline, write_report
     write_report(out, meta, final, plots=not args.no_plots)
     print(f"ina-sweep: {len(plan)} configuration(s) run in {meta['elapsed']:.0f}s; results in {out}/ "
           f"(results.json, results.csv, report.md{', *.png' if not args.no_plots else ''})", file=sys.stderr)
+    print_headline(out, meta, final)
     return 0
 
 

@@ -88,10 +88,11 @@ class Worker:
                                        slots=self.a.slots, timeout=self.a.timeout, seed=1234, codecs=(codec,))
         return self.clients[key]
 
-    def reducer(self, method: str, job: int, rto: float | None = None, max_rto: float | None = None):
+    def reducer(self, method: str, job: int, rto: float | None = None, max_rto: float | None = None,
+                stretch: float = 1.0):
         """(allreduce function, ina.Client or None) for ``method``; ``rto``: the client's minimum
         retransmission timeout for this configuration (from the launcher), ``max_rto`` its largest
-        (both stretched by a dilation factor)."""
+        (both stretched by a dilation factor ``stretch``, which also stretches the tail probe's floor)."""
         if method == "gloo":
             dist = self.dist
 
@@ -104,16 +105,20 @@ class Worker:
         if not method.startswith("ina:"):
             raise ValueError(f"unknown method {method!r}: expected 'gloo' or 'ina:<codec>'")
         cl = self.client(method[4:], job)
-        if rto:
+        if rto:                      # the timeout before the first round-trip sample (then: measured)
             cl.rto = float(rto)
             cl.max_rto = max(float(max_rto or cl.max_rto), 4 * cl.rto)
+        if stretch != 1:             # the tail probe's floor: the client's default, stretched
+            import inspect
+            cl.min_rto = inspect.signature(type(cl)).parameters["min_rto"].default * float(stretch)
         return (lambda t, average=False, key=None: cl.allreduce(t, codec=method[4:], average=average, key=key)), cl
 
     # ----------------------------------------------------------------------------------------------
     def bench(self, cmd):
         torch = self.torch
         n = int(cmd["elements"])
-        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), cmd.get("max_rto"))
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), cmd.get("max_rto"),
+                               float(cmd.get("stretch", 1.0)))
         g = torch.Generator().manual_seed(1000 + self.a.rank)
         x = torch.randn(n, generator=g) * 1e-2
         ref = x.clone()
