@@ -360,7 +360,7 @@ def derive(records: list[dict], sizes: dict[str, int]) -> list[dict]:
     return records
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ina-sweep", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sweep for the demo (< 3 minutes)")
@@ -565,7 +565,7 @@ def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, 
 
 
 def main(argv=None) -> int:
-    ap = _parser()
+    ap = build_parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

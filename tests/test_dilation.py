@@ -13,7 +13,7 @@ import pytest
 
 from experiments.dilation import (PROBE_LADDER, Dilation, DilationError, auto_factor, codec_time, resolve,
                                   switch_delay)
-from experiments.sweep import _parser, ideal_time, ina_rto, switch_args, wait_estimate
+from experiments.sweep import build_parser, ideal_time, ina_rto, switch_args, wait_estimate
 from ina.net import parse_rate
 from ina.wire import HEADER_SIZE
 
@@ -64,7 +64,7 @@ def test_delays_and_timeouts_scale_with_the_factor():
         k * ina_rto("ina:nc", target, 64, 9000, 8))
     assert wait_estimate("ina:bfp32", 8, 10**6, shaped, slack=Dilation(k).stretch(2.0)) == pytest.approx(
         k * wait_estimate("ina:bfp32", 8, 10**6, target))
-    ap = _parser()
+    ap = build_parser()
     args = ap.parse_args(["--target-rates", "10gbit,25gbit", "--dilation", "50", "--timeout", "30",
                           "--switch-delay-ms", "0.2"])
     resolve(ap, args)
@@ -85,7 +85,7 @@ def test_delays_and_timeouts_scale_with_the_factor():
     (["--codec-gbps", "0"], "--codec-gbps 0.0: expected a positive speed"),
 ])
 def test_bad_dilation_settings_are_named(argv, error, capsys):
-    ap = _parser()
+    ap = build_parser()
     with pytest.raises(SystemExit):
         resolve(ap, ap.parse_args(argv))
     assert error in capsys.readouterr().err
@@ -110,7 +110,7 @@ def test_auto_factor_rule():
 
 
 def test_profile_sets_the_sweeps_switch():
-    ap = _parser()
+    ap = build_parser()
     assert "--profile" in switch_args(ap.parse_args(["--profile", "tofino"]))
     assert "--elements" not in switch_args(ap.parse_args(["--profile", "tofino"]))      # the profile's 64
     assert switch_args(ap.parse_args([]))[switch_args(ap.parse_args([])).index("--elements") + 1] == "8192"
