@@ -223,6 +223,31 @@ class _PortTaken(Exception):
 # ------------------------------------------------------------------------------------------------
 # workers
 # ------------------------------------------------------------------------------------------------
+def client_threads(port: int, world: int, job: int, body, join_timeout: float = 60.0, **client_options) -> list:
+    """Run ``body(rank, client)`` in ``world`` threads of this process, each with its own
+    ``ina.Client`` of job ``job``; return their results by rank (raises naming the failed ranks)."""
+    import threading
+
+    from ina import Client
+    out, errors = [None] * world, []
+
+    def target(r):
+        try:
+            with Client(("127.0.0.1", port), rank=r, world_size=world, job=job, **client_options) as cl:
+                out[r] = body(r, cl)
+        except Exception as e:  # reported below, with the rank
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_timeout)
+    assert not [t for t in threads if t.is_alive()], f"ranks still running after {join_timeout} s"
+    assert not errors, errors
+    return out
+
+
 class Workers:
     """``n`` worker processes of one job, each running ``tests/sw_worker.py`` on a spec file."""
 

@@ -33,6 +33,7 @@ class ScaleContext:
     register_bits: int = 64  # switch register width (32 or 64)
     seed: int = 0            # per-worker, per-chunk randomness for stochastic codecs
     agreed: tuple = ()       # max over workers of each value of Codec.negotiated() (e.g. MQGrad's bits)
+    elements: int = 0        # elements per packet (0: unknown); decode_sum sees whole packets (THC aligns to them)
 
 
 @dataclass
