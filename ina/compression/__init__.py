@@ -18,6 +18,7 @@ from .natural import NaturalCompression, NaturalCompressionDeterministic, natura
 from .qsgd import QSGD
 from .terngrad import TernGrad
 from .thc import THC
+from .topk import TopK
 from .threelc import ThreeLC, ThreeLCQuartic
 from .thresholded import BinarizedGradientTransfer, QuantizedGradientTransfer, WholeGradientTransfer
 
@@ -38,8 +39,8 @@ for _cls in (NaturalCompression, NaturalCompressionDeterministic, BlockFloatingP
              # seed papers 000-003 and references (wire ids 10+): see docs/codecs.md
              ThreeLC, ThreeLCQuartic, WholeGradientTransfer, BinarizedGradientTransfer,
              QuantizedGradientTransfer, EntropyAdaptiveHuffman, UniformQuantizer, MQGrad, TernGrad, QSGD,
-             # after the seeds (wire ids 20+): THC
-             THC):
+             # after the seeds (wire ids 20+): THC, and top-k as the sparsification reference
+             THC, TopK):
     register(_cls)
 
 
