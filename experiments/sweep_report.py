@@ -35,6 +35,9 @@ def _methods(records):
 def _label(m):
     if m == "gloo":
         return "Gloo ring fp32"
+    from .baselines import BASELINES
+    if m in BASELINES:
+        return BASELINES[m]
     from .sweep import is_host_method
     return f"host-aggregated {m[4:]} (NOT switch-feasible)" if is_host_method(m) else "INA " + m[4:]
 
