@@ -8,10 +8,12 @@
   feedback and warm start on). The gradient goes through a real ``DistributedDataParallel`` model
   whose parameters have the training model's shapes (the bench: one matrix of about sqrt(n) x
   sqrt(n)); PowerSGD compresses every matrix to rank-r factors P, Q (allreduced by Gloo) and sends
-  vectors uncompressed. Its hook runs plain allreduces for its first ``start_powerSGD_iter``
-  iterations (PyTorch requires >= 2 with error feedback); the reducer runs those on a zero gradient
-  when it is built, so every measured allreduce and every training step is compressed. The hook
-  averages; the reducer multiplies by the workers when a sum is asked for.
+  vectors uncompressed. Its hook runs plain allreduces for its first ``start_powerSGD_iter`` = 2
+  iterations (PyTorch requires >= 2 with error feedback): the reducer runs the first on a zero
+  gradient when it is built, so the caller's first call (the sweep's warm-up) is the last plain one
+  and every measured allreduce and training step after it is compressed. (A compressed step of an
+  all-zero gradient would leave the warm-start memory at zero, or NaN: the sweep's warm-ups with
+  zeros must stay plain.) The hook averages; the reducer multiplies by the workers for a sum.
 
 Both run over torch.distributed's Gloo group of the sweep workers, on the same shaped links.
 """
@@ -97,7 +99,7 @@ class PowerSGDReducer:
             ddp.register_comm_hook(state, P.powerSGD_hook)
             self._models[shapes] = ddp
             zero = torch.zeros(sum(math.prod(s) for s in shapes))
-            for _ in range(POWERSGD_START_ITER):      # the hook's plain-allreduce iterations
+            for _ in range(POWERSGD_START_ITER - 1):  # the hook's plain iterations but the caller's first
                 self._step(ddp, zero)
         return ddp
 

@@ -223,9 +223,11 @@ class _PortTaken(Exception):
 # ------------------------------------------------------------------------------------------------
 # workers
 # ------------------------------------------------------------------------------------------------
-def client_threads(port: int, world: int, job: int, body, join_timeout: float = 60.0, **client_options) -> list:
+def client_threads(port: int, world: int, job: int, body, join_timeout: float = 60.0, rank_options=None,
+                   **client_options) -> list:
     """Run ``body(rank, client)`` in ``world`` threads of this process, each with its own
-    ``ina.Client`` of job ``job``; return their results by rank (raises naming the failed ranks)."""
+    ``ina.Client`` of job ``job``; return their results by rank (raises naming the failed ranks).
+    ``rank_options(rank)``, if given, returns further Client options of that rank."""
     import threading
 
     from ina import Client
@@ -233,7 +235,8 @@ def client_threads(port: int, world: int, job: int, body, join_timeout: float = 
 
     def target(r):
         try:
-            with Client(("127.0.0.1", port), rank=r, world_size=world, job=job, **client_options) as cl:
+            opts = {**client_options, **(rank_options(r) if rank_options else {})}
+            with Client(("127.0.0.1", port), rank=r, world_size=world, job=job, **opts) as cl:
                 out[r] = body(r, cl)
         except Exception as e:  # reported below, with the rank
             errors.append(f"rank {r}: {type(e).__name__}: {e}")

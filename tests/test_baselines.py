@@ -33,10 +33,12 @@ out["fp16_avg"] = fp16(x.clone(), average=True).tolist()
 u, v = torch.arange(1.0, 41.0), torch.linspace(-1, 1, 30)
 psgd = baselines.reducer("powersgd", torch, dist, world, shapes=[(40, 30), (7,)])
 flat = torch.cat([torch.outer(u, v).reshape(-1), torch.full((7,), float(rank))])
+out["psgd_plain"] = psgd(torch.zeros(1207) + rank).tolist()      # the caller's first call: a plain allreduce
 out["psgd_rank1"] = psgd(flat.clone(), average=True).tolist()
 bench = baselines.reducer("powersgd", torch, dist, world)
 z = torch.randn(400, generator=g)            # a 20 x 20 matrix of rank 20
 total_in, total_out = torch.zeros(400), torch.zeros(400)
+bench(torch.zeros(400))                         # the warm-up with zeros (plain) must not break later steps
 for step in range(60):
     got = bench(z.clone())
     total_out += got
@@ -81,6 +83,7 @@ def test_powersgd_is_rank_r_with_error_feedback(ranks):
     want = np.concatenate([torch.outer(torch.arange(1.0, 41.0), torch.linspace(-1, 1, 30)).reshape(-1).numpy(),
                            np.full(7, np.mean(range(WORLD)))])   # the vector goes uncompressed (allreduced)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert ranks[0]["psgd_plain"] == [float(sum(range(WORLD)))] * 1207     # plain sum, before compression
     # a random gradient is not rank 1: one step is far off, but error feedback delivers the rest over steps
     zs = [np.array(r["z"]) for r in ranks]
     total_in = 60 * sum(zs)

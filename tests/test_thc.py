@@ -197,11 +197,13 @@ def _fwht(v, h):
     return v.reshape(-1)
 
 
-def numpy_thc_sum(xs, seeds, g=16, bits=4, h=256, rot=0, overflow=1 / 32):
-    """Independent model: every rank's centred codes, their integer sum, and its decode."""
+def numpy_thc_sum(xs, seeds, g=16, bits=4, h=256, rot=0, overflow=1 / 32, norm_blocks=None):
+    """Independent model: every rank's centred codes, their integer sum, and its decode (``norm_blocks``:
+    the block each rank measures its norm on, default h)."""
     t = log_scale(log_scale_exponent(clip_threshold(overflow)))
-    norm = log_scale(max(log_scale_exponent(float(np.sqrt((np.pad(x.astype(np.float64), (0, -x.size % h)) ** 2)
-                                                           .reshape(-1, h).sum(1)).max())) for x in xs))
+    norm = log_scale(max(log_scale_exponent(float(np.sqrt((np.pad(x.astype(np.float64), (0, -x.size % b)) ** 2)
+                                                           .reshape(-1, b).sum(1)).max()))
+                         for x, b in zip(xs, norm_blocks or [h] * len(xs))))
     signs = np.where(_uniform(h, rot + ROTATION_STREAM) < 0.5, -1.0, 1.0)
     table = np.array(lookup_table(g, bits, t))
     u = np.arange(FINE * g + 1) / FINE
@@ -252,3 +254,22 @@ def test_thc_through_the_switch_equals_the_numpy_model(switch, n, g, down):
     assert per_elem == pytest.approx(down * 5120 / size, rel=0.01)
     rel = np.linalg.norm(got - sum(xs)) / np.linalg.norm(sum(xs))
     assert rel < 0.5, rel
+
+
+def test_ranks_configured_differently_agree_through_the_switch(switch):
+    """g, the rotation seed and the block are negotiated: rank 0 asks for g = 16, block 256, rotation 0,
+    rank 1 for g = 20, block 128, rotation 5; both use g = 20, rotation 5 and block 128."""
+    xs = [(np.random.default_rng([9, r]).standard_normal(3000) * 1e-2).astype(np.float32) for r in range(2)]
+    opts = [{"g": 16, "block": 256, "rotation_seed": 0}, {"g": 20, "block": 128, "rotation_seed": 5}]
+
+    def rank(r, cl):
+        x = xs[r].copy()
+        cl.allreduce(x, codec="thc")
+        return x
+
+    out = client_threads(switch.port, 2, 80, rank, elements=1024, slots=8, timeout=30.0, seed=77,
+                         rank_options=lambda r: {"codec_options": {"thc": opts[r]}})
+    seeds = [C.get("thc", seed=77 * 1_000_003 + r, **opts[r]).next_seed() for r in range(2)]
+    want = numpy_thc_sum(xs, seeds, g=20, h=128, rot=5, norm_blocks=[256, 128])
+    np.testing.assert_array_equal(out[0], want)
+    np.testing.assert_array_equal(out[1], want)

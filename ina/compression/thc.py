@@ -5,7 +5,8 @@ key's residual when error feedback is on):
 
 1. **norm agreement**: every worker proposes M_w = the largest L2 norm of its h-element blocks;
    the switch's max register returns M = max over workers, carried as a Q8.8 log2 exponent
-   (E = ceil(256 log2 M), see _seedutil: max-ordered like the value, <= 0.27 % above it). With one
+   (E = ceil(256 log2 M), see _seedutil: max-ordered like the value, <= 0.27 % above it); g, T, the
+   rotation seed and the block (as -log2 h, so the smallest wins) are negotiated alike. With one
    block this is THC's "largest norm"; with several it is the largest block norm, so every block's
    coordinates get THC's scale or a finer one.
 2. **randomized Hadamard transform** per block: y = H D x / sqrt(h), D a diagonal of random signs
@@ -91,6 +92,16 @@ def _fwht(buf, h):
 
 
 @njit(cache=True)
+def _block_norms(x, h, out):
+    for b in range(out.size):
+        acc = 0.0
+        for i in range(b * h, min((b + 1) * h, x.size)):
+            v = np.float64(x[i])
+            acc += v * v
+        out[b] = math.sqrt(acc)
+
+
+@njit(cache=True)
 def _rotate(x, signs, out):
     """out = H D x / sqrt(h) per block (float64; x zero-padded to out.size)."""
     h = signs.size
@@ -121,22 +132,16 @@ def _quantize(y, scale, t, g, lower, p_up, table, seed, idx, out):
     fine_steps = lower.size - 1
     half = g // 2
     to_fine = fine_steps / (2.0 * t)
+    seed2 = seed + TABLE_STREAM
     clipped = 0
-    for i in range(y.size):
+    for i in range(y.size):            # branch-free: the random draws are unpredictable branches
         v = y[i] * scale
-        if v > t:
-            v = t
-            clipped += 1
-        elif v < -t:
-            v = -t
-            clipped += 1
+        clipped += (v > t) | (v < -t)
+        v = min(max(v, -t), t)
         f = (v + t) * to_fine
-        j = min(int(np.floor(f)), fine_steps)
-        if j < fine_steps and uniform01(i, seed) < f - j:
-            j += 1
-        k = lower[j]
-        if uniform01(i, seed + TABLE_STREAM) < p_up[j]:
-            k += 1
+        j = int(f)                     # f >= 0: the floor
+        j = min(j + np.int64(uniform01(i, seed) < f - j), fine_steps)
+        k = lower[j] + np.int64(uniform01(i, seed2) < p_up[j])
         idx[i] = k
         out[i] = np.int8(table[k] - half)
     return clipped
@@ -236,9 +241,9 @@ def inverse_rht(y: np.ndarray, h: int, rotation_seed: int = 0) -> np.ndarray:
 
 def block_norms(x: np.ndarray, h: int) -> np.ndarray:
     """L2 norm of every h-element block of x (the last block zero-padded), float64."""
-    pad = -x.size % h
-    xb = np.concatenate([x.astype(np.float64), np.zeros(pad)]).reshape(-1, h)
-    return np.sqrt(np.einsum("ij,ij->i", xb, xb))
+    out = np.empty(-(-x.size // h), np.float64)
+    _block_norms(np.ascontiguousarray(x).reshape(-1), h, out)
+    return out
 
 
 # ----------------------------------------------------------------------------- the codec
@@ -283,7 +288,9 @@ class THC(ErrorFeedbackMixin, Codec):
 
     # -- shared parameters ----------------------------------------------------------------------
     def negotiated(self) -> tuple[int, ...]:
-        return (self.g, self._clip_exponent, self.rotation_seed)
+        # by max: g, T (Q8.8), the rotation seed, and -log2(block) (so the *smallest* block wins: smaller
+        # blocks lie inside the larger ones every rank measured its norm on)
+        return (self.g, self._clip_exponent, self.rotation_seed, -(self.block.bit_length() - 1))
 
     def _params(self, ctx: ScaleContext | None) -> tuple[int, float, int]:
         """(g, T, rotation seed): the negotiated maxima, or this codec's own outside the switch path."""
@@ -295,14 +302,18 @@ class THC(ErrorFeedbackMixin, Codec):
         return g, log_scale(t_exp), rot
 
     def _block(self, ctx: ScaleContext | None) -> int:
+        """The Hadamard block: the smallest any rank asked for, within one packet (elements per packet)."""
+        block = self.block
+        if ctx is not None and len(ctx.agreed) > 3:
+            block = min(block, 1 << max(0, -int(ctx.agreed[3])))
         e = int(ctx.elements) if ctx is not None else 0
         if e <= 0:
-            return self.block
-        h = min(self.block, e & -e)
-        if h < self.block and e not in self._warned:
+            return block
+        h = min(block, e & -e)
+        if h < block and e not in self._warned:
             self._warned.add(e)
             log.warning("thc: %d elements per packet is not a multiple of the Hadamard block %d; using blocks "
-                        "of %d (coarser quantization)", e, self.block, h)
+                        "of %d (coarser quantization)", e, block, h)
         return h
 
     def max_abs_code(self, ctx: ScaleContext) -> int:
