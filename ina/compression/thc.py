@@ -77,18 +77,17 @@ MAX_BLOCK_LOG2 = 16
 
 # ----------------------------------------------------------------------------- kernels
 @njit(cache=True)
-def _fwht(buf, h):
-    """In-place unnormalised Walsh-Hadamard transform of every consecutive h-element block."""
-    for start in range(0, buf.size, h):
-        span = 1
-        while span < h:
-            for i in range(start, start + h, 2 * span):
-                for j in range(i, i + span):
-                    a = buf[j]
-                    b = buf[j + span]
-                    buf[j] = a + b
-                    buf[j + span] = a - b
-            span *= 2
+def _fwht_block(buf, start, h):
+    """In-place unnormalised Walsh-Hadamard transform of buf[start:start + h] (the butterfly)."""
+    span = 1
+    while span < h:
+        for i in range(start, start + h, 2 * span):
+            for j in range(i, i + span):
+                a = buf[j]
+                b = buf[j + span]
+                buf[j] = a + b
+                buf[j + span] = a - b
+        span *= 2
 
 
 @njit(cache=True)
@@ -103,26 +102,30 @@ def _block_norms(x, h, out):
 
 @njit(cache=True)
 def _rotate(x, signs, out):
-    """out = H D x / sqrt(h) per block (float64; x zero-padded to out.size)."""
+    """out = H D x / sqrt(h) per block (float64; x zero-padded to out.size), one block at a time so
+    that each stays in cache."""
     h = signs.size
-    for i in range(out.size):
-        out[i] = np.float64(x[i]) * signs[i % h] if i < x.size else 0.0
-    _fwht(out, h)
     inv = 1.0 / math.sqrt(h)
-    for i in range(out.size):
-        out[i] *= inv
+    for start in range(0, out.size, h):
+        for k in range(h):
+            i = start + k
+            out[i] = np.float64(x[i]) * signs[k] if i < x.size else 0.0
+        _fwht_block(out, start, h)
+        for i in range(start, start + h):
+            out[i] *= inv
 
 
 @njit(cache=True)
 def _decode(codes, step, signs, out):
     """out = D H (codes * step) / sqrt(h) per block: the inverse transform of the dequantized sum."""
     h = signs.size
-    for i in range(codes.size):
-        out[i] = np.float64(codes[i]) * step
-    _fwht(out, h)
     inv = 1.0 / math.sqrt(h)
-    for i in range(out.size):
-        out[i] *= inv * signs[i % h]
+    for start in range(0, out.size, h):
+        for i in range(start, start + h):
+            out[i] = np.float64(codes[i]) * step
+        _fwht_block(out, start, h)
+        for k in range(h):
+            out[start + k] *= inv * signs[k]
 
 
 @njit(cache=True)
