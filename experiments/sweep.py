@@ -55,7 +55,7 @@ log = logging.getLogger("ina.sweep")
 MODELS = {"resnet110": 1_700_000, "alexnet": 61_000_000, "vgg16": 138_000_000}
 RATES = ["10mbit", "100mbit", "1gbit", "unlimited"]
 CORE_METHODS = ["gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd"]
-NOT_SEED = {"bfp32", "nc", "nc-det", "nd", "rd"}
+NOT_SEED = {"bfp32", "nc", "nc-det", "nd", "rd", "thc"}
 SWITCH_PORT = 9999
 SWITCH_SLOTS, SWITCH_ELEMENTS = 256, 8192
 BATCH = 32
@@ -82,7 +82,7 @@ def is_host_method(method: str) -> bool:
 
 
 def all_methods() -> list[str]:
-    return CORE_METHODS + list(BASELINES) + ["ina:rd"] + seed_methods() + host_methods()
+    return CORE_METHODS + list(BASELINES) + ["ina:rd", "ina:thc"] + seed_methods() + host_methods()
 
 
 def parse_size(s: str) -> int:
