@@ -16,7 +16,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import time
 
@@ -69,9 +68,9 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
 
 
 def run(workers, sizes_mb, codecs, reps, elements, slots):
-    port = free_port()
-    sw = start_switch(port, "--slots", "512", "--elements", str(elements), "--sram-mb", "512", "--log-level",
-                      "WARNING", stderr=subprocess.DEVNULL)
+    sw = start_switch(None, "--slots", "512", "--elements", str(elements), "--sram-mb", "512", "--log-level",
+                      "WARNING")
+    port = sw.port
     try:
         rows = []
         ctx = mp.get_context("spawn")
@@ -99,8 +98,7 @@ def run(workers, sizes_mb, codecs, reps, elements, slots):
                     raise RuntimeError(f"a benchmark worker exited with code {p.exitcode}")
         return rows
     finally:
-        sw.terminate()
-        sw.wait(30)
+        sw.stop(timeout=30)
 
 
 def main(argv=None) -> int:

@@ -99,7 +99,6 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
     model = make_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     names = [n for n, _ in model.named_parameters()]
-    keyed = codec is not None and hasattr(codec, "residual")
     rng = np.random.default_rng(seed)
     bits = 0.0
     paper = 0.0
@@ -107,7 +106,7 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
     n_params = sum(p.numel() for p in model.parameters())
     bits_trace = []
     extra = {"sent": 0}
-    from ina.compression.thresholded import _Thresholded, paper_bits, sent_fraction
+    from ina.compression.thresholded import ThresholdedTransfer, paper_bits, sent_fraction
     t_start = time.perf_counter()
     epoch_bits = []
     for ep in range(epochs):
@@ -124,11 +123,11 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
                 step_bits = 0.0
                 for name, p in zip(names, model.parameters()):
                     g = p.grad.numpy()
-                    enc = codec.compress(g, key=name) if keyed else codec.compress(g)
+                    enc = codec.compress(g, **codec.key_argument(name))
                     p.grad = torch.from_numpy(np.ascontiguousarray(codec.decompress(enc)))
                     step_bits += 8.0 * enc.nbytes
                     values += g.size
-                    if isinstance(codec, _Thresholded):
+                    if isinstance(codec, ThresholdedTransfer):
                         paper += paper_bits(enc) * g.size
                         extra["sent"] += sent_fraction(enc) * g.size
                 bits += step_bits
@@ -148,7 +147,7 @@ def train(codec, data, epochs: int, seed: int = 0, snapshot=None, ms_per_bit: fl
     if codec is not None:
         out["bits_per_value"] = bits / max(values, 1)
         out["bits_per_value_by_epoch"] = epoch_bits
-        if isinstance(codec, _Thresholded):
+        if isinstance(codec, ThresholdedTransfer):
             out["paper_bits_per_value"] = paper / max(values, 1)
             out["sent_fraction"] = extra["sent"] / max(values, 1)
     if bits_trace:
@@ -240,7 +239,7 @@ def run(quick: bool, epochs: int | None) -> dict:
             ms_per_bit = 1e-4
         res = train(codec, data, epochs, ms_per_bit=ms_per_bit, label=label)
         row = {"codec": label, "name": codec.name, "switch_feasible": bool(codec.switch_summable),
-               "aggregation": getattr(codec, "aggregation", "switch" if codec.switch_summable else "host"),
+               "aggregation": codec.aggregation,
                "switch_bits_per_value": float(codec.bits_per_element) if codec.switch_summable else None,
                "bits_per_value": res["bits_per_value"], "bits_per_value_by_epoch": res["bits_per_value_by_epoch"],
                "test_accuracy": res["test_accuracy"],

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-from switch_model.launch import free_port, start_switch
+from switch_model.launch import SwitchStartError, start_switch
 
 
 def _worker(rank, n, port, N, codecs, q):
@@ -43,14 +42,14 @@ def main(argv=None) -> int:
     import ina.compression as C
     codecs = [c for c in ["bfp32", "nc", "nc-det", "nd", "rd"] + [c for c in C.available()
               if c not in ("bfp32", "nc", "nc-det", "nd", "rd")] if C.get(c).switch_summable]
-    port = free_port()
-    print(f"[demo] starting ina-switch on port {port}, then {a.workers} workers; "
-          f"{a.elements} float32 elements per worker", flush=True)
+    print(f"[demo] starting ina-switch, then {a.workers} workers; {a.elements} float32 elements per worker",
+          flush=True)
     try:
-        sw = start_switch(port, "--elements", "8192", "--sram-mb", "256", "--log-level", "WARNING")
-    except RuntimeError as e:
+        sw = start_switch(None, "--elements", "8192", "--sram-mb", "256", "--log-level", "WARNING")
+    except SwitchStartError as e:
         print(f"[demo] {e}", file=sys.stderr)
         return 1
+    port = sw.port
     try:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -67,15 +66,11 @@ def main(argv=None) -> int:
             print(f"{codec:<10} {dt * 1e3:>9.1f} {sent:>18,d} {sent / fp32_bytes:>8.3f} {err:>11.2e}", flush=True)
         for p in ps:
             p.join(60)
-        stats = subprocess.run([sys.executable, "-m", "switch_model", "stats", "--port", str(port)],
-                               capture_output=True, text=True, timeout=30).stdout
-        import json
-        c = json.loads(stats)["counters"]
+        c = sw.stats()["counters"]
         print(f"[demo] switch counters: rx {c['rx_packets']} packets, tx {c['tx_packets']} packets, "
               f"{c['harvested']} slots harvested")
     finally:
-        sw.terminate()
-        sw.wait(30)
+        sw.stop(timeout=30)
     return 0
 
 

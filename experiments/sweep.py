@@ -49,40 +49,15 @@ import time
 from pathlib import Path
 
 from .baselines import BASELINES, is_baseline
+from .sweep_methods import CORE_METHODS, aggregation, all_methods, host_methods, is_host_method, seed_methods
 
 log = logging.getLogger("ina.sweep")
 
 MODELS = {"resnet110": 1_700_000, "alexnet": 61_000_000, "vgg16": 138_000_000}
 RATES = ["10mbit", "100mbit", "1gbit", "unlimited"]
-CORE_METHODS = ["gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd"]
-NOT_SEED = {"bfp32", "nc", "nc-det", "nd", "rd", "thc"}
 SWITCH_PORT = 9999
 SWITCH_SLOTS, SWITCH_ELEMENTS = 256, 8192
 BATCH = 32
-
-
-def seed_methods() -> list[str]:
-    """Every switch-summable codec of the seed papers (3LC, thresholded, MQGrad, TernGrad, QSGD ...)."""
-    from ina import compression
-    return [f"ina:{n}" for n in compression.available() if n not in NOT_SEED and compression.get(n).switch_summable]
-
-
-def host_methods() -> list[str]:
-    """Codecs with variable-length messages (3lc, eaq, wgt): they run through the switch service's host
-    aggregator (decode, sum, re-encode on a CPU), labelled NOT switch-feasible in every output."""
-    from ina import compression
-    return [f"ina:{n}" for n in compression.available() if not compression.get(n).switch_summable]
-
-
-def is_host_method(method: str) -> bool:
-    if not method.startswith("ina:"):
-        return False
-    from ina import compression
-    return not compression.get(method[4:]).switch_summable
-
-
-def all_methods() -> list[str]:
-    return CORE_METHODS + list(BASELINES) + ["ina:rd", "ina:thc"] + seed_methods() + host_methods()
 
 
 def parse_size(s: str) -> int:
@@ -113,13 +88,10 @@ def payload_widths(method: str, n: int = 4) -> tuple[int, int]:
         return 4, 4
     if is_host_method(method):
         return None
-    from .sweep_worker import narrow_results
     from ina import compression
-    from ina.wire import PAYLOAD_WIDTH, PayloadType
+    from ina.wire import PAYLOAD_WIDTH
     c = compression.get(method[4:])
-    up = PAYLOAD_WIDTH[c.payload_type]
-    down = 1 if c.payload_type == PayloadType.NC8 or narrow_results(method[4:], n, fixed_only=False) else 4
-    return up, down
+    return PAYLOAD_WIDTH[c.payload_type], c.result_width(n)
 
 
 def ideal_time(method: str, n: int, elements: int, rate: str) -> float | None:
@@ -369,8 +341,7 @@ def derive(records: list[dict], sizes: dict[str, int]) -> list[dict]:
     inv = {v: k for k, v in sizes.items()}
     for r in records:
         r["model"] = inv.get(r["elements"], r.get("model"))
-        r["aggregation"] = ("Gloo ring" if r["method"] == "gloo" else BASELINES[r["method"]] if is_baseline(r["method"])
-                            else "host (NOT switch-feasible)" if is_host_method(r["method"]) else "switch")
+        r["aggregation"] = aggregation(r["method"])
         g = by.get((r["workload"], "gloo", r["workers"], r["rate"], r["elements"]))
         if r["workload"] == "allreduce":
             r["speedup_vs_gloo"] = g["time_median"] / r["time_median"] if g else None
@@ -379,7 +350,7 @@ def derive(records: list[dict], sizes: dict[str, int]) -> list[dict]:
     return records
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ina-sweep", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sweep for the demo (< 3 minutes)")
@@ -405,18 +376,12 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="bound of every wait (seconds)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return ap
 
-    q = args.quick
-    rates = (args.rates or ",".join(RATES)).split(",")
-    for r in rates:
-        rate_bps(r)     # validates (RateError names the bad spelling)
-    workers = [int(x) for x in (args.workers or ("2,4" if q else "2,4,8")).split(",")]
-    mspec = args.methods or ("core" if q else "all")
+
+def _methods(ap, spec: str) -> list[str]:
     methods: list[str] = []
-    for m in mspec.split(","):
+    for m in spec.split(","):
         methods += {"core": CORE_METHODS, "seed": seed_methods() + host_methods(), "host": host_methods(),
                     "baselines": ["gloo", *BASELINES], "all": all_methods()}.get(m, [m])
     from ina import compression
@@ -425,7 +390,17 @@ def main(argv=None) -> int:
             if not m.startswith("ina:") or m[4:] not in compression.available():
                 ap.error(f"method {m!r}: expected gloo, {', '.join(BASELINES)} or ina:<codec> with codec one of "
                          f"{compression.available()}")
-    methods = list(dict.fromkeys(methods))
+    return list(dict.fromkeys(methods))
+
+
+def _settings(ap, args) -> dict:
+    """The sweep's axes from the arguments and the --quick defaults (fills in args' defaults too)."""
+    q = args.quick
+    rates = (args.rates or ",".join(RATES)).split(",")
+    for r in rates:
+        rate_bps(r)     # validates (RateError names the bad spelling)
+    workers = [int(x) for x in (args.workers or ("2,4" if q else "2,4,8")).split(",")]
+    methods = _methods(ap, args.methods or ("core" if q else "all"))
     scale = args.scale or (4.0 if q else 1.0)
     sizes: dict[str, int] = {}
     for s in (args.sizes or ("resnet110" if q else ",".join(MODELS))).split(","):
@@ -441,31 +416,35 @@ def main(argv=None) -> int:
     if args.tp_steps is not None and args.tp_steps < 1:
         ap.error(f"--tp-steps {args.tp_steps}: need at least 1 timed step")
     args.tp_steps = args.tp_steps or (3 if q else 10)
-    reps = args.reps or (3 if q else 5)
-    args.reps = reps
+    args.reps = args.reps or (3 if q else 5)
     args.acc_steps = args.acc_steps if args.acc_steps is not None else (100 if q else 300)
     acc_workers = args.acc_workers or (2 if q else 4)
+    return {"rates": rates, "workers": workers, "methods": methods, "scale": scale, "sizes": sizes,
+            "tp_sizes": tp_sizes, "names": names, "acc_workers": acc_workers}
 
-    out = args.out or Path("results") / f"sweep-{_dt.datetime.now():%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
-    records = [r for r in load_results(out) if r["workload"] != "throughput" or "step_times" in r]
-    done = {key_of(r) for r in records}
+
+def _meta(args, argv, out: Path, st: dict) -> dict:
     prev_meta = json.loads((out / "results.json").read_text())["meta"] if (out / "results.json").exists() else {}
-    meta = {"command": "ina-sweep " + " ".join(argv if argv is not None else sys.argv[1:]), "quick": q, "scale": scale,
-            "sizes": sizes, "rates": rates, "workers": workers, "methods": methods, "reps": reps, "warmup": args.warmup,
-            "mtu": args.mtu, "slots": args.slots, "acc_steps": args.acc_steps, "acc_rate": args.acc_rate,
-            "acc_workers": acc_workers, "batch": BATCH, "started": _dt.datetime.now().isoformat(timespec="seconds"),
-            "tp_sizes": tp_sizes, "tp_steps": args.tp_steps}
+    meta = {"command": "ina-sweep " + " ".join(argv if argv is not None else sys.argv[1:]), "quick": args.quick,
+            "scale": st["scale"], "sizes": st["sizes"], "rates": st["rates"], "workers": st["workers"],
+            "methods": st["methods"], "reps": args.reps, "warmup": args.warmup, "mtu": args.mtu, "slots": args.slots,
+            "acc_steps": args.acc_steps, "acc_rate": args.acc_rate, "acc_workers": st["acc_workers"], "batch": BATCH,
+            "started": _dt.datetime.now().isoformat(timespec="seconds"), "tp_sizes": st["tp_sizes"],
+            "tp_steps": args.tp_steps}
     if prev_meta.get("runs"):
         meta["runs"] = prev_meta["runs"] + [meta["command"]]
     else:
         meta["runs"] = [meta["command"]]
+    return meta
 
-    # the plan
+
+def _plan(args, st: dict, done: set) -> list[tuple]:
+    """(workload, workers, rate, elements, method) of every configuration still to run."""
     plan = []
-    for n in workers:
-        for rate in rates:
-            for sname, el in sizes.items():
+    methods = st["methods"]
+    for n in st["workers"]:
+        for rate in st["rates"]:
+            for sname, el in st["sizes"].items():
                 for m in methods:
                     k = f"allreduce|{m}|{n}|{rate}|{el}"
                     it = ideal_time(m, n, el, rate)
@@ -474,66 +453,88 @@ def main(argv=None) -> int:
                     if it is not None and it > args.max_ring_time:
                         continue
                     plan.append(("allreduce", n, rate, el, m))
-            for el in tp_sizes.values():
+            for el in st["tp_sizes"].values():
                 for m in methods:
                     it = ideal_time(m, n, el, rate)
                     if f"throughput|{m}|{n}|{rate}|{el}" not in done and not (it is not None and it > args.max_ring_time):
                         plan.append(("throughput", n, rate, el, m))
-        if args.acc_steps and n == acc_workers:
+        if args.acc_steps and n == st["acc_workers"]:
             for m in methods:
                 if f"accuracy|{m}|{n}|{args.acc_rate}|" not in "\n".join(done) and not any(
                         d.startswith(f"accuracy|{m}|{n}|{args.acc_rate}|") for d in done):
                     plan.append(("accuracy", n, args.acc_rate, 0, m))
+    return plan
+
+
+def _start_switch(topo, out: Path):
+    """ina-switch in the topology's switch host, ready (its control plane answers)."""
+    import functools
+
+    from switch_model.launch import start_switch
+    return start_switch(SWITCH_PORT, "--slots", str(SWITCH_SLOTS), "--elements", str(SWITCH_ELEMENTS),
+                        "--stats-interval", "0", "--log-level", "WARNING", popen=functools.partial(topo.popen, topo.switch),
+                        control_host=topo.switch.ip, log_path=out / "switch.log", timeout=30.0)
+
+
+def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, t_start: float) -> None:
+    """Every configuration of the plan, in one topology, one worker group per worker count; the
+    results are saved after each one."""
     from tqdm import tqdm
+
+    from ina.net import Topology
+    with Topology(workers=max(p[1] for p in plan), rate=st["rates"][0], mtu=args.mtu) as topo:
+        sw = _start_switch(topo, out)
+        bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
+        job = int(time.time()) % 1000 * 10
+        cid = 0
+        try:
+            for n in st["workers"]:
+                mine = [p for p in plan if p[1] == n]
+                if not mine:
+                    continue
+                bar.set_postfix_str(f"starting {n} workers")
+                group = WorkerGroup(topo, n, out, args)
+                cur_rate = None
+                try:
+                    for wl, _, rate, el, m in mine:
+                        if rate != cur_rate:
+                            topo.set_rate("workers", rate)
+                            cur_rate = rate
+                        bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,}")
+                        job += 1
+                        cid += 1
+                        if wl == "allreduce":
+                            rec = run_bench(group, topo, m, n, rate, el, args, job, cid)
+                        elif wl == "throughput":
+                            rec = run_throughput(group, topo, m, n, rate, el, args, job, cid)
+                        else:
+                            rec = run_train(group, m, n, rate, args, job, cid)
+                        records.append(rec)
+                        meta["elapsed"] = time.monotonic() - t_start
+                        save_results(out, meta, derive(records, st["names"]))
+                        bar.update(1)
+                finally:
+                    group.close()
+        finally:
+            bar.close()
+            sw.stop(timeout=10)
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    st = _settings(ap, args)
+    names = st["names"]
+    out = args.out or Path("results") / f"sweep-{_dt.datetime.now():%Y%m%d-%H%M%S}"
+    out.mkdir(parents=True, exist_ok=True)
+    records = [r for r in load_results(out) if r["workload"] != "throughput" or "step_times" in r]
+    meta = _meta(args, argv, out, st)
+    plan = _plan(args, st, {key_of(r) for r in records})
     t_start = time.monotonic()
     if plan:
-        from ina.net import Topology
-        with Topology(workers=max(w for w, *_ in [(p[1],) for p in plan]), rate=rates[0], mtu=args.mtu) as topo:
-            swlog = open(out / "switch.log", "w")
-            sw = topo.popen(topo.switch, [sys.executable, "-m", "switch_model", "serve", "--port", str(SWITCH_PORT),
-                                          "--slots", str(SWITCH_SLOTS), "--elements", str(SWITCH_ELEMENTS),
-                                          "--stats-interval", "0", "--log-level", "WARNING"],
-                            stdout=swlog, stderr=subprocess.STDOUT, cwd=str(Path(__file__).parent.parent))
-            _wait_switch(out / "switch.log", sw, 30.0)
-            bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
-            job = int(time.time()) % 1000 * 10
-            cid = 0
-            try:
-                for n in workers:
-                    mine = [p for p in plan if p[1] == n]
-                    if not mine:
-                        continue
-                    bar.set_postfix_str(f"starting {n} workers")
-                    group = WorkerGroup(topo, n, out, args)
-                    cur_rate = None
-                    try:
-                        for wl, _, rate, el, m in mine:
-                            if rate != cur_rate:
-                                topo.set_rate("workers", rate)
-                                cur_rate = rate
-                            bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,}")
-                            job += 1
-                            cid += 1
-                            if wl == "allreduce":
-                                rec = run_bench(group, topo, m, n, rate, el, args, job, cid)
-                            elif wl == "throughput":
-                                rec = run_throughput(group, topo, m, n, rate, el, args, job, cid)
-                            else:
-                                rec = run_train(group, m, n, rate, args, job, cid)
-                            records.append(rec)
-                            meta["elapsed"] = time.monotonic() - t_start
-                            save_results(out, meta, derive(records, names))
-                            bar.update(1)
-                    finally:
-                        group.close()
-            finally:
-                bar.close()
-                sw.terminate()
-                try:
-                    sw.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    sw.kill()
-                swlog.close()
+        _run_plan(plan, args, st, out, records, meta, t_start)
     else:
         print(f"ina-sweep: every configuration is already in {out / 'results.json'}; regenerating the report",
               file=sys.stderr)
@@ -545,17 +546,6 @@ def main(argv=None) -> int:
     print(f"ina-sweep: {len(plan)} configuration(s) run in {meta['elapsed']:.0f}s; results in {out}/ "
           f"(results.json, results.csv, report.md{', *.png' if not args.no_plots else ''})", file=sys.stderr)
     return 0
-
-
-def _wait_switch(logf: Path, proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if "listening on" in logf.read_text():
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(f"ina-switch exited with code {proc.returncode}: {logf.read_text()[-2000:]}")
-        time.sleep(0.05)
-    raise RuntimeError(f"ina-switch did not report 'listening on' within {timeout}s; log: {logf.read_text()[-2000:]}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .sweep_methods import is_host_method, method_label
+
 RATE_ORDER = {"10mbit": 0, "100mbit": 1, "1gbit": 2, "unlimited": 3}
 RATE_LABEL = {"10mbit": "10 Mbit/s", "100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unshaped"}
 
@@ -32,14 +34,10 @@ def _methods(records):
     return sorted(seen, key=lambda m: (m != "gloo", m))
 
 
-def _label(m):
-    if m == "gloo":
-        return "Gloo ring fp32"
-    from .baselines import BASELINES
-    if m in BASELINES:
-        return BASELINES[m]
-    from .sweep import is_host_method
-    return f"host-aggregated {m[4:]} (NOT switch-feasible)" if is_host_method(m) else "INA " + m[4:]
+def _rec(records, m, n, rate, el):
+    """The record of method m with n workers at this rate and size (None if not measured)."""
+    return next((x for x in records if x["method"] == m and x["workers"] == n and x["rate"] == rate
+                 and x["elements"] == el), None)
 
 
 def _pick_n(ar, prefer=4):
@@ -84,7 +82,7 @@ def targets(records, meta) -> list[dict]:
                 ring = (f"; ring {gp[lo]['time_median']:.3f} -> {gp[hi]['time_median']:.3f} s "
                         f"({gp[hi]['time_median'] / gp[lo]['time_median']:.2f}x)") if lo in gp and hi in gp else ""
                 grows = (lo in gp and hi in gp and gp[hi]["time_median"] > gp[lo]["time_median"])
-                out.append({"target": f"{_label(m)} time flat (within 10%) from {lo} to {hi} workers at "
+                out.append({"target": f"{method_label(m)} time flat (within 10%) from {lo} to {hi} workers at "
                                       f"{RATE_LABEL[rate]}{at} while the ring's grows",
                             "measured": f"{pts[lo]['time_median']:.3f} -> {pts[hi]['time_median']:.3f} s "
                                         f"({ratio:.3f}x){ring}",
@@ -135,114 +133,133 @@ def plots(out: Path, records) -> list[str]:
     if ar:
         # the size measured in the most configurations (the other sizes are in the report's tables)
         big = max(sizes, key=lambda el: (sum(1 for r in ar if r["elements"] == el), el))
-        # speedup vs bandwidth
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        xs = list(range(len(rates)))
-        for m in methods:
-            ys = []
-            for rate in rates:
-                r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                          and x["elements"] == big), None)
-                ys.append(r.get("speedup_vs_gloo") if r else None)
-            if any(y is not None for y in ys):
-                ax.plot([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None], "o-",
-                        label=_label(m))
-        ax.set_xticks(xs, [RATE_LABEL.get(r, r) for r in rates])
-        ax.set_yscale("log")
-        ax.axhline(1, color="grey", lw=0.8)
-        ax.set_xlabel("per-worker link rate")
-        ax.set_ylabel("allreduce speedup vs Gloo ring fp32")
-        ax.set_title(f"{n} workers, {big:,} elements")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out / "speedup_vs_bandwidth.png", dpi=110)
-        plt.close(fig)
-        made.append("speedup_vs_bandwidth.png")
-        # bytes vs time
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        marks = "os^Dv<>"
-        for i, m in enumerate(methods):
-            for j, rate in enumerate(rates):
-                pts = [x for x in ar if x["method"] == m and x["rate"] == rate and x["workers"] == n
-                       and x["elements"] == big]
-                if pts:
-                    ax.scatter([p["time_median"] for p in pts], [p["wire_up_bytes_per_worker"] / 1e6 for p in pts],
-                               marker=marks[j % len(marks)], color=f"C{i % 10}",
-                               label=_label(m) if j == 0 else None)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("allreduce time (s, median)")
-        ax.set_ylabel("bytes sent per worker (MB, link counters)")
-        ax.set_title(f"{n} workers, {big:,} elements; marker = rate: "
-                     + ", ".join(f"{marks[j]} {RATE_LABEL.get(r, r)}" for j, r in enumerate(rates)), fontsize=8)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out / "bytes_vs_time.png", dpi=110)
-        plt.close(fig)
-        made.append("bytes_vs_time.png")
-        # scaling with workers
-        ns = sorted({r["workers"] for r in ar})
-        if len(ns) >= 2:
-            srates = [r for r in ("10mbit", "100mbit") if r in rates] or rates[:1]
-            fig, axs = plt.subplots(1, len(srates), figsize=(6.5 * len(srates), 4.5), squeeze=False)
-            core = [m for m in methods if m in ("gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd")] or methods
-            for ax, rate in zip(axs[0], srates):
-                for i, m in enumerate(core):          # the seed codecs' scaling is in the tables
-                    pts = sorted((x["workers"], x["time_median"], x["ideal_time"]) for x in ar
-                                 if x["method"] == m and x["rate"] == rate and x["elements"] == big)
-                    if len(pts) >= 2:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i % 10}", label=_label(m))
-                        if pts[0][2] is not None and m in ("gloo", "ina:nc", "ina:bfp32"):
-                            ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=f"C{i % 10}")
-                ax.set_xticks(ns)
-                ax.set_yscale("log")
-                ax.set_xlabel("workers")
-                ax.set_ylabel("allreduce time (s); dotted: link-bound ideal")
-                ax.set_title(f"{RATE_LABEL.get(rate, rate)} per link, {big:,} elements")
-                if ax.get_legend_handles_labels()[0]:
-                    ax.legend(fontsize=6, ncol=2)
-            fig.tight_layout()
-            fig.savefig(out / "scaling_workers.png", dpi=110)
-            plt.close(fig)
-            made.append("scaling_workers.png")
+        made += [_plot_speedup(plt, out, ar, methods, rates, n, big), _plot_bytes(plt, out, ar, methods, rates, n, big)]
+        made += _plot_scaling(plt, out, ar, methods, rates, big)
     tp = [r for r in records if r["workload"] == "throughput"]
     if tp:
-        models = sorted({(r["elements"], r.get("model") or str(r["elements"])) for r in tp})
-        fig, axs = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
-        for ax, (el, name) in zip(axs[0], models):
-            for i, m in enumerate(methods):
-                ys = [next((x["samples_per_s"] for x in tp if x["method"] == m and x["elements"] == el
-                            and x["workers"] == n and x["rate"] == rate), None) for rate in rates]
-                xs = [k for k, y in enumerate(ys) if y is not None]
-                if xs:
-                    ax.plot(xs, [ys[k] for k in xs], "o-", color=f"C{i % 10}", label=_label(m))
-            ax.set_xticks(range(len(rates)), [RATE_LABEL.get(r, r) for r in rates], fontsize=7)
-            ax.set_yscale("log")
-            ax.set_title(f"{name} ({el:,} params), {n} workers", fontsize=9)
-            ax.set_ylabel("samples/s (measured, synthetic data)")
-        axs[0][0].legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(out / "throughput.png", dpi=110)
-        plt.close(fig)
-        made.append("throughput.png")
+        made.append(_plot_throughput(plt, out, tp, methods, rates, n))
     acc = [r for r in records if r["workload"] == "accuracy"]
     if acc:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-        for i, r in enumerate(sorted(acc, key=lambda r: (r["method"] != "gloo", r["method"]))):
-            c = r["curve"]
-            a1.plot([p["step"] for p in c], [p["accuracy"] * 100 for p in c], "-", color=f"C{i % 10}",
-                    label=_label(r["method"]))
-            a2.plot([p["time"] for p in c], [p["accuracy"] * 100 for p in c], "-", color=f"C{i % 10}")
-        a1.set_xlabel("SGD step")
-        a2.set_xlabel("wall time (s)")
-        a1.set_ylabel("test accuracy (%), digits")
-        a1.legend(fontsize=7)
-        a1.set_title(f"{acc[0]['workers']} workers, {RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out / "accuracy.png", dpi=110)
-        plt.close(fig)
-        made.append("accuracy.png")
+        made.append(_plot_accuracy(plt, out, acc))
     return made
+
+
+def _plot_speedup(plt, out: Path, ar, methods, rates, n, big) -> str:
+    """Speedup vs bandwidth."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = list(range(len(rates)))
+    for m in methods:
+        ys = []
+        for rate in rates:
+            r = _rec(ar, m, n, rate, big)
+            ys.append(r.get("speedup_vs_gloo") if r else None)
+        if any(y is not None for y in ys):
+            ax.plot([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None], "o-",
+                    label=method_label(m))
+    ax.set_xticks(xs, [RATE_LABEL.get(r, r) for r in rates])
+    ax.set_yscale("log")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.set_xlabel("per-worker link rate")
+    ax.set_ylabel("allreduce speedup vs Gloo ring fp32")
+    ax.set_title(f"{n} workers, {big:,} elements")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "speedup_vs_bandwidth.png", dpi=110)
+    plt.close(fig)
+    return "speedup_vs_bandwidth.png"
+
+
+def _plot_bytes(plt, out: Path, ar, methods, rates, n, big) -> str:
+    """Bytes vs time."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    marks = "os^Dv<>"
+    for i, m in enumerate(methods):
+        for j, rate in enumerate(rates):
+            pts = [x for x in ar if x["method"] == m and x["rate"] == rate and x["workers"] == n
+                   and x["elements"] == big]
+            if pts:
+                ax.scatter([p["time_median"] for p in pts], [p["wire_up_bytes_per_worker"] / 1e6 for p in pts],
+                           marker=marks[j % len(marks)], color=f"C{i % 10}",
+                           label=method_label(m) if j == 0 else None)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("allreduce time (s, median)")
+    ax.set_ylabel("bytes sent per worker (MB, link counters)")
+    ax.set_title(f"{n} workers, {big:,} elements; marker = rate: "
+                 + ", ".join(f"{marks[j]} {RATE_LABEL.get(r, r)}" for j, r in enumerate(rates)), fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "bytes_vs_time.png", dpi=110)
+    plt.close(fig)
+    return "bytes_vs_time.png"
+
+
+def _plot_scaling(plt, out: Path, ar, methods, rates, big) -> list[str]:
+    """Scaling with workers (needs two worker counts or more)."""
+    ns = sorted({r["workers"] for r in ar})
+    if len(ns) < 2:
+        return []
+    srates = [r for r in ("10mbit", "100mbit") if r in rates] or rates[:1]
+    fig, axs = plt.subplots(1, len(srates), figsize=(6.5 * len(srates), 4.5), squeeze=False)
+    core = [m for m in methods if m in ("gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd")] or methods
+    for ax, rate in zip(axs[0], srates):
+        for i, m in enumerate(core):          # the seed codecs' scaling is in the tables
+            pts = sorted((x["workers"], x["time_median"], x["ideal_time"]) for x in ar
+                         if x["method"] == m and x["rate"] == rate and x["elements"] == big)
+            if len(pts) >= 2:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i % 10}", label=method_label(m))
+                if pts[0][2] is not None and m in ("gloo", "ina:nc", "ina:bfp32"):
+                    ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=f"C{i % 10}")
+        ax.set_xticks(ns)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers")
+        ax.set_ylabel("allreduce time (s); dotted: link-bound ideal")
+        ax.set_title(f"{RATE_LABEL.get(rate, rate)} per link, {big:,} elements")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "scaling_workers.png", dpi=110)
+    plt.close(fig)
+    return ["scaling_workers.png"]
+
+
+def _plot_throughput(plt, out: Path, tp, methods, rates, n) -> str:
+    models = sorted({(r["elements"], r.get("model") or str(r["elements"])) for r in tp})
+    fig, axs = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
+    for ax, (el, name) in zip(axs[0], models):
+        for i, m in enumerate(methods):
+            ys = [next((x["samples_per_s"] for x in tp if x["method"] == m and x["elements"] == el
+                        and x["workers"] == n and x["rate"] == rate), None) for rate in rates]
+            xs = [k for k, y in enumerate(ys) if y is not None]
+            if xs:
+                ax.plot(xs, [ys[k] for k in xs], "o-", color=f"C{i % 10}", label=method_label(m))
+        ax.set_xticks(range(len(rates)), [RATE_LABEL.get(r, r) for r in rates], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"{name} ({el:,} params), {n} workers", fontsize=9)
+        ax.set_ylabel("samples/s (measured, synthetic data)")
+    axs[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+    return "throughput.png"
+
+
+def _plot_accuracy(plt, out: Path, acc) -> str:
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, r in enumerate(sorted(acc, key=lambda r: (r["method"] != "gloo", r["method"]))):
+        c = r["curve"]
+        a1.plot([p["step"] for p in c], [p["accuracy"] * 100 for p in c], "-", color=f"C{i % 10}",
+                label=method_label(r["method"]))
+        a2.plot([p["time"] for p in c], [p["accuracy"] * 100 for p in c], "-", color=f"C{i % 10}")
+    a1.set_xlabel("SGD step")
+    a2.set_xlabel("wall time (s)")
+    a1.set_ylabel("test accuracy (%), digits")
+    a1.legend(fontsize=7)
+    a1.set_title(f"{acc[0]['workers']} workers, {RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=110)
+    plt.close(fig)
+    return "accuracy.png"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,6 +270,22 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
     methods = _methods(ar or acc)
     rates = sorted({r["rate"] for r in ar}, key=_rk)
     sizes = sorted({r["elements"] for r in ar})
+    L = _md_intro(meta) + _md_targets(records, meta)
+    if ar:
+        L += _md_allreduce(ar, acc, methods, rates, sizes)
+    if tp:
+        L += _md_throughput(meta, tp, ar, methods, rates, sizes)
+    if acc:
+        L += _md_accuracy(acc)
+    if images:
+        L += ["## Figures", ""]
+        for im in images:
+            L.append(f"![{im}]({img_prefix}{im})")
+            L.append("")
+    return "\n".join(L)
+
+
+def _md_intro(meta) -> list[str]:
     L = ["# ina-sweep report", ""]
     L.append(f"Command(s): " + "; ".join(f"`{c}`" for c in meta.get("runs", [meta.get("command", "")])))
     L.append("")
@@ -270,103 +303,114 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
              "only (headers, Ethernet framing excluded).")
     L.append(ideal)
     L.append("")
+    return L
+
+
+def _md_targets(records, meta) -> list[str]:
+    L = []
     tg = targets(records, meta)
     if tg:
-        L += ["## Targets (issue 6)", "", "| target | measured | met |", "|---|---|---|"]
+        L += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
         for t in tg:
             L.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} |")
         L.append("")
-    if ar:
-        n = _pick_n(ar)
-        accd = {}
-        base = next((r for r in acc if r["method"] == "gloo"), None)
-        if base:
-            accd = {r["method"]: (r["final_accuracy"] - base["final_accuracy"]) * 100 for r in acc}
-        for el in sizes[::-1]:
-            L += [f"## Speedup over Gloo ring fp32 ({n} workers, {el:,} elements) — compare with 3LC Table 1", ""]
-            L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " | accuracy diff (points) |")
-            L.append("|---" * (len(rates) + 2) + "|")
-            for m in methods:
-                row = []
-                for rate in rates:
-                    r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                              and x["elements"] == el), None)
-                    row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else ""))
-                L.append(f"| {_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
-            L.append("")
-        L += ["## All allreduce measurements", "",
-              "| workers | rate | elements | method | time (s) | ideal (s) | time/ideal | speedup | up MB/worker | "
-              "down MB/worker | bytes vs ring | drops | rel. error |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(ar, key=lambda r: (r["workers"], _rk(r["rate"]), r["elements"], r["method"] != "gloo",
-                                           r["method"])):
-            g = next((x for x in ar if x["method"] == "gloo" and x["workers"] == r["workers"] and x["rate"] == r["rate"]
-                      and x["elements"] == r["elements"]), None)
-            bvr = r["wire_up_bytes_per_worker"] / g["wire_up_bytes_per_worker"] if g and g["wire_up_bytes_per_worker"] else None
-            L.append(f"| {r['workers']} | {RATE_LABEL.get(r['rate'], r['rate'])} | {r['elements']:,} | {_label(r['method'])} "
-                     f"| {r['time_median']:.4f} | {_fmt(r['ideal_time'], '.4f')} | {_fmt(r['bound_ratio'], '.2f')} | "
-                     f"{_fmt(r.get('speedup_vs_gloo'), '.2f')} | {_mb(r['wire_up_bytes_per_worker'])} | "
-                     f"{_mb(r['wire_down_bytes_per_worker'])} | {_fmt(bvr, '.3f')} | {r['wire_drops']} | "
-                     f"{_fmt(r['rel_error'], '.2g')} |")
-        L.append("")
-    if tp:
-        n = _pick_n(tp)
-        L += [f"## Training throughput (samples/s, {n} workers) — compare with the natural-compression paper's "
-              "throughput figures", "",
-              f"Measured: data-parallel SGD with synthetic data (batch {meta.get('batch', 32)} per worker) of a "
-              "fully connected model with that parameter count; per step forward+backward, one allreduce of all "
-              f"gradients, SGD step; {meta.get('tp_steps', '?')} timed steps after one warm-up step. samples/s = "
-              "workers x batch x steps / wall time of the slowest rank (in parentheses: ratio to Gloo). The model has "
-              "little compute per parameter, like an accelerator; on this 2-core CPU the workers share the cores, "
-              "and the median forward+backward time per step is given with each model.", ""]
-        models = sorted({(r["elements"], r.get("model") or "") for r in tp})
-        for el, name in models:
-            ct = sorted(r["compute_time"] for r in tp if r["elements"] == el and r["workers"] == n)
-            ct = ct[len(ct) // 2] if ct else float("nan")
-            L.append(f"**{name or el} ({el:,} parameters; median compute {ct * 1000:.1f} ms/step per worker)**")
-            L.append("")
-            L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " |")
-            L.append("|---" * (len(rates) + 1) + "|")
-            for m in methods:
-                row = []
-                for rate in rates:
-                    r = next((x for x in tp if x["method"] == m and x["workers"] == n and x["rate"] == rate
-                              and x["elements"] == el), None)
-                    row.append(f"{r['samples_per_s']:.1f} ({r['speedup_vs_gloo']:.2f}x)" if r and r.get("speedup_vs_gloo")
-                               else (_fmt(r["samples_per_s"], ".1f") if r else "–"))
-                L.append(f"| {_label(m)} | " + " | ".join(row) + " |")
-            L.append("")
-        L += ["## Data volume per worker per allreduce (MB sent, link counters) — compare with the natural-compression "
-              "paper's data-volume figure", ""]
-        L.append("| method | " + " | ".join(f"{el:,}" for el in sizes) + " |")
-        L.append("|---" * (len(sizes) + 1) + "|")
+    return L
+
+
+def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
+    L = []
+    n = _pick_n(ar)
+    accd = {}
+    base = next((r for r in acc if r["method"] == "gloo"), None)
+    if base:
+        accd = {r["method"]: (r["final_accuracy"] - base["final_accuracy"]) * 100 for r in acc}
+    for el in sizes[::-1]:
+        L += [f"## Speedup over Gloo ring fp32 ({n} workers, {el:,} elements) — compare with 3LC Table 1", ""]
+        L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " | accuracy diff (points) |")
+        L.append("|---" * (len(rates) + 2) + "|")
         for m in methods:
             row = []
-            for el in sizes:
-                r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] != "unlimited"
-                          and x["elements"] == el), None)
-                row.append(_mb(r["wire_up_bytes_per_worker"]) if r else "–")
-            L.append(f"| {_label(m)} | " + " | ".join(row) + " |")
+            for rate in rates:
+                r = _rec(ar, m, n, rate, el)
+                row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else ""))
+            L.append(f"| {method_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
         L.append("")
-    if acc:
-        base = next((r for r in acc if r["method"] == "gloo"), None)
-        L += [f"## Accuracy on scikit-learn digits ({acc[0]['workers']} workers, "
-              f"{RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}, {acc[0]['steps']} SGD steps, same seed and batches)", "",
-              "MLP 64-128-10 (9,610 parameters), batch 32 per worker, SGD lr 0.05 momentum 0.9, averaged gradients; "
-              "test split 30% (540 images: one image is 0.185 points).", "",
-              "| method | final accuracy (%) | diff vs Gloo (points) | training time (s) | of which allreduce (s) |",
-              "|---|---|---|---|---|"]
-        for r in sorted(acc, key=lambda r: (r["method"] != "gloo", r["method"])):
-            d = (r["final_accuracy"] - base["final_accuracy"]) * 100 if base else None
-            L.append(f"| {_label(r['method'])} | {r['final_accuracy'] * 100:.2f} | {_fmt(d, '+.2f')} | "
-                     f"{r['train_time']:.2f} | {r['comm_time']:.2f} |")
+    L += ["## All allreduce measurements", "",
+          "| workers | rate | elements | method | time (s) | ideal (s) | time/ideal | speedup | up MB/worker | "
+          "down MB/worker | bytes vs ring | drops | rel. error |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(ar, key=lambda r: (r["workers"], _rk(r["rate"]), r["elements"], r["method"] != "gloo",
+                                       r["method"])):
+        g = next((x for x in ar if x["method"] == "gloo" and x["workers"] == r["workers"] and x["rate"] == r["rate"]
+                  and x["elements"] == r["elements"]), None)
+        bvr = r["wire_up_bytes_per_worker"] / g["wire_up_bytes_per_worker"] if g and g["wire_up_bytes_per_worker"] else None
+        L.append(f"| {r['workers']} | {RATE_LABEL.get(r['rate'], r['rate'])} | {r['elements']:,} "
+                 f"| {method_label(r['method'])} "
+                 f"| {r['time_median']:.4f} | {_fmt(r['ideal_time'], '.4f')} | {_fmt(r['bound_ratio'], '.2f')} | "
+                 f"{_fmt(r.get('speedup_vs_gloo'), '.2f')} | {_mb(r['wire_up_bytes_per_worker'])} | "
+                 f"{_mb(r['wire_down_bytes_per_worker'])} | {_fmt(bvr, '.3f')} | {r['wire_drops']} | "
+                 f"{_fmt(r['rel_error'], '.2g')} |")
+    L.append("")
+    return L
+
+
+def _md_throughput(meta, tp, ar, methods, rates, sizes) -> list[str]:
+    L = []
+    n = _pick_n(tp)
+    L += [f"## Training throughput (samples/s, {n} workers) — compare with the natural-compression paper's "
+          "throughput figures", "",
+          f"Measured: data-parallel SGD with synthetic data (batch {meta.get('batch', 32)} per worker) of a "
+          "fully connected model with that parameter count; per step forward+backward, one allreduce of all "
+          f"gradients, SGD step; {meta.get('tp_steps', '?')} timed steps after one warm-up step. samples/s = "
+          "workers x batch x steps / wall time of the slowest rank (in parentheses: ratio to Gloo). The model has "
+          "little compute per parameter, like an accelerator; on this 2-core CPU the workers share the cores, "
+          "and the median forward+backward time per step is given with each model.", ""]
+    models = sorted({(r["elements"], r.get("model") or "") for r in tp})
+    for el, name in models:
+        ct = sorted(r["compute_time"] for r in tp if r["elements"] == el and r["workers"] == n)
+        ct = ct[len(ct) // 2] if ct else float("nan")
+        L.append(f"**{name or el} ({el:,} parameters; median compute {ct * 1000:.1f} ms/step per worker)**")
         L.append("")
-    if images:
-        L += ["## Figures", ""]
-        for im in images:
-            L.append(f"![{im}]({img_prefix}{im})")
-            L.append("")
-    return "\n".join(L)
+        L.append("| method | " + " | ".join(RATE_LABEL.get(r, r) for r in rates) + " |")
+        L.append("|---" * (len(rates) + 1) + "|")
+        for m in methods:
+            row = []
+            for rate in rates:
+                r = _rec(tp, m, n, rate, el)
+                row.append(f"{r['samples_per_s']:.1f} ({r['speedup_vs_gloo']:.2f}x)" if r and r.get("speedup_vs_gloo")
+                           else (_fmt(r["samples_per_s"], ".1f") if r else "–"))
+            L.append(f"| {method_label(m)} | " + " | ".join(row) + " |")
+        L.append("")
+    L += ["## Data volume per worker per allreduce (MB sent, link counters) — compare with the natural-compression "
+          "paper's data-volume figure", ""]
+    L.append("| method | " + " | ".join(f"{el:,}" for el in sizes) + " |")
+    L.append("|---" * (len(sizes) + 1) + "|")
+    for m in methods:
+        row = []
+        for el in sizes:
+            r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] != "unlimited"
+                      and x["elements"] == el), None)
+            row.append(_mb(r["wire_up_bytes_per_worker"]) if r else "–")
+        L.append(f"| {method_label(m)} | " + " | ".join(row) + " |")
+    L.append("")
+    return L
+
+
+def _md_accuracy(acc) -> list[str]:
+    L = []
+    base = next((r for r in acc if r["method"] == "gloo"), None)
+    L += [f"## Accuracy on scikit-learn digits ({acc[0]['workers']} workers, "
+          f"{RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}, {acc[0]['steps']} SGD steps, same seed and batches)", "",
+          "MLP 64-128-10 (9,610 parameters), batch 32 per worker, SGD lr 0.05 momentum 0.9, averaged gradients; "
+          "test split 30% (540 images: one image is 0.185 points).", "",
+          "| method | final accuracy (%) | diff vs Gloo (points) | training time (s) | of which allreduce (s) |",
+          "|---|---|---|---|---|"]
+    for r in sorted(acc, key=lambda r: (r["method"] != "gloo", r["method"])):
+        d = (r["final_accuracy"] - base["final_accuracy"]) * 100 if base else None
+        L.append(f"| {method_label(r['method'])} | {r['final_accuracy'] * 100:.2f} | {_fmt(d, '+.2f')} | "
+                 f"{r['train_time']:.2f} | {r['comm_time']:.2f} |")
+    L.append("")
+    return L
 
 
 def write_report(out: Path, meta, records, plots: bool = True) -> None:

@@ -36,24 +36,15 @@ def _out(obj) -> None:
     sys.stdout.flush()
 
 
-def narrow_results(codec: str, world: int, fixed_only: bool = True) -> bool:
-    """Do the switch's sums of this codec (in its initial state) come back as int8 with ``world``
-    workers (INT8_NARROW)? ``fixed_only``: only if its code range cannot grow later (MQGrad's grows
-    with its bits during training, so packets are sized for int32 results)."""
-    from ina import compression
-    from ina.compression import ScaleContext
-    c = compression.get(codec)
-    return not (fixed_only and c.adaptive_width) and c.int8_sums(ScaleContext(0, world))
-
-
 def ina_elements(codec: str, mtu: int, world: int = 2) -> int:
     """Elements per packet so that both the INA datagram and its result fit one frame (no IP
     fragmentation): results are NC8 (1 byte) for NC8 codes, int8 for narrow int8 sums and INT32
     (4 bytes) otherwise, so such an INT8 codec's 1-byte upload needs 4-byte-sized chunks."""
     from ina import compression
-    from ina.wire import HEADER_SIZE, PAYLOAD_WIDTH, PayloadType
-    pt = compression.get(codec).payload_type
-    width = max(1, PAYLOAD_WIDTH[pt], 1 if pt == PayloadType.NC8 or narrow_results(codec, world) else 4)
+    from ina.wire import HEADER_SIZE, PAYLOAD_WIDTH
+    c = compression.get(codec)
+    # results in any state the codec can reach (MQGrad's bits grow during training: int32 sums)
+    width = max(1, PAYLOAD_WIDTH[c.payload_type], c.result_width(world, any_state=True))
     fit = (mtu - 28 - HEADER_SIZE) // width
     e = 1
     while e * 2 <= fit:

@@ -14,50 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from switch_model.launch import start_switch, wait_ready
 
 from .common import check_codec, parse_switch
 
 INJECT_DIR = Path(__file__).resolve().parent / "_inject"
-
-
-def wait_for_switch(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """Return once the switch's TCP control port accepts a connection; raise naming what is missing."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"ina-switch exited with code {proc.returncode} before listening on {host}:{port}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError as e:
-            last = e
-            time.sleep(0.05)
-    raise RuntimeError(f"no ina-switch control plane on {host}:{port} after {timeout:g}s ({last})")
-
-
-def start_switch(port: int, log_path: Path, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "switch_model", "serve", "--port", str(port), *extra]
-    print(f"[ina-horovodrun] starting switch: {' '.join(cmd)} (log: {log_path})", file=sys.stderr, flush=True)
-    with open(log_path, "w") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT)
-    wait_for_switch("127.0.0.1", port, 30.0, proc)
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def horovodrun_bin() -> str:
@@ -92,25 +58,27 @@ def main(argv: list[str] | None = None) -> int:
     if a.timeout:
         env["INA_TIMEOUT"] = str(a.timeout)
     env["PYTHONPATH"] = os.pathsep.join([str(INJECT_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    switch_proc = None
+    switch = None
     try:
         if a.start_switch:
             log_path = Path(tempfile.gettempdir()) / f"ina-switch-{a.switch_port}.log"
-            switch_proc = start_switch(a.switch_port, log_path, a.switch_arg)
-            env["INA_SWITCH"] = f"127.0.0.1:{a.switch_port}"
+            print(f"[ina-horovodrun] starting switch on port {a.switch_port} with {a.switch_arg} (log: {log_path})",
+                  file=sys.stderr, flush=True)
+            switch = start_switch(a.switch_port, *a.switch_arg, log_path=log_path, timeout=30.0)
+            env["INA_SWITCH"] = switch.addr
         else:
             spec = a.switch or env.get("INA_SWITCH")
             if not spec:
                 ap.error("give --switch host:port, --start-switch, or set INA_SWITCH")
             host, port = parse_switch(spec, "--switch")
-            wait_for_switch(host, port, 10.0)
+            wait_ready(host, port, 10.0)
             env["INA_SWITCH"] = f"{host}:{port}"
         print(f"[ina-horovodrun] INA_SWITCH={env['INA_SWITCH']} INA_CODEC={env.get('INA_CODEC', 'nc')}",
               file=sys.stderr, flush=True)
         return subprocess.call([horovodrun_bin(), *rest], env=env)
     finally:
-        if switch_proc is not None:
-            stop(switch_proc)
+        if switch is not None:
+            switch.stop(timeout=10)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"({topo.workers_count} workers): bring it up with --workers >= the number of ranks")
     h = topo.host(name)
     root_ip = topo.root_ip
-    topo._close_handles()
+    topo.close_handles()
     env = dict(os.environ)
     for k in REWRITE:
         if env.get(k) and _is_loopback(env[k]):

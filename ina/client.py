@@ -22,17 +22,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import burst as B
 from . import compression
-from .compression._seedutil import ErrorFeedbackMixin
-from .compression.base import ScaleContext, native, to_numpy_f32, write_back
+from .compression.base import ScaleContext, native, to_numpy_f32
 from .control import ControlChannel, ControlError
-from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view,
-                   payload_view)
+from .errors import AllreduceError
+from .host_client import HostAggClient
+from .wire import HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view, payload_view
+from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
 
@@ -41,26 +42,18 @@ COALESCE_TARGET = 16      # results per receive burst that receive coalescing ai
 COALESCE_SPACING = 2e-4   # ... when results arrive further apart than this (a 8 kB packet at 330 Mbit/s)
 
 
-class AllreduceError(RuntimeError):
-    """An allreduce could not complete; the message says what was missing."""
+__all__ = ["Client", "ClientStats", "AllreduceError"]
 
 
 @dataclass
-class ClientStats:
-    allreduces: int = 0
+class ClientStats(WorkerStats):
     packets_sent: int = 0
-    bytes_sent: int = 0
     packets_received: int = 0
-    bytes_received: int = 0
     retransmissions: int = 0
     stale_results: int = 0
-    elements: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
-class Client:
+class Client(Worker):
     """A worker of one job at one switch.
 
     ``Client(switch=("host", port), rank=r, world_size=n, job=j)`` joins job ``j`` at the switch
@@ -73,18 +66,11 @@ class Client:
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
                  coalesce: float = 0.004):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
-        self.rank, self.world_size, self.job = rank, world_size, job
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
-        self.stats = ClientStats()
-        self._codecs: dict[str, compression.Codec] = {}
-        self._codec_options = codec_options or {}
-        self._seed = seed if seed is not None else int(np.random.default_rng().integers(0, 2**31))
-        self._broken: str | None = None
         self.sock = B.udp_socket("0.0.0.0", 0)
         self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0))
         local_ip = self.ctl.sock.getsockname()[0]
@@ -107,7 +93,7 @@ class Client:
             self.switch_addrs[i] = B.sockaddr(host, p)[0]
         self.shards = len(ports)
         self.host_aggregator = cfg.get("host_aggregator")  # {"port", "label"} when the service runs one
-        self._host: object | None = None                    # HostAggClient, connected on first use
+        self._host: HostAggClient | None = None             # connected on first use
         B.set_recv_timeout(self.sock, 0.002)
         self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
         self.tx = B.TxBatch(self.sock, capacity=1024)
@@ -118,14 +104,6 @@ class Client:
                  self.slots, self.elements)
 
     # ----------------------------------------------------------------------------------------------
-    def codec(self, name: str) -> compression.Codec:
-        c = self._codecs.get(name)
-        if c is None:
-            opts = dict(self._codec_options.get(name, {}))
-            opts.setdefault("seed", self._seed * 1_000_003 + self.rank)
-            c = self._codecs[name] = compression.get(name, **opts)
-        return c
-
     def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None):
         """Sum (or average) ``tensor`` over the job's workers through the switch, in place.
 
@@ -134,9 +112,7 @@ class Client:
         (3lc-3v, bgt, qgt keep one residual per key; without a key they are stateless). Returns
         the same object.
         """
-        if self._broken:
-            raise AllreduceError(f"client of job {self.job} rank {self.rank} is unusable after an earlier "
-                                 f"failure: {self._broken}")
+        self._check_usable()
         c = self.codec(codec)
         if not c.switch_summable:
             return self._host_allreduce(tensor, c, key, average)
@@ -144,7 +120,7 @@ class Client:
         n = x32.size
         if n == 0:
             return tensor
-        kw = {"key": key} if isinstance(c, ErrorFeedbackMixin) else {}
+        kw = {"key": key} if c.keeps_residuals else {}
         chunk0 = self._next_chunk
         try:
             exponent = c.scale_exponent(x32, **kw)     # raises ValueError on NaN/Inf before anything is sent
@@ -159,19 +135,14 @@ class Client:
                                agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
             out = self._reduce(c, x32, ctx, kw)
         except AllreduceError as e:
-            self._broken = str(e)
+            self._break(str(e))
             raise
         except BaseException as e:
             if self._next_chunk != chunk0:     # packets went out: the switch holds partial rounds of ours
-                self._broken = (f"{type(e).__name__} during an allreduce of job {self.job} (chunk ids from "
-                                f"{chunk0}): {e}")
+                self._break(f"{type(e).__name__} during an allreduce of job {self.job} (chunk ids from "
+                            f"{chunk0}): {e}")
             raise
-        if average:
-            out = out / np.float32(self.world_size)
-        self.stats.allreduces += 1
-        self.stats.elements += n
-        write_back(tensor, out)
-        return tensor
+        return self._deliver(tensor, out, average)
 
     def _host_allreduce(self, tensor, c, key, average):
         """A codec an integer switch cannot sum (variable-length messages: 3lc, eaq, wgt) goes through
@@ -181,30 +152,20 @@ class Client:
                              f"at {self.switch[0]}:{self.switch[1]} runs no host aggregator; switch-summable codecs: "
                              + ", ".join(n for n in compression.available() if compression.get(n).switch_summable))
         if self._host is None:
-            from .host_client import HostAggClient
             self._host = HostAggClient((self.switch[0], int(self.host_aggregator["port"])), self.rank,
                                        self.world_size, self.job, timeout=self.timeout, seed=self._seed)
             log.warning("rank %d job %d: codec %s runs through the host aggregator (%s)", self.rank, self.job,
                         c.name, self.host_aggregator.get("label", "NOT switch-feasible"))
         sent0, recv0 = self._host.stats.bytes_sent, self._host.stats.bytes_received
         try:
-            self._host.allreduce(tensor, c, key=key, average=average)
-        except AllreduceError as e:
-            self._broken = str(e)
-            raise
+            with self._latching():
+                self._host.allreduce(tensor, c, key=key, average=average)
         finally:
             self.stats.bytes_sent += self._host.stats.bytes_sent - sent0
             self.stats.bytes_received += self._host.stats.bytes_received - recv0
         self.stats.allreduces += 1
         self.stats.elements += int(np.prod(np.shape(tensor)))
         return tensor
-
-    def _result_type(self, c) -> PayloadType:
-        if c.payload_type == PayloadType.NC8:
-            if not self.raw:
-                return PayloadType.NC8
-            return PayloadType.INT64 if self.register_bits == 64 else PayloadType.INT32
-        return PayloadType.INT32
 
     def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict) -> np.ndarray:
         """Encode, stream and decode, pipelined: a block of ``slots`` chunks is encoded when its first
@@ -214,20 +175,15 @@ class Client:
         n, E, S = x32.size, self.elements, self.slots
         n_chunks = max(1, math.ceil(n / E))
         block = n_chunks if kw else S                      # chunks per encoding block
-        ptype = c.payload_type
-        res_type = self._result_type(c)
-        raw = res_type != c.payload_type or self.raw
-        if c.int8_sums(ctx):
-            ptype = res_type = PayloadType.INT8_NARROW      # the sum fits int8: 1 byte per element down
+        ptype = c.uplink_type(ctx)                         # INT8_NARROW when the sum fits int8
+        res_type = c.result_type(ctx, raw=self.raw)
+        raw = self.raw or res_type != c.payload_type       # results are register sums, not codes
         out = np.empty(n_chunks * E, np.float32)
         out2d = out.reshape(n_chunks, E)
 
         def encode_block(b: int) -> np.ndarray:
             lo, hi = b * block * E, min(n, (b + 1) * block * E)
-            # the kernels draw uniform(i, seed) = hash(i * 0x9E3779B9 + seed): shifting the seed by lo
-            # elements makes block b draw exactly what a whole-tensor encode draws for its elements
-            bctx = ctx if b == 0 else replace(ctx, seed=(ctx.seed + 0x9E3779B9 * lo) & 0xFFFFFFFF)
-            codes = c.encode_shared(x32[lo:hi], bctx, **kw)
+            codes = c.encode_shared(x32[lo:hi], ctx.from_element(lo), **kw)
             rows = math.ceil((hi - lo) / E)
             if codes.size != rows * E:                     # the last chunk is zero-padded
                 codes = np.concatenate([codes, np.zeros(rows * E - codes.size, codes.dtype)])
@@ -251,146 +207,10 @@ class Client:
         results. Packets live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is
         done, which is sent only after c is done, so a row is never reused while its chunk is pending.
         """
-        E = self.elements if ptype != PayloadType.NONE else 0
-        S = self.slots
-        width = PAYLOAD_WIDTH[ptype]
-        pkt_len = HEADER_SIZE + width * E
-        R = min(n_chunks, 2 * S)
         c0 = self._next_chunk
         self._next_chunk += n_chunks
-        pkts = np.zeros((R, max(pkt_len, HEADER_SIZE)), np.uint8)
-        hv = header_view(pkts)
-        hv["version"] = VERSION
-        hv["msg_type"] = int(MsgType.DATA)
-        hv["job"] = self.job
-        hv["rank"] = self.rank
-        hv["codec"] = codec_id
-        hv["payload_type"] = int(ptype)
-        pv = payload_view(pkts, ptype, E) if E else None
-        exps_in = np.broadcast_to(np.asarray(exponent, np.int64), (n_chunks,))
-        blocks: dict[int, np.ndarray] = {}
-        left_in_block: dict[int, int] = {}
-
-        def load(chunks: np.ndarray) -> np.ndarray:
-            """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
-            rows = chunks % R
-            ids = c0 + chunks
-            hv["slot"][rows] = (ids % S) | (((ids // S) & 1) << 15)
-            hv["chunk"][rows] = ids & 0xFFFFFFFF
-            hv["exponent"][rows] = exps_in[chunks]
-            hv["flags"][rows] = 0
-            if E:
-                hv["count"][rows] = np.minimum(E, count - chunks * E)
-                bs = chunks // block
-                for b in np.unique(bs):
-                    b = int(b)
-                    if b not in blocks:
-                        blocks[b] = encode_block(b)
-                        left_in_block[b] = blocks[b].shape[0]
-                    sel = bs == b
-                    pv[rows[sel]] = blocks[b][chunks[sel] - b * block]
-                    left_in_block[b] -= int(np.count_nonzero(sel))
-                    if left_in_block[b] == 0:          # every chunk of the block is in the ring
-                        del blocks[b], left_in_block[b]
-            return rows
-
-        rwidth = PAYLOAD_WIDTH[result_type]
-        res_len = HEADER_SIZE + rwidth * E
-        exps = np.zeros(n_chunks, np.int64)
-        done = np.zeros(n_chunks, bool)
-        sent_at = np.zeros(n_chunks)
-        tries = np.zeros(n_chunks, np.int64)
-        overflow = 0
-        first = np.arange(min(S, n_chunks))
-        self._send(pkts, load(first), pkt_len)
-        now = time.monotonic()
-        sent_at[first] = now
-        max_sent = first.size - 1
-        low = 0                       # every chunk below `low` is done
-        n_done = 0
-        last_progress = now
-        next_check = now + self.current_rto()
-        n_sent = first.size
-        last_rx, per_pkt = None, 0.0          # arrival spacing (EWMA, seconds per packet) for coalescing
-        while n_done < n_chunks:
-            k = self.rx.recv(wait=True)
-            now = time.monotonic()
-            if not k:
-                last_rx = None                # an idle gap (peers, a loss) says nothing about the link
-            else:
-                if last_rx is not None:
-                    per_pkt = 0.8 * per_pkt + 0.2 * (now - last_rx) / k if per_pkt else (now - last_rx) / k
-                last_rx = now
-                self.stats.packets_received += k
-                self.stats.bytes_received += int(self.rx.lens[:k].sum())
-                buf = self.rx.buf[:k]
-                h = header_view(buf)
-                mt = h["msg_type"]
-                if (mt == int(MsgType.ABORT)).any():
-                    ab = h[(mt == int(MsgType.ABORT)) & (h["job"] == self.job)]
-                    if ab.size:
-                        raise AllreduceError(f"job {self.job} was aborted by the switch: rank {int(ab['rank'][0])} "
-                                             f"left the job; {n_chunks - n_done} of {n_chunks} chunks incomplete")
-                ok = (mt == int(MsgType.RESULT)) & (h["job"] == self.job) & (self.rx.lens[:k] == res_len)
-                j = h["chunk"].astype(np.int64) - (c0 & 0xFFFFFFFF)
-                ok &= (j >= 0) & (j < n_chunks)
-                stale = int(np.count_nonzero(~ok))
-                jj = j[ok]
-                if jj.size:
-                    fresh = ~done[jj]
-                    idx = np.nonzero(ok)[0][fresh]
-                    jj, first_pos = np.unique(jj[fresh], return_index=True)
-                    idx = idx[first_pos]
-                    stale += int(np.count_nonzero(ok)) - jj.size
-                    if jj.size:
-                        if E:
-                            decode(jj, native(payload_view(buf[idx], result_type, E)))
-                        first_try = jj[tries[jj] == 0]       # Karn: no samples from retransmitted chunks
-                        if first_try.size and E:             # negotiation rounds wait for the slowest rank
-                            self._rtt_sample(float(np.median(now - sent_at[first_try])))
-                        exps[jj] = h["exponent"][idx]
-                        overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
-                        done[jj] = True
-                        n_done += jj.size
-                        last_progress = now
-                        nxt = jj + S                      # self-clocking: each result frees its slot
-                        nxt = nxt[nxt < n_chunks]
-                        if nxt.size:
-                            self._send(pkts, load(nxt), pkt_len)
-                            sent_at[nxt] = time.monotonic()
-                            n_sent += nxt.size
-                            max_sent = max(max_sent, int(nxt[-1]))
-                        while low < n_chunks and done[low]:
-                            low += 1
-                self.stats.stale_results += stale
-                # receive coalescing: on a slow link results trickle in one by one and each loop turn costs
-                # ~100 us of Python; with a full window still in flight, let a few more arrive first (on a
-                # fast link they arrive faster than a loop turn and batch by themselves)
-                in_flight = n_sent - n_done
-                if k < COALESCE_TARGET and in_flight > 2 * COALESCE_TARGET and per_pkt > COALESCE_SPACING:
-                    pause = min(self.coalesce, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)
-                    if pause > 5e-5:
-                        time.sleep(pause)
-            if now >= next_check and n_done < n_chunks:
-                rto = self.current_rto()
-                next_check = now + rto / 2
-                hi = max_sent + 1             # every sent, not-done chunk still owns its ring row
-                win = np.arange(low, hi)
-                w = win[(~done[low:hi]) & (sent_at[low:hi] > 0)]
-                late = w[now - sent_at[w] > np.minimum(rto * 2.0 ** tries[w], self.max_rto)]
-                if late.size:
-                    rows = late % R
-                    hv["flags"][rows] |= int(Flag.RETRANSMIT)
-                    self._send(pkts, rows, pkt_len)
-                    sent_at[late] = now
-                    tries[late] += 1
-                    self.stats.retransmissions += late.size
-                if now - last_progress > self.timeout:
-                    raise AllreduceError(self._stall_message(n_chunks, n_done, c0))
-        if overflow:
-            raise AllreduceError(f"job {self.job}: {overflow} chunk(s) came back with the OVERFLOW flag: a switch "
-                                 "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
-        return exps
+        return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encode_block, block,
+                         decode).run()
 
     def _rtt_sample(self, r: float) -> None:
         if self.srtt is None:
@@ -452,3 +272,173 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
+
+class _Transfer:
+    """One :meth:`Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
+
+    def __init__(self, cl: Client, c0: int, n_chunks: int, ptype: PayloadType, codec_id: int, exponent,
+                 result_type: PayloadType, count: int, encode_block, block: int, decode):
+        self.cl, self.c0, self.n_chunks = cl, c0, n_chunks
+        self.E = E = cl.elements if ptype != PayloadType.NONE else 0
+        self.S = cl.slots
+        self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
+        self.R = min(n_chunks, 2 * self.S)
+        self.pkts = np.zeros((self.R, max(self.pkt_len, HEADER_SIZE)), np.uint8)
+        hv = self.hv = header_view(self.pkts)
+        hv["version"] = VERSION
+        hv["msg_type"] = int(MsgType.DATA)
+        hv["job"] = cl.job
+        hv["rank"] = cl.rank
+        hv["codec"] = codec_id
+        hv["payload_type"] = int(ptype)
+        self.pv = payload_view(self.pkts, ptype, E) if E else None
+        self.exps_in = np.broadcast_to(np.asarray(exponent, np.int64), (n_chunks,))
+        self.count, self.encode_block, self.block, self.decode = count, encode_block, block, decode
+        self.blocks: dict[int, np.ndarray] = {}
+        self.left_in_block: dict[int, int] = {}
+        self.result_type = result_type
+        self.res_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E
+        self.exps = np.zeros(n_chunks, np.int64)
+        self.done = np.zeros(n_chunks, bool)
+        self.sent_at = np.zeros(n_chunks)
+        self.tries = np.zeros(n_chunks, np.int64)
+        self.overflow = 0
+        self.low = 0                  # every chunk below `low` is done
+        self.n_done = self.n_sent = 0
+        self.max_sent = -1
+        self.last_rx, self.per_pkt = None, 0.0     # arrival spacing (EWMA, seconds per packet) for coalescing
+
+    def load(self, chunks: np.ndarray) -> np.ndarray:
+        """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
+        hv, E, S = self.hv, self.E, self.S
+        rows = chunks % self.R
+        ids = self.c0 + chunks
+        hv["slot"][rows] = (ids % S) | (((ids // S) & 1) << 15)
+        hv["chunk"][rows] = ids & 0xFFFFFFFF
+        hv["exponent"][rows] = self.exps_in[chunks]
+        hv["flags"][rows] = 0
+        if E:
+            hv["count"][rows] = np.minimum(E, self.count - chunks * E)
+            bs = chunks // self.block
+            for b in np.unique(bs):
+                b = int(b)
+                if b not in self.blocks:
+                    self.blocks[b] = self.encode_block(b)
+                    self.left_in_block[b] = self.blocks[b].shape[0]
+                sel = bs == b
+                self.pv[rows[sel]] = self.blocks[b][chunks[sel] - b * self.block]
+                self.left_in_block[b] -= int(np.count_nonzero(sel))
+                if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
+                    del self.blocks[b], self.left_in_block[b]
+        return rows
+
+    def send_new(self, chunks: np.ndarray) -> None:
+        """Send chunks for the first time (their packets are loaded into the ring first)."""
+        if not chunks.size:
+            return
+        self.cl._send(self.pkts, self.load(chunks), self.pkt_len)
+        self.sent_at[chunks] = time.monotonic()
+        self.n_sent += chunks.size
+        self.max_sent = max(self.max_sent, int(chunks[-1]))
+
+    def run(self) -> np.ndarray:
+        cl, n_chunks = self.cl, self.n_chunks
+        self.send_new(np.arange(min(self.S, n_chunks)))
+        now = self.last_progress = time.monotonic()
+        next_check = now + cl.current_rto()
+        while self.n_done < n_chunks:
+            k = cl.rx.recv(wait=True)
+            now = time.monotonic()
+            if not k:
+                self.last_rx = None           # an idle gap (peers, a loss) says nothing about the link
+            else:
+                self.receive(k, now)
+            if now >= next_check and self.n_done < n_chunks:
+                next_check = now + cl.current_rto() / 2
+                self.retransmit_late(now)
+                if now - self.last_progress > cl.timeout:
+                    raise AllreduceError(cl._stall_message(n_chunks, self.n_done, self.c0))
+        if self.overflow:
+            raise AllreduceError(f"job {cl.job}: {self.overflow} chunk(s) came back with the OVERFLOW flag: a switch "
+                                 "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
+        return self.exps
+
+    def receive(self, k: int, now: float) -> None:
+        """Take a burst of ``k`` received packets: results of this transfer, aborts, stale packets."""
+        cl, n_chunks = self.cl, self.n_chunks
+        if self.last_rx is not None:
+            gap = (now - self.last_rx) / k
+            self.per_pkt = 0.8 * self.per_pkt + 0.2 * gap if self.per_pkt else gap
+        self.last_rx = now
+        cl.stats.packets_received += k
+        cl.stats.bytes_received += int(cl.rx.lens[:k].sum())
+        buf = cl.rx.buf[:k]
+        h = header_view(buf)
+        mt = h["msg_type"]
+        if (mt == int(MsgType.ABORT)).any():
+            ab = h[(mt == int(MsgType.ABORT)) & (h["job"] == cl.job)]
+            if ab.size:
+                raise AllreduceError(f"job {cl.job} was aborted by the switch: rank {int(ab['rank'][0])} left the "
+                                     f"job; {n_chunks - self.n_done} of {n_chunks} chunks incomplete")
+        ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (cl.rx.lens[:k] == self.res_len)
+        j = h["chunk"].astype(np.int64) - (self.c0 & 0xFFFFFFFF)
+        ok &= (j >= 0) & (j < n_chunks)
+        stale = int(np.count_nonzero(~ok))
+        jj = j[ok]
+        if jj.size:
+            fresh = ~self.done[jj]
+            idx = np.nonzero(ok)[0][fresh]
+            jj, first_pos = np.unique(jj[fresh], return_index=True)
+            idx = idx[first_pos]
+            stale += int(np.count_nonzero(ok)) - jj.size
+            if jj.size:
+                self.complete(buf, h, idx, jj, now)
+        cl.stats.stale_results += stale
+        self.coalesce(k)
+
+    def complete(self, buf: np.ndarray, h: np.ndarray, idx: np.ndarray, jj: np.ndarray, now: float) -> None:
+        """Results ``buf[idx]`` of chunks ``jj`` (fresh, distinct): decode, account, send the next chunks."""
+        E = self.E
+        if E:
+            self.decode(jj, native(payload_view(buf[idx], self.result_type, E)))
+        first_try = jj[self.tries[jj] == 0]       # Karn: no samples from retransmitted chunks
+        if first_try.size and E:                  # negotiation rounds wait for the slowest rank
+            self.cl._rtt_sample(float(np.median(now - self.sent_at[first_try])))
+        self.exps[jj] = h["exponent"][idx]
+        self.overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
+        self.done[jj] = True
+        self.n_done += jj.size
+        self.last_progress = now
+        nxt = jj + self.S                         # self-clocking: each result frees its slot
+        nxt = nxt[nxt < self.n_chunks]
+        if nxt.size:
+            self.send_new(nxt)
+        while self.low < self.n_chunks and self.done[self.low]:
+            self.low += 1
+
+    def coalesce(self, k: int) -> None:
+        """Receive coalescing: on a slow link results trickle in one by one and each loop turn costs
+        ~100 us of Python; with a full window still in flight, let a few more arrive first (on a fast
+        link they arrive faster than a loop turn and batch by themselves)."""
+        in_flight = self.n_sent - self.n_done
+        per_pkt = self.per_pkt
+        if k < COALESCE_TARGET and in_flight > 2 * COALESCE_TARGET and per_pkt > COALESCE_SPACING:
+            pause = min(self.cl.coalesce, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)
+            if pause > 5e-5:
+                time.sleep(pause)
+
+    def retransmit_late(self, now: float) -> None:
+        """Resend the sent, not-done chunks older than their backed-off timeout."""
+        cl = self.cl
+        rto = cl.current_rto()
+        lo, hi = self.low, self.max_sent + 1     # every sent, not-done chunk still owns its ring row
+        win = np.arange(lo, hi)
+        w = win[(~self.done[lo:hi]) & (self.sent_at[lo:hi] > 0)]
+        late = w[now - self.sent_at[w] > np.minimum(rto * 2.0 ** self.tries[w], cl.max_rto)]
+        if late.size:
+            rows = late % self.R
+            self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
+            cl._send(self.pkts, rows, self.pkt_len)
+            self.sent_at[late] = now
+            self.tries[late] += 1
+            cl.stats.retransmissions += late.size

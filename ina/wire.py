@@ -56,6 +56,28 @@ PAYLOAD_DTYPE = {
 }
 PAYLOAD_WIDTH = {t: (0 if t == PayloadType.NONE else d.itemsize) for t, d in PAYLOAD_DTYPE.items()}
 
+_NONE, _NC8, _INT32, _INT64, _INT8N = (int(PayloadType.NONE), int(PayloadType.NC8), int(PayloadType.INT32),
+                                       int(PayloadType.INT64), int(PayloadType.INT8_NARROW))
+
+
+def result_type(payload_type: int, raw: bool, register_bits: int) -> int:
+    """The payload type a slot's result comes back in: the one rule of result widths.
+
+    NC8 codes come back re-encoded as NC8, or (``raw``: the job asked for raw sums) as the registers'
+    integers, int64 or int32 by ``register_bits``; INT8_NARROW codes (the sender guarantees that the
+    sum fits int8) as int8; every other integer code as int32 sums; no payload as no payload.
+    Plain integer code, so that the switch's numba kernels compile it too (``njit(result_type)``).
+    """
+    if payload_type == _NONE:
+        return _NONE
+    if payload_type == _NC8:
+        if not raw:
+            return _NC8
+        return _INT64 if register_bits == 64 else _INT32
+    if payload_type == _INT8N:
+        return _INT8N
+    return _INT32
+
 
 @dataclass(frozen=True)
 class Field:

@@ -26,7 +26,7 @@ def _collect(args, prefix: str) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ina-switch", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the switch service (UDP data plane + TCP control plane on --port)")
@@ -49,61 +49,80 @@ def main(argv=None) -> int:
     s.add_argument("--stats-interval", type=float, default=10.0, help="seconds between rate log lines (0: off)")
     s.add_argument("--log-level", default="INFO")
     st = sub.add_parser("stats", help="print the counters of a running switch (JSON)")
-    st.add_argument("--host", default="127.0.0.1")
-    st.add_argument("--port", type=int, default=DEFAULT_PORT)
     im = sub.add_parser("impair", help="change a running switch's impairments")
-    im.add_argument("--host", default="127.0.0.1")
-    im.add_argument("--port", type=int, default=DEFAULT_PORT)
+    w = sub.add_parser("wait", help="wait until a switch's control plane answers (for scripts that start one)")
+    w.add_argument("--timeout", type=float, default=30.0, help="seconds to wait at most (exit status 1 after)")
+    for p in (st, im, w):
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=DEFAULT_PORT)
     _impair_args(im, "", "both directions")
     _impair_args(im, "ingress-", "worker->switch")
     _impair_args(im, "egress-", "switch->worker")
-    args = ap.parse_args(argv)
+    return ap
 
-    if args.cmd in ("stats", "impair"):
-        from ina.control import ControlError, request
-        try:
-            if args.cmd == "stats":
-                reply = request(args.host, args.port, {"op": "stats"})["stats"]
-            else:
-                both = _collect(args, "")
-                reply = request(args.host, args.port, {"op": "impair", "ingress": {**both, **_collect(args, "ingress_")},
-                                                       "egress": {**both, **_collect(args, "egress_")}})["impairments"]
-        except ControlError as e:
-            print(f"ina-switch {args.cmd}: {e}", file=sys.stderr)
-            return 1
-        print(json.dumps(reply, indent=2))
-        return 0
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    from .control import ControlPlane
+def _ask(args) -> int:
+    """stats, impair and wait: requests to a running switch's control plane."""
+    from ina.control import ControlError, request
+    from .launch import SwitchStartError, wait_ready
+    try:
+        if args.cmd == "stats":
+            reply = request(args.host, args.port, {"op": "stats"})["stats"]
+        elif args.cmd == "wait":
+            wait_ready(args.host, args.port, args.timeout)
+            print(f"ina-switch at tcp {args.host}:{args.port} is ready", file=sys.stderr)
+            return 0
+        else:
+            both = _collect(args, "")
+            reply = request(args.host, args.port, {"op": "impair", "ingress": {**both, **_collect(args, "ingress_")},
+                                                   "egress": {**both, **_collect(args, "egress_")}})["impairments"]
+    except (ControlError, SwitchStartError) as e:
+        print(f"ina-switch {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply, indent=2))
+    return 0
+
+
+def _host_aggregator(args):
+    """The host aggregator's process (started first: it imports while the switch builds its registers)."""
+    if args.host_agg_port is not None and args.host_agg_port < 0:
+        return None
+    from ina.host_wire import HOST_AGG_PORT_OFFSET
+    from .host_agg import HostAggregatorProcess
+    hport = args.host_agg_port
+    if hport is None:
+        hport = args.port + HOST_AGG_PORT_OFFSET if 0 < args.port <= 65535 - HOST_AGG_PORT_OFFSET else 0
+    return HostAggregatorProcess(args.host, hport, fallback=args.host_agg_port is None, seed=args.seed,
+                                 stats_interval=args.stats_interval, log_level=args.log_level.upper())
+
+
+def _switch(args):
+    """(the switch's config, the data-plane object the control plane drives, the local Switch)."""
     from .impair import ImpairmentConfig
     from .pipeline import Switch, SwitchConfig
     both = _collect(args, "")
-    hagg = None
-    if args.host_agg_port is None or args.host_agg_port >= 0:
-        # started first: its process imports while the switch builds its registers
-        from ina.host_client import HOST_AGG_PORT_OFFSET
-        from .host_agg import HostAggregatorProcess
-        hport = args.host_agg_port
-        if hport is None:
-            hport = args.port + HOST_AGG_PORT_OFFSET if 0 < args.port <= 65535 - HOST_AGG_PORT_OFFSET else 0
-        hagg = HostAggregatorProcess(args.host, hport, fallback=args.host_agg_port is None, seed=args.seed,
-                                     stats_interval=args.stats_interval, log_level=args.log_level.upper())
+    cfg = SwitchConfig(host=args.host, port=args.port, slots=args.slots, elements=args.elements,
+                       register_bits=args.register_bits, sram_mb=args.sram_mb, burst=args.burst, seed=args.seed,
+                       ingress=ImpairmentConfig(**{**both, **_collect(args, "ingress_"), "seed": args.seed}),
+                       egress=ImpairmentConfig(**{**both, **_collect(args, "egress_"), "seed": args.seed + 1}),
+                       stats_interval=args.stats_interval)
+    if args.cores > 1:
+        from .shards import ShardGroup
+        if args.port == 0:
+            raise ValueError("--cores N needs an explicit --port (shards use PORT..PORT+N-1)")
+        group = ShardGroup(cfg, args.cores, args.log_level.upper())
+        return cfg, group, group.local
+    sw = Switch(cfg)
+    return cfg, sw, sw
+
+
+def _serve(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    from .control import ControlPlane
+    hagg = _host_aggregator(args)
     try:
-        cfg = SwitchConfig(host=args.host, port=args.port, slots=args.slots, elements=args.elements,
-                           register_bits=args.register_bits, sram_mb=args.sram_mb, burst=args.burst, seed=args.seed,
-                           ingress=ImpairmentConfig(**{**both, **_collect(args, "ingress_"), "seed": args.seed}),
-                           egress=ImpairmentConfig(**{**both, **_collect(args, "egress_"), "seed": args.seed + 1}),
-                           stats_interval=args.stats_interval)
-        if args.cores > 1:
-            from .shards import ShardGroup
-            if args.port == 0:
-                raise ValueError("--cores N needs an explicit --port (shards use PORT..PORT+N-1)")
-            group = ShardGroup(cfg, args.cores, args.log_level.upper())
-            sw = group.local
-        else:
-            group = sw = Switch(cfg)
+        cfg, group, sw = _switch(args)
         if hagg is not None:
             hagg.wait_ready()
     except (ValueError, OSError, RuntimeError) as e:
@@ -126,12 +145,9 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    sw._dp_thread = __import__("threading").current_thread()
-    sw._running = True
     try:
         sw.serve_forever()
     finally:
-        sw._running = False
         cp.stop()
         if hagg is not None:
             hagg.close()
@@ -139,6 +155,11 @@ def main(argv=None) -> int:
             group.close()
         sw.sock.close()
     return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    return _serve(args) if args.cmd == "serve" else _ask(args)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,17 @@
 
 Three kernels, one per pipeline stage that touches packet bytes (see pipeline.py for the stage list):
 
-* :func:`parse`     validate every header against the job table; give each packet a verdict;
+* :func:`parse`     validate every header against the job table; give each packet a :class:`Verdict`;
 * :func:`aggregate` the ALU: per packet, the SwitchML slot protocol and the integer adds;
 * :func:`harvest`   completed slots: write the result packet into the slot's shadow-copy row and
                     plan its multicast (and the unicast replays of retransmissions).
+
+Each kernel takes the switch's whole data-plane state as one object, :class:`DataPlane`: the
+registers, the per-set metadata, the job table, the counters and the burst's scratch. It is a
+named tuple of numpy arrays, most of them structured (one record per set, per job, per packet,
+per transmission, with named fields), so the kernels read ``dp.sets[s].round_chunk``. The switch
+calls the kernels through :func:`bind` (compiled entry points, no per-call type dispatch), which
+makes a call cheaper than the positional arrays it replaces (docs/architecture.md has the numbers).
 
 Nothing here sees a float: natural-compression codes become integers by a shift
 (code k -> 2**(k-1)), sums are re-encoded by an integer log2 and an integer random comparison.
@@ -13,11 +20,15 @@ tests/test_switch.py checks the compiled LLVM IR of these kernels for floating-p
 """
 from __future__ import annotations
 
+from enum import IntEnum
+from typing import NamedTuple
+
+import numba
 import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from ina.wire import HEADER_SIZE, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag
+from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag, result_type
 
 # --- header offsets, from the one declaration in ina/wire.py ---------------------------------------
 O_VERSION = OFFSET["version"]
@@ -42,42 +53,104 @@ P_NONE, P_NC8, P_INT32, P_INT64, P_INT8 = (int(PayloadType.NONE), int(PayloadTyp
 P_INT8N = int(PayloadType.INT8_NARROW)
 P_MAX = max(int(t) for t in PayloadType)
 
-# --- job table columns ---------------------------------------------------------------------------
-# J_SLOTS is the job's whole pool (pool indices 0..J_SLOTS-1 in packets); with --cores N the pool is
-# sharded: pool index p lives in shard p % N at local slot J_SLOT_LO + p // N.
-J_ACTIVE, J_NWORKERS, J_SLOT_LO, J_SLOTS, J_ELEMENTS, J_RAW, J_ADDR_BASE, J_SHARDS, J_SHARD = range(9)
-J_COLUMNS = 9
-MAX_JOBS = 1 << 16
 
-# --- verdicts (parse) and actions (aggregate); the drop reasons are counters of the same names ----
-OK = 0
-DROP_REASONS = (
-    "ok",
-    "truncated",            # shorter than a header, or cut by the receive buffer
-    "bad_version",
-    "bad_msg_type",         # not a DATA packet
-    "bad_payload_type",
-    "bad_length",           # length does not match the job's fixed chunk for this payload type
-    "bad_count",            # count larger than the job's elements per packet
-    "unknown_job",
-    "unknown_worker",       # rank >= the job's worker count
-    "slot_out_of_range",    # pool index >= the job's slots
-    "slot_chunk_mismatch",  # pool index / shadow set do not follow from the chunk id
-    "payload_type_mismatch",  # differs from the slot's current round
-    "stale",                # chunk older than the slot's current round (late duplicate)
-    "slot_busy",            # newer chunk while the slot's round is incomplete (protocol violation)
-    "retransmit_pending",   # retransmission while the round is still waiting for other workers
-)
-R = {name: i for i, name in enumerate(DROP_REASONS)}
+# --- verdicts (parse, and aggregate's protocol drops) and actions (aggregate) -----------------------
+class Verdict(IntEnum):
+    """What the pipeline decides for a packet: OK, or the drop reason it is counted under
+    (the counter of the same name in lower case)."""
+    OK = 0
+    TRUNCATED = 1              # shorter than a header, or cut by the receive buffer
+    BAD_VERSION = 2
+    BAD_MSG_TYPE = 3           # not a DATA packet
+    BAD_PAYLOAD_TYPE = 4
+    BAD_LENGTH = 5             # length does not match the job's fixed chunk for this payload type
+    BAD_COUNT = 6              # count larger than the job's elements per packet
+    UNKNOWN_JOB = 7
+    UNKNOWN_WORKER = 8         # rank >= the job's worker count
+    SLOT_OUT_OF_RANGE = 9      # pool index >= the job's slots (or one of another shard)
+    SLOT_CHUNK_MISMATCH = 10   # pool index / shadow set do not follow from the chunk id
+    PAYLOAD_TYPE_MISMATCH = 11  # differs from the slot's current round
+    STALE = 12                 # chunk older than the slot's current round (late duplicate)
+    SLOT_BUSY = 13             # newer chunk while the slot's round is incomplete (protocol violation)
+    RETRANSMIT_PENDING = 14    # retransmission while the round is still waiting for other workers
+
+
+class Action(IntEnum):
+    """What aggregate did with a packet that passed parsing (a dropped packet's action is its verdict)."""
+    ABSORBED = 100   # added into the registers
+    HARVEST = 101    # completed the slot
+    REPLAY = 102     # retransmission to a completed slot: unicast the stored result
+
+
+DROP_REASONS = tuple(v.name.lower() for v in Verdict)      # index = verdict; "ok" first
 N_REASONS = len(DROP_REASONS)
-R_PTYPE_MISMATCH = R["payload_type_mismatch"]
-R_STALE = R["stale"]
-R_BUSY = R["slot_busy"]
-R_RETX_PENDING = R["retransmit_pending"]
-C_OVERFLOW = N_REASONS   # the "overflow" counter follows the drop reasons
-ABSORBED = 100   # added into the registers
-HARVEST = 101    # completed the slot
-REPLAY = 102     # retransmission to a completed slot: unicast the stored result
+COUNTERS = DROP_REASONS + ("overflow", "harvested", "replays", "rx_packets", "rx_bytes", "tx_packets", "tx_bytes",
+                           "aborts_sent")
+C = {name: i for i, name in enumerate(COUNTERS)}
+C_OVERFLOW, C_HARVESTED, C_REPLAYS = C["overflow"], C["harvested"], C["replays"]
+
+# --- the state's records ---------------------------------------------------------------------------
+MAX_JOBS = 1 << 16
+# one register set (index = slot * 2 + shadow copy): the slot protocol's metadata
+SET = np.dtype([("round_chunk", np.int64),   # the chunk id of the round it holds (-1: none yet)
+                ("bitmap", np.uint64),       # workers whose packet of this round is in
+                ("count", np.int64),         # how many
+                ("maxexp", np.int64),        # max exponent of the round's packets
+                ("ptype", np.int64),         # the round's payload type
+                ("codec", np.int64),         # the round's codec id (echoed in the result)
+                ("nvalid", np.int64),        # max count of the round's packets
+                ("result_len", np.int64),    # bytes of the result packet in its results row
+                ("complete", np.uint8),      # every worker's packet is in
+                ("overflow", np.uint8)], align=True)   # a register saturated in this round
+# one job-table entry, derived from a pipeline.Job record (Job.table_row): the fields of the same names.
+# pool_slots is the job's whole pool (pool indices 0..pool_slots-1 in packets); with --cores N the pool
+# is sharded: pool index p lives in shard p % shards at local slot slot_lo + p // shards.
+JOB = np.dtype([(name, np.int64) for name in ("active", "n_workers", "slot_lo", "pool_slots", "elements", "raw",
+                                              "addr_base", "shards", "shard")])
+# one packet of the burst: what parse and aggregate decided
+PKT = np.dtype([("verdict", np.int64), ("set_id", np.int64), ("rank", np.int64), ("job", np.int64),
+                ("action", np.int64)])
+# one planned transmission: results row, length (negative: a replay), worker address index
+TX = np.dtype([("set_id", np.int64), ("length", np.int64), ("addr", np.int64)])
+
+
+class DataPlane(NamedTuple):
+    """The switch's data-plane state: the one object every kernel takes."""
+    regs: np.ndarray       # (sets, elements) int64 registers
+    sets: np.ndarray       # (sets,) SET: per-set metadata
+    results: np.ndarray    # (sets, stride) uint8: each set's result packet (the shadow copy replays read)
+    jobs: np.ndarray       # (MAX_JOBS,) JOB: the job table
+    counters: np.ndarray   # (len(COUNTERS),) int64
+    pkts: np.ndarray       # (burst,) PKT: the current burst's verdicts and actions
+    vals: np.ndarray       # (elements,) int64: the ALU's decoded chunk
+    tx: np.ndarray         # (burst * MAX_WORKERS,) TX: the transmissions harvest planned
+    register_bits: int     # 32 or 64
+    seed: int              # of the stochastic re-encoding
+
+    @classmethod
+    def allocate(cls, slots: int, elements: int, burst: int, stride: int, register_bits: int, seed: int) -> "DataPlane":
+        sets = np.zeros(2 * slots, SET)
+        sets["round_chunk"] = -1
+        return cls(regs=np.zeros((2 * slots, elements), np.int64), sets=sets,
+                   results=np.zeros((2 * slots, stride), np.uint8), jobs=np.zeros(MAX_JOBS, JOB),
+                   counters=np.zeros(len(COUNTERS), np.int64), pkts=np.zeros(burst, PKT),
+                   vals=np.zeros(elements, np.int64), tx=np.zeros(burst * MAX_WORKERS, TX),
+                   register_bits=int(register_bits), seed=int(seed))
+
+    def reset_sets(self, lo: int, slots: int) -> None:
+        """Forget the rounds of slots lo..lo+slots-1 (both sets): a new job starts from chunk 0."""
+        s = self.sets[2 * lo: 2 * (lo + slots)]
+        s["round_chunk"] = -1
+        for name in ("complete", "bitmap", "count", "overflow"):
+            s[name] = 0
+
+
+def bind(kernel, *example_args):
+    """``kernel`` compiled (or loaded from numba's cache) for the types of ``example_args``, as its
+    machine-code entry point. Calling it skips numba's per-call type dispatch, which for a named
+    tuple costs more than a small burst's work; it does not check the types again, so every call
+    must pass arguments of exactly the example's types (the switch's own state and buffers)."""
+    return kernel.compile(tuple(numba.typeof(a) for a in example_args))
 
 
 @njit(inline="always")
@@ -108,50 +181,56 @@ def _width(ptype):
     return 0
 
 
+@njit(inline="always")
+def _check_header(jobs, buf, lens, i):
+    """The verdict of packet i, and for an OK packet its job, rank and register set."""
+    ln = lens[i]
+    if ln < HDR or ln > buf.shape[1]:
+        return Verdict.TRUNCATED, 0, 0, 0
+    if buf[i, O_VERSION] != VERSION:
+        return Verdict.BAD_VERSION, 0, 0, 0
+    if buf[i, O_MSG] != DATA:
+        return Verdict.BAD_MSG_TYPE, 0, 0, 0
+    pt = np.int64(buf[i, O_PTYPE])
+    if pt > P_MAX:
+        return Verdict.BAD_PAYLOAD_TYPE, 0, 0, 0
+    j = _rd16(buf, i, O_JOB)
+    job = jobs[j]
+    if job.active == 0:
+        return Verdict.UNKNOWN_JOB, 0, 0, 0
+    if ln != HDR + _width(pt) * job.elements:
+        return Verdict.BAD_LENGTH, 0, 0, 0
+    cnt = _rd16(buf, i, O_COUNT)
+    if cnt > job.elements or (pt == P_NONE and cnt != 0):
+        return Verdict.BAD_COUNT, 0, 0, 0
+    r = _rd16(buf, i, O_RANK)
+    s = _rd16(buf, i, O_SLOT)
+    pool = s & 0x7FFF
+    shadow = s >> 15
+    c = _rd32(buf, i, O_CHUNK)
+    if r >= job.n_workers:
+        return Verdict.UNKNOWN_WORKER, 0, 0, 0
+    if pool >= job.pool_slots:
+        return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0
+    if (c % job.pool_slots) != pool or ((c // job.pool_slots) & 1) != shadow:
+        return Verdict.SLOT_CHUNK_MISMATCH, 0, 0, 0
+    if pool % job.shards != job.shard:
+        return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0             # a pool index of another shard
+    return Verdict.OK, j, r, (job.slot_lo + pool // job.shards) * 2 + shadow
+
+
 @njit(cache=True)
-def parse(buf, lens, n, jobs, verdict, slot2, rank, job, counters):
-    """Validate headers against the job table. verdict[i] = OK or a drop reason index."""
+def parse(dp, buf, lens, n):
+    """Validate headers against the job table: dp.pkts[i].verdict = OK or a drop reason."""
+    jobs, pkts, counters = dp.jobs, dp.pkts, dp.counters       # taken out once (see aggregate)
     for i in range(n):
-        ln = lens[i]
-        v = OK
-        if ln < HDR or ln > buf.shape[1]:
-            v = 1
-        elif buf[i, O_VERSION] != VERSION:
-            v = 2
-        elif buf[i, O_MSG] != DATA:
-            v = 3
-        else:
-            pt = np.int64(buf[i, O_PTYPE])
-            if pt > P_MAX:
-                v = 4
-            else:
-                j = _rd16(buf, i, O_JOB)
-                if jobs[j, J_ACTIVE] == 0:
-                    v = 7
-                elif ln != HDR + _width(pt) * jobs[j, J_ELEMENTS]:
-                    v = 5
-                elif _rd16(buf, i, O_COUNT) > jobs[j, J_ELEMENTS] or (pt == P_NONE and _rd16(buf, i, O_COUNT) != 0):
-                    v = 6
-                else:
-                    r = _rd16(buf, i, O_RANK)
-                    s = _rd16(buf, i, O_SLOT)
-                    pool = s & 0x7FFF
-                    shadow = s >> 15
-                    nslots = jobs[j, J_SLOTS]
-                    c = _rd32(buf, i, O_CHUNK)
-                    if r >= jobs[j, J_NWORKERS]:
-                        v = 8
-                    elif pool >= nslots:
-                        v = 9
-                    elif (c % nslots) != pool or ((c // nslots) & 1) != shadow:
-                        v = 10
-                    elif pool % jobs[j, J_SHARDS] != jobs[j, J_SHARD]:
-                        v = 9                                   # a pool index of another shard
-                    else:
-                        job[i] = j
-                        rank[i] = r
-                        slot2[i] = (jobs[j, J_SLOT_LO] + pool // jobs[j, J_SHARDS]) * 2 + shadow
-        verdict[i] = v
+        v, j, r, s = _check_header(jobs, buf, lens, i)
+        p = pkts[i]
+        p.verdict = v
+        if v == Verdict.OK:
+            p.job = j
+            p.rank = r
+            p.set_id = s
         counters[v] += 1
 
 
@@ -170,87 +249,91 @@ def _sat_add(a, b, lo, hi):
 
 
 @njit(inline="always")
-def _harvest_pending(action, slot2, i, s):
+def _harvest_pending(pkts, i, s):
     # did an earlier packet of this burst complete set s (its harvest runs after the whole burst)?
     for k in range(i):
-        if action[k] == HARVEST and slot2[k] == s:
+        if pkts[k].action == Action.HARVEST and pkts[k].set_id == s:
             return True
     return False
 
 
+@njit(inline="always")
+def _protocol(sets, pkts, i, c, bit):
+    """The slot protocol for packet i (chunk c, worker bit): (its Action, or the Verdict it is dropped
+    with; whether it is the first packet of a new round)."""
+    m = sets[pkts[i].set_id]
+    if c == m.round_chunk:
+        if m.bitmap & bit:
+            if m.complete:
+                return np.int64(Action.REPLAY), False
+            return np.int64(Verdict.RETRANSMIT_PENDING), False
+        return np.int64(Action.ABSORBED), False
+    if c > m.round_chunk:
+        if m.round_chunk >= 0 and (not m.complete or _harvest_pending(pkts, i, pkts[i].set_id)):
+            # busy: the round is incomplete, or it completed in this burst and its result is not
+            # harvested yet (a new round would overwrite the registers before the harvest stage)
+            return np.int64(Verdict.SLOT_BUSY), False
+        return np.int64(Action.ABSORBED), True
+    return np.int64(Verdict.STALE), False
+
+
 @njit(cache=True)
-def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxexp, round_chunk,
-              complete, ptype, codec, nvalid, ovf, reg_bits, counters, action, vals):
+def aggregate(dp, buf, n):
     """The ALU stage: the slot protocol and integer adds for every packet that passed parsing.
 
     Per (slot, shadow set): the first packet of a round writes its values, later ones add; a
     worker whose bit is already set in the worker bitmap is retransmitting and only reads (a replay
     if the round is complete). A round is identified by its chunk id; older chunks are stale.
     """
+    # the state's arrays, taken out once: each use of dp.<array> (or an array handed to a helper) in
+    # the packet loop costs reference counting, measurable on small packets (bench_switch)
+    regs, sets, jobs, counters, pkts, vals = dp.regs, dp.sets, dp.jobs, dp.counters, dp.pkts, dp.vals
+    reg_bits = dp.register_bits
     hi = (np.int64(1) << (reg_bits - 1)) - 1
     lo = -hi - 1
     max_shift = reg_bits - 1
     for i in range(n):
-        if verdict[i] != OK:
-            action[i] = verdict[i]
+        p = pkts[i]
+        if p.verdict != Verdict.OK:
+            p.action = p.verdict
             continue
-        s = slot2[i]
-        j = job[i]
-        w = rank[i]
-        bit = np.uint64(1) << np.uint64(w)
+        s = p.set_id
+        m = sets[s]
+        bit = np.uint64(1) << np.uint64(p.rank)
         c = _rd32(buf, i, O_CHUNK)
         pt = np.int64(buf[i, O_PTYPE])
+        a, first = _protocol(sets, pkts, i, c, bit)
+        if a == Action.ABSORBED and not first and pt != m.ptype:
+            a = Verdict.PAYLOAD_TYPE_MISMATCH
+        p.action = a
+        if a != Action.ABSORBED:
+            if a != Action.REPLAY:
+                counters[a] += 1
+            continue
         e = _rd16(buf, i, O_EXP)
         if e >= 0x8000:
             e -= 0x10000
         cnt = _rd16(buf, i, O_COUNT)
-        nw = jobs[j, J_NWORKERS]
-        E = jobs[j, J_ELEMENTS]
-        if c == round_chunk[s]:
-            if bitmap[s] & bit:
-                if complete[s]:
-                    action[i] = REPLAY
-                else:
-                    action[i] = R_RETX_PENDING
-                    counters[R_RETX_PENDING] += 1
-                continue
-            if pt != ptype[s]:
-                action[i] = R_PTYPE_MISMATCH
-                counters[R_PTYPE_MISMATCH] += 1
-                continue
-            first = False
-        elif c > round_chunk[s]:
-            if round_chunk[s] >= 0 and (not complete[s] or _harvest_pending(action, slot2, i, s)):
-                # busy: the round is incomplete, or it completed in this burst and its result is not
-                # harvested yet (a new round would overwrite the registers before the harvest stage)
-                action[i] = R_BUSY
-                counters[R_BUSY] += 1
-                continue
-            first = True
-        else:
-            action[i] = R_STALE
-            counters[R_STALE] += 1
-            continue
-        # ---- integer ALU ----
-        o = False
         if first:
-            round_chunk[s] = c
-            bitmap[s] = np.uint64(0)
-            count[s] = 0
-            complete[s] = 0
-            ovf[s] = 0
-            ptype[s] = pt
-            codec[s] = np.int64(buf[i, O_CODEC])
-            maxexp[s] = e
-            nvalid[s] = cnt
+            m.round_chunk = c
+            m.bitmap = np.uint64(0)
+            m.count = 0
+            m.complete = 0
+            m.overflow = 0
+            m.ptype = pt
+            m.codec = np.int64(buf[i, O_CODEC])
+            m.maxexp = e
+            m.nvalid = cnt
         else:
-            if e > maxexp[s]:
-                maxexp[s] = e
-            if cnt > nvalid[s]:
-                nvalid[s] = cnt
-        # decode the chunk's codes into signed integers (scratch row), checking they are in range
-        mx_shift = np.int64(0)
+            if e > m.maxexp:
+                m.maxexp = e
+            if cnt > m.nvalid:
+                m.nvalid = cnt
+        E = jobs[p.job].elements
+        # decode the chunk's codes into signed integers (scratch row vals), checking they are in range
+        o = False
         if pt == P_NC8:
+            mx_shift = np.int64(0)
             for k in range(E):
                 code = np.int64(buf[i, HDR + k])
                 kk = code & 0x7F
@@ -281,7 +364,7 @@ def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxe
                 for b in range(8):
                     u = (u << np.uint64(8)) | np.uint64(buf[i, b0 + b])
                 vals[k] = np.int64(u)
-        else:   # P_NONE (exponent round): no payload; the scratch row still holds the last packet's values
+        else:   # P_NONE (exponent round): no payload
             for k in range(E):
                 vals[k] = 0
         # the ALU: first packet of a round writes, the others add; overflow detected, never wrapped
@@ -298,10 +381,10 @@ def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxe
             mn = np.int64(0)
             mxv = np.int64(0)
             for k in range(E):                                  # vectorisable: add + overflow witnesses
-                a = regs[s, k]
-                b = vals[k]
-                r = a + b
-                acc |= (a ^ r) & (b ^ r)
+                x = regs[s, k]
+                y = vals[k]
+                r = x + y
+                acc |= (x ^ r) & (y ^ r)
                 mn = min(mn, r)
                 mxv = max(mxv, r)
             if acc < 0 or mn < lo or mxv > hi:                  # rare: redo with saturation
@@ -312,15 +395,13 @@ def aggregate(buf, n, verdict, slot2, rank, job, jobs, regs, bitmap, count, maxe
                 for k in range(E):
                     regs[s, k] += vals[k]
         if o:
-            ovf[s] = 1
+            m.overflow = 1
             counters[C_OVERFLOW] += 1
-        bitmap[s] |= bit
-        count[s] += 1
-        if count[s] >= nw:
-            complete[s] = 1
-            action[i] = HARVEST
-        else:
-            action[i] = ABSORBED
+        m.bitmap |= bit
+        m.count += 1
+        if m.count >= jobs[p.job].n_workers:
+            m.complete = 1
+            p.action = Action.HARVEST
 
 
 @njit(inline="always")
@@ -346,98 +427,97 @@ def _nc_reencode(v, key):
     return code if a != np.uint64(0) else np.uint8(0)
 
 
+_result_type = njit(inline="always")(result_type)   # ina.wire.result_type, the one rule of result widths
+
+
+@njit(inline="always")
+def _write_result(dp, s, j):
+    """Set s's result packet into its results row (header, then the payload of the result type)."""
+    results = dp.results
+    m = dp.sets[s]
+    job = dp.jobs[j]
+    E = job.elements
+    pt = m.ptype
+    out_pt = _result_type(pt, job.raw != 0, dp.register_bits)
+    flags = F_RAW if (out_pt != P_NC8 and pt != P_NONE) else 0
+    o = m.overflow != 0
+    for b in range(HDR):
+        results[s, b] = 0
+    results[s, O_VERSION] = VERSION
+    results[s, O_MSG] = RESULT
+    _wr16(results, s, O_JOB, j)
+    _wr16(results, s, O_RANK, SWITCH_RANK)
+    pool = (s // 2 - job.slot_lo) * job.shards + job.shard
+    _wr16(results, s, O_SLOT, pool | ((s & 1) << 15))
+    results[s, O_CODEC] = np.uint8(m.codec)
+    results[s, O_PTYPE] = np.uint8(out_pt)
+    _wr16(results, s, O_COUNT, m.nvalid)
+    _wr16(results, s, O_EXP, m.maxexp & 0xFFFF)
+    c = m.round_chunk
+    results[s, O_CHUNK] = np.uint8((c >> 24) & 0xFF)
+    results[s, O_CHUNK + 1] = np.uint8((c >> 16) & 0xFF)
+    results[s, O_CHUNK + 2] = np.uint8((c >> 8) & 0xFF)
+    results[s, O_CHUNK + 3] = np.uint8(c & 0xFF)
+    regs = dp.regs
+    if out_pt == P_NC8:
+        key0 = (np.uint64(dp.seed) << np.uint64(32)) ^ (np.uint64(c) * np.uint64(0x9E3779B97F4A7C15))
+        for k in range(E):
+            results[s, HDR + k] = _nc_reencode(regs[s, k], key0 + np.uint64(k) * np.uint64(0xD1B54A32D192ED03))
+    elif out_pt == P_INT64:
+        for k in range(E):
+            v = regs[s, k]
+            for b in range(8):
+                results[s, HDR + 8 * k + b] = np.uint8((v >> (56 - 8 * b)) & 0xFF)
+    elif out_pt == P_INT32 or out_pt == P_INT8N:     # narrower than the registers: clamp, flag
+        w = _width(out_pt)
+        hi = (np.int64(1) << np.int64(8 * w - 1)) - 1
+        lo = -hi - 1
+        for k in range(E):
+            v = regs[s, k]
+            if v > hi:
+                v = hi
+                o = True
+            elif v < lo:
+                v = lo
+                o = True
+            for b in range(w):
+                results[s, HDR + w * k + b] = np.uint8((v >> (8 * (w - 1 - b))) & 0xFF)
+    if o:
+        flags |= F_OVERFLOW
+    _wr16(results, s, O_FLAGS, flags)
+    m.result_len = HDR + _width(out_pt) * E
+
+
 @njit(cache=True)
-def harvest(n, action, slot2, rank, job, jobs, regs, maxexp, round_chunk, ptype, codec, nvalid, ovf,
-            reg_bits, seed, results, result_len, tx_row, tx_len, tx_addr, counters, c_harvest, c_replay):
+def harvest(dp, n):
     """Write completed slots' result packets into their shadow-copy rows; plan the transmissions.
 
-    Returns the number of planned transmissions (tx_row/tx_len/tx_addr[:m]): a multicast to every
-    worker of the job per completed slot, a unicast per replay.
+    Returns the number of planned transmissions (dp.tx[:m]): a multicast to every worker of the
+    job per completed slot, a unicast per replay (negative length: the tx stage sets its REPLAY flag
+    on a copy of the stored row).
     """
+    pkts, jobs, sets, tx, counters = dp.pkts, dp.jobs, dp.sets, dp.tx, dp.counters    # taken out once
     m = 0
     for i in range(n):
-        a = action[i]
-        if a != HARVEST and a != REPLAY:
+        p = pkts[i]
+        if p.action != Action.HARVEST and p.action != Action.REPLAY:
             continue
-        s = slot2[i]
-        j = job[i]
-        if a == HARVEST:
-            counters[c_harvest] += 1
-            E = jobs[j, J_ELEMENTS]
-            pt = ptype[s]
-            raw = jobs[j, J_RAW] != 0 or pt != P_NC8
-            if pt == P_NONE:
-                out_pt = P_NONE
-            elif not raw:
-                out_pt = P_NC8
-            elif pt == P_NC8:
-                out_pt = P_INT64 if reg_bits == 64 else P_INT32
-            elif pt == P_INT8N:
-                out_pt = P_INT8N                  # sums of narrow int8 codes go back as int8
-            else:
-                out_pt = P_INT32
-            flags = (F_RAW if (raw and pt != P_NONE) else 0)
-            o = ovf[s] != 0
-            # header
-            for b in range(HDR):
-                results[s, b] = 0
-            results[s, O_VERSION] = VERSION
-            results[s, O_MSG] = RESULT
-            _wr16(results, s, O_JOB, j)
-            _wr16(results, s, O_RANK, SWITCH_RANK)
-            slot_lo = jobs[j, J_SLOT_LO]
-            pool = (s // 2 - slot_lo) * jobs[j, J_SHARDS] + jobs[j, J_SHARD]
-            _wr16(results, s, O_SLOT, pool | ((s & 1) << 15))
-            results[s, O_CODEC] = np.uint8(codec[s])
-            results[s, O_PTYPE] = np.uint8(out_pt)
-            _wr16(results, s, O_COUNT, nvalid[s])
-            _wr16(results, s, O_EXP, maxexp[s] & 0xFFFF)
-            c = round_chunk[s]
-            results[s, O_CHUNK] = np.uint8((c >> 24) & 0xFF)
-            results[s, O_CHUNK + 1] = np.uint8((c >> 16) & 0xFF)
-            results[s, O_CHUNK + 2] = np.uint8((c >> 8) & 0xFF)
-            results[s, O_CHUNK + 3] = np.uint8(c & 0xFF)
-            # payload
-            if out_pt == P_NC8:
-                key0 = (np.uint64(seed) << np.uint64(32)) ^ (np.uint64(c) * np.uint64(0x9E3779B97F4A7C15))
-                for k in range(E):
-                    results[s, HDR + k] = _nc_reencode(regs[s, k], key0 + np.uint64(k) * np.uint64(0xD1B54A32D192ED03))
-            elif out_pt == P_INT64:
-                for k in range(E):
-                    v = regs[s, k]
-                    for b in range(8):
-                        results[s, HDR + 8 * k + b] = np.uint8((v >> (56 - 8 * b)) & 0xFF)
-            elif out_pt == P_INT32 or out_pt == P_INT8N:     # narrower than the registers: clamp, flag
-                w = _width(out_pt)
-                hi = (np.int64(1) << np.int64(8 * w - 1)) - 1
-                lo = -hi - 1
-                for k in range(E):
-                    v = regs[s, k]
-                    if v > hi:
-                        v = hi
-                        o = True
-                    elif v < lo:
-                        v = lo
-                        o = True
-                    for b in range(w):
-                        results[s, HDR + w * k + b] = np.uint8((v >> (8 * (w - 1 - b))) & 0xFF)
-            if o:
-                flags |= F_OVERFLOW
-            _wr16(results, s, O_FLAGS, flags)
-            result_len[s] = HDR + _width(out_pt) * E
-            nw = jobs[j, J_NWORKERS]
-            ab = jobs[j, J_ADDR_BASE]
-            for w in range(nw):        # multicast
-                tx_row[m] = s
-                tx_len[m] = result_len[s]
-                tx_addr[m] = ab + w
+        s = p.set_id
+        job = jobs[p.job]
+        if p.action == Action.HARVEST:
+            counters[C_HARVESTED] += 1
+            _write_result(dp, s, p.job)
+            for w in range(job.n_workers):        # multicast
+                t = tx[m]
+                t.set_id = s
+                t.length = sets[s].result_len
+                t.addr = job.addr_base + w
                 m += 1
         else:
-            counters[c_replay] += 1
-            # a replay carries the REPLAY flag: set it on the stored row for this send only is not
-            # possible without a copy, so replays are marked by the tx stage (see pipeline.tx)
-            tx_row[m] = s
-            tx_len[m] = -result_len[s]      # negative length marks a replay for the tx stage
-            tx_addr[m] = jobs[j, J_ADDR_BASE] + rank[i]
+            counters[C_REPLAYS] += 1
+            t = tx[m]
+            t.set_id = s
+            t.length = -sets[s].result_len
+            t.addr = job.addr_base + p.rank
             m += 1
     return m

@@ -4,104 +4,48 @@ Codecs whose messages are variable-length (``3lc``: quartic + zero-run, ``eaq``:
 sparse whole values) cannot be summed by an integer switch at line rate. ``ina-switch serve`` runs
 this aggregator next to the data plane, in its own process (so that it does not take the GIL from
 the switch's poll loop), on its own TCP port (``--host-agg-port``, default the switch's port + 100).
-It works like 3LC's parameter servers:
+It works like 3LC's parameter servers (``docs/host-protocol.md``). Three parts:
 
-* the workers of a job connect (:class:`ina.host_client.HostAggClient`: HELLO, then one DATA
-  frame per round holding the rank's codec message);
-* once all ``world_size`` ranks' messages of a round have arrived, the aggregator decodes each
-  with the codec, sums them in float64 in rank order (then float32), **re-encodes the sum with the
-  same codec** (its own codec object per job and codec options, seeded with
-  :func:`aggregator_seed`, error feedback per (job, key): the downlink compression 3LC does at its
-  servers) and sends the encoded sum to every rank (RESULT);
-* ranks that disagree on the round, codec, codec options, element count or key, a stochastic
-  codec with the same random state on two ranks, a rank that does not deliver within the job's
-  timeout of the round's first message, a rank that disconnects or leaves, an undecodable message:
-  the job is aborted and every connected rank gets an ERROR frame naming the ranks and values.
-  Each is counted under its reason (``errors`` in :meth:`HostAggregator.stats`);
-* a frame with a wrong magic or version is answered with an ERROR frame, counted, and the
-  connection is closed.
+* the protocol, declared once in :mod:`ina.host_wire`;
+* the jobs and rounds, a state machine without sockets: :mod:`switch_model.host_rounds`;
+* the codec step (decode, sum in float64 in rank order, re-encode with the aggregator's own codec
+  object per job: the downlink compression 3LC does at its servers): :mod:`switch_model.host_reduce`;
 
-The frame format is declared once, in :mod:`ina.host_client`. Counters reach ``ina-switch stats``
-under the ``host_aggregator`` key; the switch's ``join`` config announces
+and here, the thin TCP server around them (:class:`HostAggregator`: one thread per worker
+connection, a watchdog thread for the round deadlines and the progress line) and the process
+wrapper the service drives (:class:`HostAggregatorProcess`). A frame with a wrong magic or version
+is answered with an ERROR frame, counted, and the connection is closed. Counters reach
+``ina-switch stats`` under the ``host_aggregator`` key; the switch's ``join`` config announces
 ``host_aggregator: {"port": P, "label": "...NOT switch-feasible..."}``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing as mp
 import signal
 import socket
 import socketserver
-import struct
 import sys
 import threading
 import time
-import zlib
 
-import numpy as np
+from ina.errors import ConnectionGone, FrameError
+from ina.host_wire import HOST_AGG_LABEL, Frame, FrameType, frame_parts, recv_frame, set_recv_timeout, set_send_timeout
 
-from ina.host_client import (HOST_AGG_LABEL, JOB_ROUND, MAX_WORLD, ConnectionGone, Frame, FrameError, FrameType,
-                             frame_parts, pack_encoded, recv_frame, set_send_timeout, unpack_encoded)
+from .host_reduce import RoundFailed, aggregator_seed, downlink_codec, reduce_round
+from .host_rounds import ERROR_REASONS, Job, Outcome, Peer, Round, Rounds, mb
 
 log = logging.getLogger("ina.switch.host_agg")
 
-ERROR_REASONS = ("bad_magic", "bad_version", "bad_frame", "frame_too_large", "protocol", "mismatch", "timeout",
-                 "disconnect", "left", "unknown_codec", "bad_codec_options", "same_seed", "decode", "encode",
-                 "send_failed")
-CODEC_COUNTERS = ("rounds", "messages", "elements", "bytes_in", "bytes_out", "decode_s", "sum_s", "encode_s")
-MAX_TIMEOUT = 86400.0
+__all__ = ["HostAggregator", "HostAggregatorProcess", "aggregator_seed", "ERROR_REASONS"]
+TRANSPORT_COUNTERS = ("connections", "frames_in", "bytes_in", "frames_out", "bytes_out")
 
 
-def aggregator_seed(job: int, codec_name: str, service_seed: int = 0) -> int:
-    """The seed of the aggregator's own codec object for ``codec_name`` in job ``job``:
-    CRC-32 of ``"ina-host-agg/<service seed>/<job>/<codec name>"`` (``--seed`` is the service seed)."""
-    return zlib.crc32(f"ina-host-agg/{service_seed}/{job}/{codec_name}".encode())
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
-class _Conn:
+class _Conn(Peer):
     def __init__(self, sock: socket.socket, peer):
+        super().__init__(f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
         self.sock = sock
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.send_lock = threading.Lock()
-        self.job: _Job | None = None
-        self.rank: int | None = None
-        self.bye = False
-
-
-class _Round:
-    def __init__(self, number: int, spec: dict, now: float, timeout: float):
-        self.number = number
-        self.spec = spec                  # codec, elements, key, options of the first message
-        self.started = now
-        self.deadline = now + timeout
-        self.msgs: dict[int, Frame] = {}
-        self.specs: dict[int, dict] = {}
-        self.rng: dict[int, str] = {}
-
-
-class _Job:
-    def __init__(self, job: int, world_size: int, timeout: float):
-        self.id = job
-        self.world_size = world_size
-        self.timeout = timeout
-        self.created = time.monotonic()
-        self.conns: dict[int, _Conn] = {}
-        self.ever: set[int] = set()       # ranks that ever connected
-        self.left: set[int] = set()       # ranks that said BYE
-        self.round: _Round | None = None
-        self.next_round = 0
-        self.codecs: dict[tuple, object] = {}
-        self.compute_lock = threading.Lock()
-        self.aborted: str | None = None
-        self.rounds = 0
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.codec_names: set[str] = set()
 
 
 class HostAggregator:
@@ -116,14 +60,17 @@ class HostAggregator:
         self.frame_timeout = float(frame_timeout)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._jobs: dict[int, _Job] = {}
+        self.rounds = Rounds()                   # guarded by self._lock
         self._conns: set[_Conn] = set()
         self._stopped = False
         self._started = time.monotonic()
-        self._c = dict.fromkeys(("connections", "frames_in", "bytes_in", "frames_out", "bytes_out", "rounds",
-                                 "messages", "jobs_started", "jobs_finished", "jobs_aborted"), 0)
-        self._errors = dict.fromkeys(ERROR_REASONS, 0)
-        self._per_codec: dict[str, dict] = {}
+        self._c = dict.fromkeys(TRANSPORT_COUNTERS, 0)
+        self.server = self._listen(host, port, fallback_port)
+        self.host = host
+        self.port = self.server.server_address[1]
+        self._threads: list[threading.Thread] = []
+
+    def _listen(self, host: str, port: int, fallback_port: bool) -> socketserver.ThreadingTCPServer:
         agg = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -134,20 +81,18 @@ class HostAggregator:
             allow_reuse_address = True
             daemon_threads = True
 
-        self.server = Server((host, port), Handler, bind_and_activate=False)
+        server = Server((host, port), Handler, bind_and_activate=False)
         try:
-            self.server.server_bind()
+            server.server_bind()
         except OSError as e:
             if not fallback_port or port == 0:
-                self.server.server_close()
+                server.server_close()
                 raise
             log.warning("host aggregator: tcp port %d is taken (%s); using a free port instead", port, e)
-            self.server.server_address = (host, 0)
-            self.server.server_bind()
-        self.server.server_activate()
-        self.host = host
-        self.port = self.server.server_address[1]
-        self._threads: list[threading.Thread] = []
+            server.server_address = (host, 0)
+            server.server_bind()
+        server.server_activate()
+        return server
 
     # --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -171,32 +116,23 @@ class HostAggregator:
                 pass
         for t in self._threads:
             t.join(timeout=5)
-        c = self._c
+        c = {**self._c, **self.rounds.counters}
         log.info("host aggregator stopped: %d rounds, %d messages, in %s, out %s, %d jobs (%d aborted), "
-                 "%d errors", c["rounds"], c["messages"], _mb(c["bytes_in"]), _mb(c["bytes_out"]),
-                 c["jobs_started"], c["jobs_aborted"], sum(self._errors.values()))
+                 "%d errors", c["rounds"], c["messages"], mb(c["bytes_in"]), mb(c["bytes_out"]),
+                 c["jobs_started"], c["jobs_aborted"], sum(self.rounds.errors.values()))
 
     def stats(self) -> dict:
         with self._lock:
-            jobs = {str(j.id): {"world_size": j.world_size, "connected": sorted(j.conns), "rounds": j.rounds,
-                                "timeout": j.timeout, "codecs": sorted(j.codec_names), "aborted": j.aborted,
-                                "pending_round": None if j.round is None else
-                                {"round": j.round.number, "delivered": sorted(j.round.msgs),
-                                 "codec": j.round.spec["codec"], "elements": j.round.spec["elements"]}}
-                    for j in self._jobs.values()}
+            r = self.rounds
             return {"label": HOST_AGG_LABEL, "port": self.port, "seed": self.seed,
                     "uptime_s": round(time.monotonic() - self._started, 3),
-                    "counters": {**self._c, "connections_open": len(self._conns),
-                                 "jobs_active": sum(1 for j in self._jobs.values() if not j.aborted)},
-                    "errors": dict(self._errors),
-                    "per_codec": {k: dict(v) for k, v in self._per_codec.items()},
-                    "jobs": jobs}
+                    "counters": {**self._c, **r.counters, "connections_open": len(self._conns),
+                                 "jobs_active": r.active_jobs()},
+                    "errors": dict(r.errors),
+                    "per_codec": {k: dict(v) for k, v in r.per_codec.items()},
+                    "jobs": r.jobs_stats()}
 
     # --------------------------------------------------------------------------------------------
-    def _count(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self._errors[reason] = self._errors.get(reason, 0) + n
-
     def _send(self, conn: _Conn, frame: Frame) -> bool:
         parts = frame_parts(frame)
         head = parts[0] + parts[1] + parts[2]
@@ -208,7 +144,8 @@ class HostAggregator:
         except OSError as e:
             log.warning("host aggregator: sending a %s frame to %s (job %s rank %s) failed: %s",
                         FrameType(frame.type).name, conn.peer, frame.job, conn.rank, e)
-            self._count("send_failed")
+            with self._lock:
+                self.rounds.count_error("send_failed")
             return False
         n = len(head) + len(parts[3])
         with self._lock:
@@ -216,10 +153,15 @@ class HostAggregator:
             self._c["bytes_out"] += n
         return True
 
-    def _error_frame(self, conn: _Conn, reason: str, text: str, job: int = 0, rnd: int = JOB_ROUND) -> Frame:
-        return Frame(FrameType.ERROR, job=job, rank=conn.rank or 0,
-                     world_size=conn.job.world_size if conn.job else 0, round=rnd,
-                     meta={"reason": reason, "label": HOST_AGG_LABEL}, body=text.encode("utf-8"))
+    def _send_all(self, sends) -> int:
+        return sum(self._send(conn, frame) for conn, frame in sends)
+
+    def _act(self, out: Outcome) -> bool:
+        """Carry out an event's outcome (outside the lock); False closes the connection."""
+        self._send_all(out.sends)
+        if out.complete is not None:
+            self._complete(out.job, out.complete)
+        return out.keep
 
     # --------------------------------------------------------------------------------------------
     def _serve_connection(self, sock: socket.socket, peer) -> None:
@@ -234,344 +176,72 @@ class HostAggregator:
             self._c["connections"] += 1
         log.debug("host aggregator: connection from %s", conn.peer)
         try:
-            while True:
-                try:
-                    f = recv_frame(sock, self.max_body, rest_timeout=self.frame_timeout)
-                except FrameError as e:
-                    self._count(e.reason)
-                    log.warning("host aggregator: refusing the connection from %s (job %s rank %s): %s",
-                                conn.peer, conn.job.id if conn.job else "-", conn.rank, e)
-                    self._send(conn, self._error_frame(conn, e.reason, f"host aggregator refused the connection: {e}",
-                                                       conn.job.id if conn.job else 0))
-                    _drain_and_close(sock)
-                    break
-                except ConnectionGone as e:
-                    if conn.job is not None:
-                        log.debug("host aggregator: %s: %s", conn.peer, e)
-                    break
-                except OSError as e:        # reset by the peer, or shut down by stop()
-                    log.debug("host aggregator: %s: %s", conn.peer, e)
-                    break
-                if f is None:
-                    break
-                with self._lock:
-                    self._c["frames_in"] += 1
-                    self._c["bytes_in"] += f.nbytes
-                if not self._dispatch(conn, f):
-                    break
+            while self._serve_frame(conn):
+                pass
         finally:
-            self._connection_closed(conn)
+            with self._lock:
+                self._conns.discard(conn)
+                out = self.rounds.on_closed(conn)
+            self._act(out)
             try:
                 sock.close()
             except OSError:
                 pass
 
-    def _dispatch(self, conn: _Conn, f: Frame) -> bool:
-        """Handle one frame; False closes the connection."""
-        if f.type == FrameType.HELLO:
-            return self._on_hello(conn, f)
-        if f.type == FrameType.DATA:
-            self._on_data(conn, f)
-            return True
-        if f.type == FrameType.BYE:
-            self._on_bye(conn, f)
-            return False
-        text = (f"unexpected {FrameType(f.type).name} frame from {conn.peer}: workers send HELLO, DATA and BYE")
-        self._count("protocol")
-        log.warning("host aggregator: %s", text)
-        self._send(conn, self._error_frame(conn, "protocol", text, f.job))
-        return False
-
-    def _refuse(self, conn: _Conn, reason: str, text: str, job: int = 0, rnd: int = JOB_ROUND) -> None:
-        """An error that concerns this connection only (the job, if any, goes on)."""
-        self._count(reason)
-        log.warning("host aggregator: %s", text)
-        self._send(conn, self._error_frame(conn, reason, text, job, rnd))
-
-    def _on_hello(self, conn: _Conn, f: Frame) -> bool:
-        if conn.job is not None:
-            self._refuse(conn, "protocol", f"a second HELLO (job {f.job} rank {f.rank}) on a connection that joined "
-                         f"job {conn.job.id} as rank {conn.rank}", f.job)
-            return False
+    def _serve_frame(self, conn: _Conn) -> bool:
+        """Read and handle one frame; False ends the connection."""
         try:
-            timeout = float(f.meta.get("timeout", 30.0))
-        except (TypeError, ValueError):
-            timeout = float("nan")
-        if not 0 < timeout <= MAX_TIMEOUT:
-            self._refuse(conn, "bad_frame", f"job {f.job} rank {f.rank}: timeout {f.meta.get('timeout')!r} must be "
-                         f"in (0, {MAX_TIMEOUT:g}] seconds", f.job)
+            f = recv_frame(conn.sock, self.max_body, rest_timeout=self.frame_timeout)
+        except FrameError as e:
+            job = conn.job.id if conn.job else 0
+            log.warning("host aggregator: refusing the connection from %s (job %s rank %s): %s",
+                        conn.peer, conn.job.id if conn.job else "-", conn.rank, e)
+            with self._lock:
+                self.rounds.count_error(e.reason)
+            self._send(conn, Rounds.error_to(conn, e.reason, f"host aggregator refused the connection: {e}", job))
+            _drain_and_close(conn.sock)
             return False
-        if not 1 <= f.world_size <= MAX_WORLD or not 0 <= f.rank < f.world_size:
-            self._refuse(conn, "bad_frame", f"job {f.job}: rank {f.rank} out of range for world_size {f.world_size}",
-                         f.job)
+        except ConnectionGone as e:
+            if conn.job is not None:
+                log.debug("host aggregator: %s: %s", conn.peer, e)
             return False
-        err = None
-        with self._lock:
-            job = self._jobs.get(f.job)
-            created = job is None
-            if created:
-                job = self._jobs[f.job] = _Job(f.job, f.world_size, timeout)
-                self._c["jobs_started"] += 1
-            if job.aborted:    # ranks of the aborted job are still connected: a late rank hears why
-                err = ("aborted", f"job {f.job} was aborted: {job.aborted}")
-            elif job.world_size != f.world_size:
-                err = ("mismatch", f"job {f.job}: rank {f.rank} says world_size {f.world_size}, ranks "
-                       f"{sorted(job.conns)} joined with world_size {job.world_size}")
-            elif f.rank in job.conns:
-                err = ("protocol", f"job {f.job}: rank {f.rank} is already connected (from {job.conns[f.rank].peer})")
-            elif f.rank in job.left:
-                err = ("protocol", f"job {f.job}: rank {f.rank} has left the job and cannot rejoin it "
-                       "(use a new job id)")
-            else:
-                job.conns[f.rank] = conn
-                job.ever.add(f.rank)
-                conn.job, conn.rank = job, f.rank
-                connected = sorted(job.conns)
-        if err:
-            if err[0] == "aborted":         # counted when the job was aborted
-                self._send(conn, self._error_frame(conn, *err, f.job))
-            else:
-                self._refuse(conn, *err, job=f.job)
+        except OSError as e:        # reset by the peer, or shut down by stop()
+            log.debug("host aggregator: %s: %s", conn.peer, e)
             return False
-        if created:
-            log.info("job %d started at the host aggregator: %d ranks, timeout %g s [NOT switch-feasible]",
-                     f.job, f.world_size, timeout)
-        log.info("job %d: rank %d connected from %s (%d/%d)", f.job, f.rank, conn.peer, len(connected), f.world_size)
-        return self._send(conn, Frame(FrameType.WELCOME, job=f.job, rank=f.rank, world_size=f.world_size,
-                                      meta={"label": HOST_AGG_LABEL, "timeout": job.timeout, "connected": connected}))
+        if f is None:
+            return False
+        with self._cond:
+            self._c["frames_in"] += 1
+            self._c["bytes_in"] += f.nbytes
+            out = self.rounds.on_frame(conn, f, time.monotonic())
+            if out.round_started:
+                self._cond.notify_all()
+        return self._act(out)
 
     # --------------------------------------------------------------------------------------------
-    def _on_data(self, conn: _Conn, f: Frame) -> None:
-        job = conn.job
-        if job is None:
-            self._refuse(conn, "protocol", f"DATA frame (job {f.job} rank {f.rank}) from {conn.peer} before HELLO",
-                         f.job, f.round)
-            return
-        if (f.job, f.rank, f.world_size) != (job.id, conn.rank, job.world_size):
-            self._abort(job, "protocol", f"job {job.id}: a DATA frame on rank {conn.rank}'s connection says job "
-                        f"{f.job} rank {f.rank} world_size {f.world_size}")
-            return
-        where = f"job {job.id} round {f.round}"
-        try:
-            from ina import compression
-            name = compression.by_wire_id(f.codec).name
-        except ValueError:
-            self._abort(job, "unknown_codec", f"{where}: rank {f.rank} sent codec wire id {f.codec}, which no codec "
-                        "of this aggregator has")
-            return
-        options = f.meta.get("options", {})
-        if not isinstance(options, dict) or not all(v is None or isinstance(v, (bool, int, float, str))
-                                                    for v in options.values()):
-            self._abort(job, "bad_frame", f"{where}: rank {f.rank}'s codec options {options!r} are not an object "
-                        "of scalars")
-            return
-        body_n = int(np.asarray(f.body).nbytes)
-        if body_n > 16 * f.count + (1 << 20):
-            self._abort(job, "bad_frame", f"{where}: rank {f.rank}'s {name} message of {body_n} bytes is too large "
-                        f"for {f.count} elements")
-            return
-        spec = {"round": f.round, "codec": name, "elements": f.count, "key": f.key,
-                "options": json.dumps(options, sort_keys=True)}
-        err = complete = None
-        now = time.monotonic()
-        with self._cond:
-            if job.aborted:
-                text = f"{where}: job {job.id} was aborted earlier: {job.aborted}"
-            else:
-                text = None
-                rd = job.round
-                if job.left:
-                    err = ("left", f"{where}: rank(s) {sorted(job.left)} left the job, so the round cannot complete")
-                elif rd is None and f.round != job.next_round:
-                    err = ("mismatch", f"job {job.id}: rank {f.rank} sent round {f.round}, the job is at round "
-                           f"{job.next_round}")
-                else:
-                    if rd is None:
-                        rd = job.round = _Round(f.round, spec, now, job.timeout)
-                        self._cond.notify_all()
-                    err = self._accept_message(job, rd, f, spec, name)
-                    if err is None and len(rd.msgs) == job.world_size:
-                        complete = rd
-                        job.round = None
-                        job.next_round += 1
-                if err is None:
-                    self._c["messages"] += 1
-                    pc = self._codec_counters(name)
-                    pc["messages"] += 1
-                    pc["bytes_in"] += body_n
-                    job.bytes_in += body_n
-        if text:   # this rank was told when the job was aborted; say it again to the sender
-            self._send(conn, self._error_frame(conn, "aborted", text, job.id, f.round))
-            return
-        if err:
-            self._abort(job, *err)
-            return
-        if complete is not None:
-            self._complete(job, complete)
-
-    def _accept_message(self, job: _Job, rd: _Round, f: Frame, spec: dict, name: str):
-        """Add rank f.rank's message to the round; an (reason, text) error or None. Holds the lock."""
-        if f.rank in rd.msgs:
-            return "protocol", f"job {job.id} round {rd.number}: rank {f.rank} sent its message twice"
-        rd.msgs[f.rank] = f
-        rd.specs[f.rank] = spec
-        for field, what in (("round", "round number"), ("codec", "codec"), ("elements", "element count"),
-                            ("key", "tensor key"), ("options", "codec options")):
-            vals = {r: s[field] for r, s in sorted(rd.specs.items())}
-            if len(set(vals.values())) > 1:
-                return "mismatch", (f"job {job.id} round {rd.number}: ranks disagree on the {what}: "
-                                    + ", ".join(f"rank {r}: {v!r}" if field != "options" else f"rank {r}: {v}"
-                                                for r, v in vals.items()))
-        fp = f.meta.get("rng")
-        if fp:
-            same = sorted(r for r, other in rd.rng.items() if other == fp)
-            rd.rng[f.rank] = fp
-            if same:
-                return "same_seed", (f"job {job.id} round {rd.number}: ranks {sorted(same + [f.rank])} use {name} "
-                                     "codec objects with the same random state; give every rank's codec its own "
-                                     "seed (e.g. seed=rank)")
-        return None
-
-    def _codec_counters(self, name: str) -> dict:
-        pc = self._per_codec.get(name)
-        if pc is None:
-            pc = self._per_codec[name] = {k: (0.0 if k.endswith("_s") else 0) for k in CODEC_COUNTERS}
-        return pc
-
-    def _complete(self, job: _Job, rd: _Round) -> None:
+    def _complete(self, job: Job, rd: Round) -> None:
         """Decode, sum, re-encode and send one round's result (the last message's thread runs it)."""
-        from ina import compression
-        from ina.compression.base import to_numpy_f32
         name, n, key = rd.spec["codec"], int(rd.spec["elements"]), rd.spec["key"]
-        options = json.loads(rd.spec["options"])
         where = f"job {job.id} round {rd.number} ({name}, {n} elements)"
         with job.compute_lock:
-            ck = (name, rd.spec["options"])
-            codec = job.codecs.get(ck)
-            if codec is None:
-                seed = aggregator_seed(job.id, name, self.seed)
-                try:
-                    codec = compression.get(name, seed=seed, **options)
-                except (ValueError, TypeError) as e:
-                    self._abort(job, "bad_codec_options", f"{where}: the ranks' codec options {options} do not "
-                                f"build a {name} codec: {e}")
-                    return
-                job.codecs[ck] = codec
-                job.codec_names.add(name)
-                log.info("job %d: %s codec for the downlink (seed %d, options %s); first round: %d elements, key %r",
-                         job.id, name, seed, options, n, key)
-            t0 = time.perf_counter()
-            acc = np.zeros(n, np.float64)
-            for r in range(job.world_size):
-                try:
-                    x = to_numpy_f32(codec.decompress(unpack_encoded(name, rd.msgs[r])))
-                    if x.size != n:
-                        raise ValueError(f"it decodes to {x.size} elements, not {n}")
-                except (ValueError, KeyError, IndexError) as e:
-                    self._abort(job, "decode", f"{where}: cannot decode rank {r}'s message "
-                                f"({np.asarray(rd.msgs[r].body).nbytes} bytes): {e}")
-                    return
-                acc += x
-            t1 = time.perf_counter()
-            total = acc.astype(np.float32)
-            t2 = time.perf_counter()
             try:
-                kw = {"key": key} if key is not None and _accepts_key(codec) else {}
-                flags, env, body = pack_encoded(codec.compress(total, **kw))
-            except (ValueError, OverflowError) as e:
-                self._abort(job, "encode", f"{where}: cannot re-encode the sum: {e}")
+                codec = downlink_codec(job.codecs, job.id, name, rd.spec["options"], self.seed, where)
+                job.codec_names.add(name)
+                res = reduce_round(codec, [rd.msgs[r] for r in range(job.world_size)], n, key, where)
+            except RoundFailed as e:
+                with self._lock:
+                    sends = self.rounds.abort(job, e.reason, str(e))
+                self._send_all(sends)
                 return
-            t3 = time.perf_counter()
         with self._lock:
             conns = dict(job.conns)
-        sent = 0
-        for r in range(job.world_size):
-            c = conns.get(r)
-            if c is None:
-                continue
-            if self._send(c, Frame(FrameType.RESULT, flags, job.id, r, job.world_size, rd.number,
-                                   rd.msgs[r].codec, n, key, env, body)):
-                sent += 1
+        sent = self._send_all((conns[r], Frame(FrameType.RESULT, res.flags, job.id, r, job.world_size, rd.number,
+                                               rd.msgs[r].codec, n, key, res.meta, res.body))
+                              for r in range(job.world_size) if r in conns)
         with self._lock:
-            self._c["rounds"] += 1
-            job.rounds += 1
-            job.bytes_out += body.nbytes * sent
-            pc = self._codec_counters(name)
-            pc["rounds"] += 1
-            pc["elements"] += n
-            pc["bytes_out"] += body.nbytes * sent
-            pc["decode_s"] += t1 - t0
-            pc["sum_s"] += t2 - t1
-            pc["encode_s"] += t3 - t2
+            self.rounds.round_sent(job, rd, sent, res.body.nbytes, (res.decode_s, res.sum_s, res.encode_s))
         log.debug("%s: %d messages decoded in %.3f s, sum re-encoded in %.3f s (%d bytes) and sent to %d ranks",
-                  where, job.world_size, t1 - t0, t3 - t2, body.nbytes, sent)
-
-    # --------------------------------------------------------------------------------------------
-    def _on_bye(self, conn: _Conn, f: Frame) -> None:
-        job = conn.job
-        if job is None:
-            return
-        err = None
-        with self._lock:
-            conn.bye = True
-            if job.conns.get(conn.rank) is conn:
-                del job.conns[conn.rank]
-            job.left.add(conn.rank)
-            rd = job.round
-            if rd is not None and not job.aborted:
-                err = ("left", f"job {job.id}: rank {conn.rank} left the job during round {rd.number} "
-                       f"(delivered: ranks {sorted(rd.msgs)})")
-        log.info("job %d: rank %d left", job.id, conn.rank)
-        if err:
-            self._abort(job, *err)
-        self._maybe_finish(job)
-
-    def _connection_closed(self, conn: _Conn) -> None:
-        with self._lock:
-            self._conns.discard(conn)
-            job = conn.job
-            gone = job is not None and not conn.bye and job.conns.get(conn.rank) is conn
-            if gone:
-                del job.conns[conn.rank]
-                rd = job.round
-        if not gone:
-            return
-        if not job.aborted:
-            pending = (f"; round {rd.number} had messages from ranks {sorted(rd.msgs)}" if rd is not None else "")
-            self._abort(job, "disconnect", f"job {job.id}: rank {conn.rank} disconnected (its connection from "
-                        f"{conn.peer} closed without BYE){pending}")
-        self._maybe_finish(job)
-
-    def _maybe_finish(self, job: _Job) -> None:
-        """Forget the job once all its ranks are gone (an aborted one stays until then, so that a late
-        rank's HELLO is told why instead of starting a new job under the same id)."""
-        with self._lock:
-            if job.conns or self._jobs.get(job.id) is not job:
-                return
-            del self._jobs[job.id]
-            if not job.aborted:
-                self._c["jobs_finished"] += 1
-        if job.aborted:
-            log.info("job %d (aborted) closed: no rank is connected any more", job.id)
-            return
-        log.info("job %d finished at the host aggregator: %d rounds (%s), in %s, out %s", job.id, job.rounds,
-                 ", ".join(sorted(job.codec_names)) or "no codec", _mb(job.bytes_in), _mb(job.bytes_out))
-
-    def _abort(self, job: _Job, reason: str, text: str, only_round: _Round | None = None) -> None:
-        """Abort the job: drop its pending round, tell every connected rank (an ERROR frame), count it."""
-        with self._lock:
-            if job.aborted or (only_round is not None and job.round is not only_round):
-                return
-            job.aborted = text
-            rnd = job.round.number if job.round is not None else JOB_ROUND
-            job.round = None
-            self._c["jobs_aborted"] += 1
-            self._errors[reason] = self._errors.get(reason, 0) + 1
-            conns = sorted(job.conns.items())
-        log.warning("host aggregator: job %d aborted [%s]: %s", job.id, reason, text)
-        for r, c in conns:
-            self._send(c, Frame(FrameType.ERROR, job=job.id, rank=r, world_size=job.world_size, round=rnd,
-                                meta={"reason": reason, "label": HOST_AGG_LABEL}, body=text.encode("utf-8")))
+                  where, job.world_size, res.decode_s, res.encode_s, res.body.nbytes, sent)
 
     # --------------------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -583,30 +253,31 @@ class HostAggregator:
                 if self._stopped:
                     return
                 now = time.monotonic()
-                expired = [(j, j.round) for j in self._jobs.values() if j.round is not None and j.round.deadline <= now]
+                expired, sends = self.rounds.expire(now)
                 if not expired:
-                    waits = [j.round.deadline - now for j in self._jobs.values() if j.round is not None]
+                    waits = [1.0]
+                    deadline = self.rounds.next_deadline()
+                    if deadline is not None:
+                        waits.append(deadline - now)
                     if self.stats_interval > 0:
                         waits.append(last_log + self.stats_interval - now)
-                    self._cond.wait(timeout=max(0.001, min(waits + [1.0])))
-            for job, rd in expired:
-                missing = sorted(set(range(job.world_size)) - set(rd.msgs))
-                never = [r for r in missing if r not in job.ever]
-                self._abort(job, "timeout",
-                            f"job {job.id} round {rd.number} ({rd.spec['codec']}, {rd.spec['elements']} elements): "
-                            f"rank(s) {missing} did not deliver their message within {job.timeout:g} s of the first "
-                            f"one; delivered: ranks {sorted(rd.msgs)}"
-                            + (f"; rank(s) {never} never connected" if never else ""), only_round=rd)
+                    self._cond.wait(timeout=max(0.001, min(waits)))
+            self._send_all(sends)
             now = time.monotonic()
             if self.stats_interval > 0 and now - last_log >= self.stats_interval:
-                with self._lock:
-                    c, errors = dict(self._c), sum(self._errors.values())
-                    active = sum(1 for j in self._jobs.values() if not j.aborted)
-                if c["rounds"] != last_rounds or active:
-                    log.info("host aggregator [NOT switch-feasible]: %d rounds (+%d in %.1f s), in %s, out %s, "
-                             "%d jobs active, %d errors", c["rounds"], c["rounds"] - last_rounds, now - last_log,
-                             _mb(c["bytes_in"]), _mb(c["bytes_out"]), active, errors)
-                last_log, last_rounds = now, c["rounds"]
+                last_log, last_rounds = now, self._progress(now - last_log, last_rounds)
+
+    def _progress(self, span: float, last_rounds: int) -> int:
+        """Log a progress line (if anything happened); returns the rounds so far."""
+        with self._lock:
+            c = {**self._c, **self.rounds.counters}
+            errors = sum(self.rounds.errors.values())
+            active = self.rounds.active_jobs()
+        if c["rounds"] != last_rounds or active:
+            log.info("host aggregator [NOT switch-feasible]: %d rounds (+%d in %.1f s), in %s, out %s, "
+                     "%d jobs active, %d errors", c["rounds"], c["rounds"] - last_rounds, span,
+                     mb(c["bytes_in"]), mb(c["bytes_out"]), active, errors)
+        return c["rounds"]
 
 
 def _drain_and_close(sock: socket.socket, bound_s: float = 1.0, max_bytes: int = 1 << 20) -> None:
@@ -614,8 +285,7 @@ def _drain_and_close(sock: socket.socket, bound_s: float = 1.0, max_bytes: int =
     clean end of stream instead of a reset (closing with unread input sends RST)."""
     try:
         sock.shutdown(socket.SHUT_WR)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(bound_s),
-                                                                           int(bound_s % 1 * 1e6)))
+        set_recv_timeout(sock, bound_s)
         deadline, got = time.monotonic() + bound_s, 0
         while got < max_bytes and time.monotonic() < deadline:
             k = len(sock.recv(65536))
@@ -624,11 +294,6 @@ def _drain_and_close(sock: socket.socket, bound_s: float = 1.0, max_bytes: int =
             got += k
     except OSError:
         pass
-
-
-def _accepts_key(codec) -> bool:
-    from ina.host_client import accepts_key
-    return accepts_key(codec)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -90,6 +90,11 @@ class Impairment:
             out.append((pkt, tag))
         return out
 
+    def requeue(self, packets) -> None:
+        """Hand (bytes, tag) packets back, in order, to be delivered by the next ``apply``."""
+        for pkt, tag in packets:
+            heapq.heappush(self._held, (0.0, next(self._seq), pkt, tag))
+
     def counters(self) -> dict:
         return {"dropped": self.dropped, "duplicated": self.duplicated, "reordered": self.reordered,
                 "delayed": self.delayed, "held": len(self._held)}

@@ -13,7 +13,6 @@ A packet's life, one burst at a time, run to completion in a poll loop (DPDK sty
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
@@ -29,9 +28,7 @@ from .impair import Impairment, ImpairmentConfig
 
 log = logging.getLogger("ina.switch")
 
-COUNTERS = list(D.DROP_REASONS) + ["overflow", "harvested", "replays", "rx_packets", "rx_bytes",
-                                   "tx_packets", "tx_bytes", "aborts_sent"]
-C = {name: i for i, name in enumerate(COUNTERS)}
+COUNTERS, C = D.COUNTERS, D.C
 STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
 MAX_ACTIVE_JOBS = 64
 
@@ -72,18 +69,29 @@ class SwitchConfig:
 
 @dataclass
 class Job:
+    """One installed job: the control plane's record, and the source of its job-table entry
+    (``table_row``: the fields named in ``dataplane.JOB``), which the kernels match packets on."""
     job: int
     n_workers: int
-    slot_lo: int
+    slot_lo: int                  # this switch's slots slot_lo .. slot_lo + slots - 1
     slots: int
     elements: int
     raw: bool
-    addr_block: int
+    addr_block: int               # worker addresses at addr_block * MAX_WORKERS + rank
     addrs: list
     pool_slots: int = 0           # the job's whole pool (slots is this shard's part of it)
     shards: int = 1
     shard: int = 0
     created: float = field(default_factory=time.time)
+
+    active = True
+
+    @property
+    def addr_base(self) -> int:
+        return self.addr_block * MAX_WORKERS
+
+    def table_row(self) -> tuple:
+        return tuple(int(getattr(self, name)) for name in D.JOB.names)
 
 
 class Switch:
@@ -98,47 +106,23 @@ class Switch:
         stride = HEADER_SIZE + 8 * cfg.elements
         self.rx = B.RxRing(self.sock, cfg.burst, stride)
         self.txq = B.TxBatch(self.sock, capacity=cfg.burst * MAX_WORKERS)
-        # --- registers and per-set metadata (index = slot * 2 + shadow set) ---
-        S2 = cfg.slots * 2
-        self.regs = np.zeros((S2, cfg.elements), np.int64)
-        self.bitmap = np.zeros(S2, np.uint64)
-        self.count = np.zeros(S2, np.int64)
-        self.maxexp = np.zeros(S2, np.int64)
-        self.round_chunk = np.full(S2, -1, np.int64)
-        self.complete = np.zeros(S2, np.uint8)
-        self.ptype = np.zeros(S2, np.int64)
-        self.codec = np.zeros(S2, np.int64)
-        self.nvalid = np.zeros(S2, np.int64)
-        self.ovf = np.zeros(S2, np.uint8)
-        self.results = np.zeros((S2, stride), np.uint8)     # shadow copies of completed results
-        self.result_len = np.zeros(S2, np.int64)
+        # --- the data-plane state: registers, per-set metadata, job table, counters, burst scratch ---
+        self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, cfg.burst, stride, cfg.register_bits, cfg.seed)
+        self.counters = self.state.counters
         self.slot_owner = np.full(cfg.slots, -1, np.int64)
-        # --- job table (the switch's match-action table) and worker addresses ---
-        self.jobs = np.zeros((D.MAX_JOBS, D.J_COLUMNS), np.int64)
-        self.addrs = np.zeros(MAX_ACTIVE_JOBS * MAX_WORKERS, B.SOCKADDR_IN)
+        self.addrs = np.zeros(MAX_ACTIVE_JOBS * MAX_WORKERS, B.SOCKADDR_IN)     # worker addresses, by job block
         self._free_blocks = list(range(MAX_ACTIVE_JOBS))
         self.job_info: dict[int, Job] = {}
-        # --- per-burst scratch (preallocated) ---
-        nb = cfg.burst
-        self.verdict = np.zeros(nb, np.int64)
-        self.slot2 = np.zeros(nb, np.int64)
-        self.rank = np.zeros(nb, np.int64)
-        self.jobcol = np.zeros(nb, np.int64)
-        self.action = np.zeros(nb, np.int64)
-        self.vals = np.zeros(cfg.elements, np.int64)         # the ALU's decoded chunk
-        cap = nb * MAX_WORKERS
-        self.tx_row = np.zeros(cap, np.int64)
-        self.tx_len = np.zeros(cap, np.int64)
-        self.tx_addr = np.zeros(cap, np.int64)
-        self._replay_buf = np.zeros((nb, stride), np.uint8)
-        self.counters = np.zeros(len(COUNTERS), np.int64)
+        self._replay_buf = np.zeros((cfg.burst, stride), np.uint8)
         self.ingress = Impairment(cfg.ingress)
         self.egress = Impairment(cfg.egress)
-        self._imp_buf = np.zeros((4 * nb, stride), np.uint8)
-        self._imp_lens = np.zeros(4 * nb, np.int64)
+        self._imp_buf = np.zeros((4 * cfg.burst, stride), np.uint8)     # the ingress impairments' side pool
+        self._imp_lens = np.zeros(4 * cfg.burst, np.int64)
         self._commands: list = []
         self._cmd_lock = threading.Lock()
         self._stop = threading.Event()
+        self._dp_thread: threading.Thread | None = None    # the thread running serve_forever
+        self._running = False
         self.started = time.time()
         self._rate_mark = (time.time(), 0, 0, 0, 0)   # time, rx packets, rx bytes, tx packets, tx bytes
         self.rates = {"rx_pps": 0.0, "rx_bps": 0.0, "tx_pps": 0.0, "tx_bps": 0.0}
@@ -175,33 +159,29 @@ class Switch:
         out = self.ingress.apply(pkts, time.monotonic())
         k = min(len(out), self._imp_buf.shape[0])
         if len(out) > k:   # more than the side pool holds: the rest waits for the next poll
-            for pkt, tag in out[k:]:
-                heapq.heappush(self.ingress._held, (0.0, next(self.ingress._seq), pkt, tag))
+            self.ingress.requeue(out[k:])
         for i, (pkt, ln) in enumerate(out[:k]):
             self._imp_buf[i, : len(pkt)] = np.frombuffer(pkt, np.uint8)
             self._imp_lens[i] = ln
         return self._imp_buf, self._imp_lens, k
 
+    # buf / lens: the receive ring's (rx.buf, rx.lens) or the ingress side pool's, of the same types
     def stage_parse(self, buf, lens, n: int) -> None:
-        D.parse(buf, lens, n, self.jobs, self.verdict, self.slot2, self.rank, self.jobcol, self.counters)
+        self._parse(self.state, buf, lens, n)
 
     def stage_aggregate(self, buf, n: int) -> None:
-        D.aggregate(buf, n, self.verdict, self.slot2, self.rank, self.jobcol, self.jobs, self.regs, self.bitmap,
-                    self.count, self.maxexp, self.round_chunk, self.complete, self.ptype, self.codec, self.nvalid,
-                    self.ovf, self.cfg.register_bits, self.counters, self.action, self.vals)
+        self._aggregate(self.state, buf, n)
 
     def stage_harvest(self, n: int) -> int:
-        return D.harvest(n, self.action, self.slot2, self.rank, self.jobcol, self.jobs, self.regs, self.maxexp,
-                         self.round_chunk, self.ptype, self.codec, self.nvalid, self.ovf, self.cfg.register_bits,
-                         self.cfg.seed, self.results, self.result_len, self.tx_row, self.tx_len, self.tx_addr,
-                         self.counters, C["harvested"], C["replays"])
+        return self._harvest(self.state, n)
 
     def stage_tx(self, m: int) -> None:
-        rows, lens, addr = self.tx_row[:m], self.tx_len[:m], self.tx_addr[:m]
-        buf = self.results
+        plan = self.state.tx[:m]
+        rows, lens, addr = plan["set_id"], plan["length"], plan["addr"]
+        buf = self.state.results
         if m and (lens < 0).any():     # replays: copy the stored result and set the REPLAY flag
-            buf = self._replay_buf if m <= self._replay_buf.shape[0] else np.zeros((m, self.results.shape[1]), np.uint8)
-            buf[:m] = self.results[rows]
+            buf = self._replay_buf if m <= self._replay_buf.shape[0] else np.zeros((m, buf.shape[1]), np.uint8)
+            buf[:m] = self.state.results[rows]
             rep = lens < 0
             fl = buf[:m, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]
             fl[rep] |= int(Flag.REPLAY)
@@ -227,15 +207,22 @@ class Switch:
     # service loop, control plane hooks
     # ------------------------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        log.info("switch serving on udp %s:%d: %d slots x 2 sets x %d registers of %d bits (%.1f MiB of %g MiB SRAM)",
-                 self.cfg.host, self.port, self.cfg.slots, self.cfg.elements, self.cfg.register_bits,
-                 self.cfg.register_memory() / 2**20, self.cfg.sram_mb)
-        while not self._stop.is_set():
+        """The poll loop, until ``stop()``. The calling thread becomes the data-plane thread: from now
+        on ``call`` hands commands to it instead of running them in the caller."""
+        self._dp_thread = threading.current_thread()
+        self._running = True
+        try:
+            log.info("switch serving on udp %s:%d: %d slots x 2 sets x %d registers of %d bits (%.1f MiB of %g MiB "
+                     "SRAM)", self.cfg.host, self.port, self.cfg.slots, self.cfg.elements, self.cfg.register_bits,
+                     self.cfg.register_memory() / 2**20, self.cfg.sram_mb)
+            while not self._stop.is_set():
+                self._run_commands()
+                self.poll_once()
+                self._update_rates()
             self._run_commands()
-            self.poll_once()
-            self._update_rates()
-        self._run_commands()
-        log.info("switch stopped: %s", self.summary())
+            log.info("switch stopped: %s", self.summary())
+        finally:
+            self._running = False
 
     def stop(self) -> None:
         self._stop.set()
@@ -251,7 +238,7 @@ class Switch:
 
     def call(self, fn, timeout: float = 10.0):
         """Run ``fn(self)`` in the data-plane thread between bursts and return its result."""
-        if threading.current_thread() is getattr(self, "_dp_thread", None) or not getattr(self, "_running", False):
+        if threading.current_thread() is self._dp_thread or not self._running:
             return fn(self)
         done = threading.Event()
         box = {}
@@ -279,14 +266,7 @@ class Switch:
                 c(self)
 
     def start_thread(self) -> threading.Thread:
-        def run():
-            self._dp_thread = threading.current_thread()
-            self._running = True
-            try:
-                self.serve_forever()
-            finally:
-                self._running = False
-        t = threading.Thread(target=run, name="dataplane", daemon=True)
+        t = threading.Thread(target=self.serve_forever, name="dataplane", daemon=True)
         t.start()
         return t
 
@@ -314,7 +294,7 @@ class Switch:
         slots = max(1, (pool_slots - shard + shards - 1) // shards)
         if not 0 <= job < D.MAX_JOBS:
             raise ValueError(f"job id {job} out of range 0..{D.MAX_JOBS - 1}")
-        if self.jobs[job, D.J_ACTIVE]:
+        if self.state.jobs[job]["active"]:
             raise ValueError(f"job {job} is already registered")
         if not 1 <= n_workers <= MAX_WORKERS:
             raise ValueError(f"a job has 1..{MAX_WORKERS} workers (one 64-bit worker bitmap), got {n_workers}")
@@ -329,31 +309,18 @@ class Switch:
             raise ValueError(f"not enough free slots for job {job}: asked for {slots}, "
                              f"{self.free_slots()} of {self.cfg.slots} are free (not necessarily contiguous)")
         block = self._free_blocks.pop(0)
-        base = block * MAX_WORKERS
-        for r, (h, p) in enumerate(addrs):
-            self.addrs[base + r] = B.sockaddr(h, p)[0]
-        self.slot_owner[lo: lo + slots] = job
-        self._reset_sets(lo, slots)
-        row = self.jobs[job]
-        row[D.J_NWORKERS], row[D.J_SLOT_LO], row[D.J_SLOTS] = n_workers, lo, slots
-        row[D.J_ELEMENTS], row[D.J_RAW], row[D.J_ADDR_BASE] = elements, int(raw), base
-        row[D.J_SLOTS], row[D.J_SHARDS], row[D.J_SHARD] = pool_slots, shards, shard
-        row[D.J_ACTIVE] = 1
         info = Job(job, n_workers, lo, slots, elements, raw, block, list(addrs), pool_slots, shards, shard)
         if created is not None:
             info.created = created
+        for r, (h, p) in enumerate(addrs):
+            self.addrs[info.addr_base + r] = B.sockaddr(h, p)[0]
+        self.slot_owner[lo: lo + slots] = job
+        self.state.reset_sets(lo, slots)
+        self.state.jobs[job] = info.table_row()
         self.job_info[job] = info
         log.info("job %d installed: %d workers, slots %d..%d, %d elements per packet, results %s",
                  job, n_workers, lo, lo + slots - 1, elements, "raw sums" if raw else "re-encoded codes")
         return info
-
-    def _reset_sets(self, lo: int, slots: int) -> None:
-        sl = slice(2 * lo, 2 * (lo + slots))
-        self.round_chunk[sl] = -1
-        self.complete[sl] = 0
-        self.bitmap[sl] = 0
-        self.count[sl] = 0
-        self.ovf[sl] = 0
 
     def remove_job(self, job: int, reason: str, notify_rank: int | None = None,
                    incarnation: float | None = None) -> bool:
@@ -363,9 +330,9 @@ class Switch:
         if info is None or (incarnation is not None and info.created != incarnation):
             return False
         del self.job_info[job]
-        self.jobs[job] = 0
+        self.state.jobs[job] = 0
         self.slot_owner[info.slot_lo: info.slot_lo + info.slots] = -1
-        self._reset_sets(info.slot_lo, info.slots)
+        self.state.reset_sets(info.slot_lo, info.slots)
         if notify_rank is not None:
             pkt = pack(msg_type=MsgType.ABORT, job=job, rank=notify_rank)
             for r, addr in enumerate(info.addrs):
@@ -383,15 +350,14 @@ class Switch:
         info = self.job_info.get(job)
         if info is None:
             return {"job": job, "active": False}
-        sl = slice(2 * info.slot_lo, 2 * (info.slot_lo + info.slots))
-        pending = np.nonzero((self.round_chunk[sl] >= 0) & (self.complete[sl] == 0))[0]
+        sets = self.state.sets[2 * info.slot_lo: 2 * (info.slot_lo + info.slots)]
+        pending = np.nonzero((sets["round_chunk"] >= 0) & (sets["complete"] == 0))[0]
         waiting = []
         for k in pending[:16]:
-            s = 2 * info.slot_lo + int(k)
-            have = int(self.bitmap[s])
+            have = int(sets[k]["bitmap"])
             missing = [r for r in range(info.n_workers) if not (have >> r) & 1]
-            waiting.append({"pool_index": (int(k) // 2) * info.shards + info.shard, "shadow": int(k) % 2, "chunk": int(self.round_chunk[s]),
-                            "missing_ranks": missing})
+            waiting.append({"pool_index": (int(k) // 2) * info.shards + info.shard, "shadow": int(k) % 2,
+                            "chunk": int(sets[k]["round_chunk"]), "missing_ranks": missing})
         return {"job": job, "active": True, "workers": info.n_workers, "slot_lo": info.slot_lo,
                 "slots": info.slots, "elements": info.elements, "raw": info.raw,
                 "incomplete_slots": int(pending.size), "waiting": waiting}
@@ -430,7 +396,8 @@ class Switch:
         drops = {name: c.pop(name) for name in D.DROP_REASONS[1:]}
         c["parsed_ok"] = c.pop("ok")
         c["tx_refused"] = self.txq.refused     # sends the kernel refused after an ICMP port unreachable
-        sets_busy = int(((self.round_chunk >= 0) & (self.complete == 0)).sum())
+        sets = self.state.sets
+        sets_busy = int(((sets["round_chunk"] >= 0) & (sets["complete"] == 0)).sum())
         return {
             "uptime_s": round(time.time() - self.started, 3),
             "config": {"port": self.port, "slots": self.cfg.slots, "elements": self.cfg.elements,
@@ -455,7 +422,12 @@ class Switch:
                 f"{int(c[C['harvested']])} slots harvested, {self.drops()} dropped")
 
     def _warm_up(self) -> None:
-        """Compile (or load from cache) the kernels before serving, with an empty burst."""
-        self.stage_parse(self.rx.buf, self.rx.lens, 0)
-        self.stage_aggregate(self.rx.buf, 0)
+        """Compile (or load from cache) the kernels before serving, bound to this switch's state and
+        buffer types (dataplane.bind); then run each on an empty burst."""
+        st, buf, lens = self.state, self.rx.buf, self.rx.lens
+        self._parse = D.bind(D.parse, st, buf, lens, 0)
+        self._aggregate = D.bind(D.aggregate, st, buf, 0)
+        self._harvest = D.bind(D.harvest, st, 0)
+        self.stage_parse(buf, lens, 0)
+        self.stage_aggregate(buf, 0)
         self.stage_harvest(0)

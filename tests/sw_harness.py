@@ -1,7 +1,7 @@
 """Test harness for the switch and the allreduce client: real processes, real UDP on loopback.
 
-* :class:`SwitchProc` starts ``python -m switch_model serve`` as a subprocess on a free port and
-  waits for readiness by polling the control port (bounded);
+* :class:`SwitchProc` starts ``python -m switch_model serve`` on a free port through the project's
+  launcher (switch_model.launch: ready once its control plane answers, bounded);
 * :func:`run_workers` runs worker processes (``tests/sw_worker.py``) and collects their results;
 * :func:`make_input` / :func:`bfp_reference` are the shared input generator and the independent
   numpy reference of block floating point's integer arithmetic.
@@ -11,14 +11,14 @@ Imported by the tests and by the worker script (which only needs :func:`make_inp
 from __future__ import annotations
 
 import json
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from switch_model.launch import SwitchService, free_port, start_switch  # noqa: F401 - free_port for the tests
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -111,24 +111,6 @@ def cast_like(ref32: np.ndarray, dtype: str) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 # the switch as a subprocess
 # ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A port that is free for both UDP and TCP on 127.0.0.1 (the switch binds both)."""
-    for _ in range(50):
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        u.bind(("127.0.0.1", 0))
-        port = u.getsockname()[1]
-        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            t.bind(("127.0.0.1", port))
-            return port
-        except OSError:
-            continue
-        finally:
-            t.close()
-            u.close()
-    raise RuntimeError("no port free for both UDP and TCP")
-
-
 def control(port: int, msg: dict, timeout: float = 10.0) -> dict:
     from ina.control import request
     return request("127.0.0.1", port, msg, timeout=timeout)
@@ -151,73 +133,21 @@ def wait_until(pred, timeout: float, what: str, interval: float = 0.02):
         ev.wait(interval)     # a bounded poll interval, not a synchronisation sleep
 
 
-class SwitchProc:
-    """``python -m switch_model serve`` on a free port of 127.0.0.1; stderr goes to ``log_path``."""
+class SwitchProc(SwitchService):
+    """The switch of a test (switch_model.launch): a free port of 127.0.0.1, no rate log lines,
+    its output in ``log_path``."""
 
     def __init__(self, *args: str, log_path: Path, ready_timeout: float = 60.0):
-        self.args = list(args)
-        self.log_path = Path(log_path)
-        for attempt in range(3):
-            self.port = free_port()
-            self._log = open(self.log_path, "wb")
-            self.proc = subprocess.Popen(
-                [PY, "-m", "switch_model", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--stats-interval", "0", *self.args],
-                cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
-            self._log.close()       # the child has its own descriptor
-            try:
-                self._wait_ready(ready_timeout)
-                return
-            except _PortTaken:
-                continue
-        raise RuntimeError("could not start the switch: ports kept being taken")
-
-    def _wait_ready(self, timeout: float) -> None:
-        from ina.control import ControlError
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.proc.wait(timeout=0.05)       # returns early only if the switch died
-            except subprocess.TimeoutExpired:
-                pass
-            if self.proc.returncode is not None:
-                log = self.log()
-                if "Address already in use" in log:
-                    raise _PortTaken()
-                raise AssertionError(f"switch exited with {self.proc.returncode} before it was ready:\n{log}")
-            try:
-                control(self.port, {"op": "stats"}, timeout=2.0)
-                return
-            except ControlError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"switch not ready on port {self.port} within {timeout:g} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stats(self) -> dict:
-        return stats(self.port)
+        sw = start_switch(None, "--stats-interval", "0", *args, host="127.0.0.1", log_path=log_path,
+                          timeout=ready_timeout)
+        super().__init__(sw.proc, sw.port, sw.control_host, sw.log_path, own_log=False)
 
     def terminate(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                raise AssertionError(f"switch did not exit within {timeout:g} s of SIGTERM:\n{self.log()}")
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-class _PortTaken(Exception):
-    pass
+        """SIGTERM; its exit code. Fails the test if it had to be killed after ``timeout`` seconds."""
+        rc = self.stop(timeout)
+        if self.killed:
+            raise AssertionError(f"switch did not exit within {timeout:g} s of SIGTERM:\n{self.log()}")
+        return rc
 
 
 # ------------------------------------------------------------------------------------------------

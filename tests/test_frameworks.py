@@ -12,10 +12,10 @@ What a user relies on:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from switch_model.launch import SwitchService, free_port, start_switch
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -42,66 +44,16 @@ INA_TIMEOUT = 20       # INA_TIMEOUT of the ranks (bounds every switch wait)
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A port free for both TCP and UDP (the switch uses the same number for both planes)."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-                u.bind(("0.0.0.0", port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no port free for both TCP and UDP")
-
-
-class Switch:
-    """A real `python -m switch_model serve` process on a free port."""
-
-    def __init__(self, log_path: Path):
-        self.port = free_port()
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([PY, "-m", "switch_model", "serve", "--port", str(self.port),
-                                      "--stats-interval", "0"], stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"switch exited ({self.proc.returncode}): {log_path.read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"switch did not listen on {self.port} within 30 s") from None
-                time.sleep(0.05)
-
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
+def start_test_switch(log_path: Path, *options: str, port: int | None = None, **kw) -> SwitchService:
+    """A real `python -m switch_model serve` process (switch_model.launch), on a free port by default."""
+    return start_switch(port, "--stats-interval", "0", *options, log_path=log_path, **kw)
 
 
 @pytest.fixture(scope="module")
 def switch(tmp_path_factory):
-    sw = Switch(tmp_path_factory.mktemp("switch") / "switch.log")
+    sw = start_test_switch(tmp_path_factory.mktemp("switch") / "switch.log")
     yield sw
-    sw.stop()
+    sw.stop(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +69,7 @@ def horovod_ready():
         pytest.fail(f"the INA_SWITCH autopatch hook is not installed: run `make install`: {p.stdout}")
 
 
-def ina_env(switch: Switch | None, codec: str | None, **extra) -> dict:
+def ina_env(switch: SwitchService | None, codec: str | None, **extra) -> dict:
     env = dict(os.environ)
     for k in ("INA_SWITCH", "INA_CODEC", "INA_JOB", "INA_SEED", "INA_TIMEOUT"):
         env.pop(k, None)
@@ -484,7 +436,7 @@ KILL_TIMEOUT = 5   # INA_TIMEOUT in the failure tests
 
 
 def test_horovod_switch_killed_mid_training(horovod_ready, tmp_path):
-    sw = Switch(tmp_path / "switch.log")
+    sw = start_test_switch(tmp_path / "switch.log")
     try:
         env = ina_env(sw, "nc", INA_TIMEOUT=KILL_TIMEOUT)
         p = subprocess.Popen([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", PY,
@@ -511,11 +463,11 @@ def test_horovod_switch_killed_mid_training(horovod_ready, tmp_path):
         assert "no progress for 5 s" in text
         assert elapsed < KILL_TIMEOUT + 60
     finally:
-        sw.stop()
+        sw.stop(timeout=10)
 
 
 def test_ddp_switch_killed_mid_training(tmp_path):
-    sw = Switch(tmp_path / "switch.log")
+    sw = start_test_switch(tmp_path / "switch.log")
     try:
         env = ina_env(sw, "nc", INA_TIMEOUT=KILL_TIMEOUT)
         cmd = [PY, "-u", str(EXAMPLES / "train_ddp.py"), "--backend", "ina", "--steps", "1000000",
@@ -538,7 +490,7 @@ def test_ddp_switch_killed_mid_training(tmp_path):
             assert f"[ina rank {r}] allreduce through switch {sw.addr} failed" in err, err[-3000:]
             assert "AllreduceError" in err or "no progress" in err, err[-3000:]
     finally:
-        sw.stop()
+        sw.stop(timeout=10)
 
 
 # ---- each rank in its own emulated host ---------------------------------------------------------------------
@@ -552,15 +504,9 @@ def test_horovod_ranks_in_emulated_hosts(horovod_ready, tmp_path):
     with Topology(workers=2, rate="200mbit") as topo:
         sw_host = topo.host("sw")
         port = 9999
-        log = open(tmp_path / "switch.log", "w")
-        sw = topo.popen("sw", [PY, "-m", "switch_model", "serve", "--port", str(port), "--stats-interval", "0"],
-                        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        sw = start_test_switch(tmp_path / "switch.log", port=port, popen=functools.partial(topo.popen, "sw"),
+                               control_host=sw_host.ip, timeout=30)
         try:
-            deadline = time.monotonic() + 30
-            while topo.run("w0", [PY, "-c", f"import socket; socket.create_connection(('{sw_host.ip}', {port}), 1)"],
-                           timeout=20).returncode != 0:
-                assert sw.poll() is None, (tmp_path / "switch.log").read_text()
-                assert time.monotonic() < deadline, "switch in host sw not reachable from w0 within 30 s"
             before = topo.counters()
             env = ina_env(None, None, INA_SWITCH=f"{sw_host.ip}:{port}", INA_CODEC="bfp32", INA_SEED=7,
                           INA_TIMEOUT=INA_TIMEOUT)
@@ -569,9 +515,7 @@ def test_horovod_ranks_in_emulated_hosts(horovod_ready, tmp_path):
                            env, "horovodrun with ranks in emulated hosts")
             after = topo.counters()
         finally:
-            sw.terminate()
-            sw.wait(timeout=10)
-            log.close()
+            sw.stop(timeout=10)
     for r in range(2):
         assert f"[netns_rank] rank {r} -> host w{r}" in p.stderr + p.stdout
         res = json.loads((tmp_path / f"rank{r}.json").read_text())

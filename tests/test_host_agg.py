@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 import ina.compression as C
-from ina.client import AllreduceError
 from ina.control import ControlChannel, request
-from ina.host_client import (HEADER, HOST_AGG_LABEL, MAGIC, VERSION, FrameType, HostAggClient,
-                             host_aggregator_address, recv_frame)
-from switch_model.launch import free_port, start_switch
+from ina.errors import AllreduceError
+from ina.host_client import HostAggClient, host_aggregator_address
+from ina.host_wire import HEADER, HOST_AGG_LABEL, MAGIC, VERSION, FrameType, recv_frame
+from switch_model.launch import start_switch
 
 HOST_CODECS = [("3lc", {}), ("eaq", {}), ("wgt", {"threshold": 0.5}), ("topk", {"ratio": 0.05})]
 
@@ -33,17 +33,15 @@ HOST_CODECS = [("3lc", {}), ("eaq", {}), ("wgt", {"threshold": 0.5}), ("topk", {
 def service(tmp_path_factory):
     """The switch service with its host aggregator on the default port (switch port + 100)."""
     log_path = tmp_path_factory.mktemp("hagg") / "switch.log"
-    with open(log_path, "wb") as logf:
-        port = free_port()
-        proc = start_switch(port, "--host", "127.0.0.1", "--stats-interval", "0", "--slots", "8", "--elements", "64",
-                            stdout=logf, stderr=subprocess.STDOUT)
+    sw = start_switch(None, "--stats-interval", "0", "--slots", "8", "--elements", "64", host="127.0.0.1",
+                      log_path=log_path)
+    port = sw.port
     addr = host_aggregator_address(("127.0.0.1", port))
     log = log_path.read_text()
     assert addr[1] == port + 100 or "is taken" in log, log
     assert f"host aggregator (NOT switch-feasible) on tcp 127.0.0.1:{addr[1]}" in log, log
     yield {"port": port, "addr": addr, "log": log_path}
-    proc.terminate()
-    assert proc.wait(timeout=15) == 0, log_path.read_text()
+    assert sw.stop(timeout=15) == 0, log_path.read_text()
     log = log_path.read_text()
     assert "host aggregator stopped:" in log and "signal 15: shutting down" in log, log
     with pytest.raises(OSError):          # the aggregator process went down with the service

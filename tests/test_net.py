@@ -262,7 +262,7 @@ def test_bring_up_is_idempotent():
             qd = subprocess.run(["ip", "netns", "exec", h.netns, "tc", "qdisc", "show", "dev", h.ifname],
                                 capture_output=True, text=True).stdout
             assert qd.count("qdisc tbf") == 1, qd
-        again._close_handles()
+        again.close_handles()
         assert transfer(topo, "tcp", topo.workers[0], topo.workers[2], 100_000)["bytes"] == 100_000
     assert leftovers(topo.prefix) == []
 

@@ -450,8 +450,9 @@ def test_new_round_in_the_burst_that_completed_its_set_waits_for_the_harvest():
             sw.stage_parse(sw.rx.buf, sw.rx.lens, n)
             sw.stage_aggregate(sw.rx.buf, n)
             m = sw.stage_harvest(n)
-            return [(int(hdr(sw.results[r].tobytes())["chunk"]),
-                     sw.results[r, HEADER_SIZE: HEADER_SIZE + 64].view(">i4").astype(np.int64)) for r in sw.tx_row[:m]]
+            res = sw.state.results
+            return [(int(hdr(res[r].tobytes())["chunk"]), res[r, HEADER_SIZE: HEADER_SIZE + 64].view(">i4").astype(np.int64))
+                    for r in sw.state.tx["set_id"][:m]]
 
         busy0 = int(sw.counters[13])
         out = burst(first + second)

@@ -16,12 +16,13 @@ import pytest
 
 import ina.compression as C
 from ina.compression import ScaleContext
-from ina.compression._seedutil import hash32_reference, log_scale, log_scale_exponent
+from ina.compression.encoding import log_scale, log_scale_exponent
 from ina.compression.thc import (FINE, ROTATION_STREAM, TABLE_STREAM, block_norms, clip_threshold,
                                  expected_variance, inverse_rht, lookup_table, rht, rotation_signs)
 from ina.wire import HEADER_SIZE
 
 sys.path.insert(0, os.path.dirname(__file__))
+from rng_reference import uniform  # noqa: E402
 from sw_harness import SwitchProc, client_threads  # noqa: E402
 
 Z = 4.0
@@ -177,15 +178,6 @@ def test_compress_message_and_bad_input():
 
 
 # ----------------------------------------------------------------------------- through the real switch
-_hash = np.frompyfunc(hash32_reference, 1, 1)     # pure-Python lowbias32, independent of the numba kernels
-
-
-def _uniform(n, seed):
-    i = np.arange(n, dtype=np.uint64)
-    c = (i * np.uint64(0x9E3779B9) + np.uint64(seed & 0xFFFFFFFFFFFF)) & np.uint64(0xFFFFFFFF)
-    return _hash(c.astype(object)).astype(np.float64) * 2.0**-32
-
-
 def _fwht(v, h):
     v = v.reshape(-1, h).copy()
     span = 1
@@ -204,7 +196,7 @@ def numpy_thc_sum(xs, seeds, g=16, bits=4, h=256, rot=0, overflow=1 / 32, norm_b
     norm = log_scale(max(log_scale_exponent(float(np.sqrt((np.pad(x.astype(np.float64), (0, -x.size % b)) ** 2)
                                                            .reshape(-1, b).sum(1)).max()))
                          for x, b in zip(xs, norm_blocks or [h] * len(xs))))
-    signs = np.where(_uniform(h, rot + ROTATION_STREAM) < 0.5, -1.0, 1.0)
+    signs = np.where(uniform(h, rot + ROTATION_STREAM) < 0.5, -1.0, 1.0)
     table = np.array(lookup_table(g, bits, t))
     u = np.arange(FINE * g + 1) / FINE
     lower = np.minimum(np.searchsorted(table, u, side="right") - 1, table.size - 2)
@@ -216,8 +208,8 @@ def numpy_thc_sum(xs, seeds, g=16, bits=4, h=256, rot=0, overflow=1 / 32, norm_b
         v = np.clip(y * (math.sqrt(h) / norm), -t, t)
         f = (v + t) * (FINE * g / (2.0 * t))
         j = np.minimum(np.floor(f).astype(np.int64), FINE * g)
-        j = j + ((j < FINE * g) & (_uniform(m, seed) < f - j))
-        k = lower[j] + (_uniform(m, seed + TABLE_STREAM) < p_up[j])
+        j = j + ((j < FINE * g) & (uniform(m, seed) < f - j))
+        k = lower[j] + (uniform(m, seed + TABLE_STREAM) < p_up[j])
         total = total + (table[k] - g // 2)
     assert np.abs(total).max() <= len(xs) * g // 2
     out = _fwht(total * ((2.0 * t / g) * norm / math.sqrt(h)), h) * ((1.0 / math.sqrt(h)) * np.tile(signs, total.size // h))

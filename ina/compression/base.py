@@ -14,15 +14,20 @@ Adding a codec touches its own module and the registry in ``ina/compression/__in
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
 
-from ina.wire import PAYLOAD_DTYPE, PayloadType
+from ina.wire import PAYLOAD_DTYPE, PAYLOAD_WIDTH, PayloadType, result_type
 
-from . import _kernels as K
+from . import kernels as K
+
+HOST_AGGREGATED = ("variable-length message: needs the host-aggregator mode of the switch service "
+                   "(NOT switch-feasible)")
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,11 @@ class ScaleContext:
     seed: int = 0            # per-worker, per-chunk randomness for stochastic codecs
     agreed: tuple = ()       # max over workers of each value of Codec.negotiated() (e.g. MQGrad's bits)
     elements: int = 0        # elements per packet (0: unknown); decode_sum sees whole packets (THC aligns to them)
+
+    def from_element(self, first: int) -> "ScaleContext":
+        """The context for encoding a block of the tensor that starts at element ``first``: its random
+        stream is shifted so that the block draws what a whole-tensor encode draws for its elements."""
+        return self if first == 0 else replace(self, seed=K.stream_seed(self.seed, first))
 
 
 @dataclass
@@ -127,12 +137,64 @@ class Codec:
     stochastic: ClassVar[bool] = False
     adaptive_width: ClassVar[bool] = False    # does the code range change between allreduces (MQGrad's K)?
     description: ClassVar[str] = ""
+    #: where the sum is computed: "switch" (integer codes summed at line rate by encode_shared /
+    #: decode_sum) or "host" (compress() messages decoded, summed and re-encoded by the host aggregator)
+    aggregation: ClassVar[str] = "switch"
+    variable_length: ClassVar[bool] = False   # are compress()'s messages variable-length?
+    label: ClassVar[str] = "switch-feasible: fixed-width integer codes summed by the switch"
+    #: does the codec keep an error-feedback residual per tensor key? Then compress, scale_exponent
+    #: and encode_shared take ``key=`` (see :meth:`key_argument`); ``error_feedback`` says whether it is on
+    keeps_residuals: ClassVar[bool] = False
+    error_feedback: bool = False
 
     def __init__(self, seed: int | None = 0):
         self._rng = np.random.default_rng(seed)
 
     def next_seed(self) -> int:
         return int(self._rng.integers(0, 2**32))
+
+    def rng_fingerprint(self) -> str | None:
+        """A short hash of a stochastic codec's random state (None for deterministic codecs): two ranks'
+        codec objects with the same fingerprint would draw the same random numbers."""
+        if not self.stochastic:
+            return None
+        return hashlib.blake2b(repr(self._rng.bit_generator.state).encode(), digest_size=8).hexdigest()
+
+    def options(self) -> dict:
+        """The constructor options of this object that can be read back from it (scalars only, no seed).
+
+        ``get(name, seed=s, **codec.options())`` builds a codec that encodes and decodes like this one
+        (the host aggregator builds its own that way). Options a codec does not keep as an attribute of
+        the same name (and non-scalar ones, e.g. MQGrad's controller) are left at their defaults.
+        """
+        out = {}
+        for p in inspect.signature(type(self).__init__).parameters.values():
+            if p.name in ("self", "seed") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            if hasattr(self, p.name):
+                v = getattr(self, p.name)
+                if isinstance(v, np.generic):
+                    v = v.item()
+                if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
+                    out[p.name] = v
+        return out
+
+    # -- error feedback ---------------------------------------------------------------------------
+    def key_argument(self, key) -> dict:
+        """The keyword arguments that pass tensor ``key`` to this codec's methods: ``{"key": key}`` for
+        a codec that keeps residuals per key, ``{}`` otherwise (or without a key)."""
+        return {"key": key} if self.keeps_residuals and key is not None else {}
+
+    def residual(self, key=None) -> np.ndarray | None:
+        """The error-feedback residual of ``key`` (a copy; None when the key has none)."""
+        return None
+
+    def residual_keys(self) -> list:
+        """The keys that hold an error-feedback residual."""
+        return []
+
+    def reset(self, key=...) -> None:
+        """Drop the residual of ``key`` (all keys when called without one)."""
 
     # -- cost -----------------------------------------------------------------------------------
     @property
@@ -174,6 +236,24 @@ class Codec:
         bound = self.max_abs_code(ctx)
         return bound is not None and bound * ctx.n_workers <= 127
 
+    def uplink_type(self, ctx: ScaleContext) -> PayloadType:
+        """The payload type of this codec's codes on the wire under ``ctx`` (INT8_NARROW when
+        :meth:`int8_sums`)."""
+        return PayloadType.INT8_NARROW if self.int8_sums(ctx) else self.payload_type
+
+    def result_type(self, ctx: ScaleContext, raw: bool = False) -> PayloadType:
+        """The payload type the switch's results come back in (:func:`ina.wire.result_type` of the
+        uplink type; ``raw``: the job asked for raw register sums)."""
+        return PayloadType(result_type(self.uplink_type(ctx), raw, ctx.register_bits))
+
+    def result_width(self, n_workers: int, *, any_state: bool = False) -> int:
+        """Bytes per element of the switch's results for ``n_workers`` workers, in the codec's initial
+        state (``any_state``: the widest over every state it can reach; an adaptive codec's code
+        range grows, e.g. MQGrad's bits, so its narrow sums may widen later)."""
+        ctx = ScaleContext(0, n_workers)
+        up = self.payload_type if any_state and self.adaptive_width else self.uplink_type(ctx)
+        return PAYLOAD_WIDTH[PayloadType(result_type(up, False, ctx.register_bits))]
+
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
 
@@ -182,3 +262,15 @@ class Codec:
 
     def __repr__(self) -> str:
         return f"<codec {self.name} id={self.wire_id} {self.bits_per_element:g} bits/elem>"
+
+
+class HostAggregated:
+    """The declarations of a codec whose messages are variable-length (3lc, eaq, wgt, topk): no switch
+    path; the service's host aggregator decodes, sums and re-encodes them (NOT switch-feasible).
+    Listed first among a codec's bases, so that these values win."""
+
+    payload_type = PayloadType.NONE
+    switch_summable = False
+    variable_length = True
+    aggregation = "host"
+    label = HOST_AGGREGATED

@@ -11,7 +11,7 @@ import numpy as np
 
 from ina.wire import PayloadType
 
-from . import _kernels as K
+from . import kernels as K
 from .base import Codec, Encoded, ScaleContext, from_numpy_like, max_exponent, native, to_numpy_f32
 
 INT32_MAX = 2**31 - 1

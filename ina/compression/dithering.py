@@ -20,8 +20,8 @@ import numpy as np
 
 from ina.wire import PayloadType
 
-from . import _kernels as K
-from .base import Codec, Encoded, ScaleContext, check_finite, from_numpy_like, max_exponent, native, to_numpy_f32
+from . import kernels as K
+from .base import Codec, Encoded, ScaleContext, from_numpy_like, max_exponent, native, to_numpy_f32
 
 
 def p_norm(x32: np.ndarray, p: float) -> float:

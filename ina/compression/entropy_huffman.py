@@ -39,11 +39,9 @@ import math
 import numpy as np
 from numba import njit
 
-from ina.wire import PayloadType
-
-from ._seedutil import (HOST_AGGREGATOR, ErrorFeedbackMixin, Reader, be_bytes, element_count, finite_max_abs,
-                        pack_bits, packed_size, unpack_bits)
-from .base import Codec, Encoded, from_numpy_like, to_numpy_f32
+from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, from_numpy_like, to_numpy_f32
+from .encoding import Reader, be_bytes, element_count, finite_max_abs, pack_bits, packed_size, unpack_bits
+from .feedback import ErrorFeedbackMixin
 
 MAX_CODE_LEN = 56
 CODEBOOK_SPARSE, CODEBOOK_RANGE = 0, 1
@@ -51,9 +49,11 @@ CODEBOOK_SPARSE, CODEBOOK_RANGE = 0, 1
 
 # ----------------------------------------------------------------------------- kernels
 @njit(cache=True)
-def _quantize(x, wmin, scale, top, out):
+def _quantize(x, wmin, step, top, out):
+    # divide by the bin width (rng / 2**N, exact) rather than multiply by its rounded reciprocal, so
+    # that a value on a bin edge lands in the bin _dequantize's centre describes
     for i in range(x.size):
-        q = np.int64(np.floor((np.float64(x[i]) - wmin) * scale))
+        q = np.int64(np.floor((np.float64(x[i]) - wmin) / step)) if step > 0 else np.int64(0)
         out[i] = min(max(q, 0), top)
 
 
@@ -258,18 +258,13 @@ def entropy_bits(counts: np.ndarray) -> float:
 
 
 # ----------------------------------------------------------------------------- codec
-class EntropyAdaptiveHuffman(ErrorFeedbackMixin, Codec):
+class EntropyAdaptiveHuffman(HostAggregated, ErrorFeedbackMixin, Codec):
     name = "eaq"
     wire_id = 15
-    payload_type = PayloadType.NONE
-    switch_summable = False
-    variable_length = True
-    aggregation = "host"
-    label = HOST_AGGREGATOR
     unbiased = False
     stochastic = True     # the entropy sample is random (the codes themselves are deterministic)
     description = ("entropy-adaptive uniform quantization (N = H + c bits per layer) with Huffman "
-                   "coding, codebook in the message [" + HOST_AGGREGATOR + "]")
+                   "coding, codebook in the message [" + HOST_AGGREGATED + "]")
 
     def __init__(self, F: float = 0.03, M: int = 4, c: float = 6.0, max_bits: int = 16,
                  min_sample: int = 64, error_feedback: bool = False, seed: int | None = 0):
@@ -305,9 +300,7 @@ class EntropyAdaptiveHuffman(ErrorFeedbackMixin, Codec):
     @staticmethod
     def _quantize(x32, wmin, wmax, nbits):
         out = np.empty(x32.size, np.int64)
-        rng = float(wmax) - float(wmin)
-        scale = (1 << nbits) / rng if rng > 0 else 0.0
-        _quantize(x32, float(wmin), scale, (1 << nbits) - 1, out)
+        _quantize(x32, float(wmin), EntropyAdaptiveHuffman._step(wmin, wmax, nbits), (1 << nbits) - 1, out)
         return out
 
     def compress(self, x, key=None) -> Encoded:

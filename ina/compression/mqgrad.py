@@ -8,7 +8,7 @@ fraction, which is unbiased with variance at most step**2 / 4 per element.
 Message of ``compress``: u1 K | f4 min | f4 max | n K-bit codes packed MSB first (K bits per value).
 
 Switch path: the workers share a symmetric range [-R, R], R = max over workers of max|x|, negotiated
-as a Q8.8 log2 exponent (see _seedutil), and send q = round(x / R * L) with L = 2**(K-1) - 1 as int8
+as a Q8.8 log2 exponent (see encoding.py), and send q = round(x / R * L) with L = 2**(K-1) - 1 as int8
 (K in 2..8, so -127..127); the switch adds the integers and the sum decodes as sum(q) * R / L. K = 2 is
 ternary. Every worker must use the same K for a tensor (MQGrad: the agent's broadcast).
 
@@ -48,9 +48,10 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from ._seedutil import (Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent,
-                        pack_bits, packed_size, uniform01, unpack_bits)
 from .base import Codec, Encoded, ScaleContext, from_numpy_like, to_numpy_f32
+from .encoding import (Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent, pack_bits,
+                       packed_size, unpack_bits)
+from .kernels import uniform01
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -24,7 +24,7 @@ import numpy as np
 
 from ina.wire import PayloadType
 
-from . import _kernels as K
+from . import kernels as K
 from .base import Codec, Encoded, ScaleContext, check_finite, from_numpy_like, max_exponent, to_numpy_f32
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._seedutil import Reader, be_bytes, element_count
+from .encoding import Reader, be_bytes, element_count
 from .base import Encoded, max_exponent, to_numpy_f32
 from .dithering import RandomDithering, p_norm
 

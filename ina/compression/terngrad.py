@@ -10,7 +10,7 @@ Message of ``compress``: f4 s | 2-bit codes, MSB first (0 = 0, 1 = +1, 2 = -1): 
 in the paper (3LC's quartic encoding would need 1.6).
 
 Switch path ("scaler sharing", the paper's Section 3.2): the workers share s = max over workers of
-their max |g|, negotiated as a Q8.8 log2 exponent (<= 0.27 % above the true max, see _seedutil); each
+their max |g|, negotiated as a Q8.8 log2 exponent (<= 0.27 % above the true max, see encoding.py); each
 ternarizes against the shared s (still unbiased) and sends int8 codes that the switch adds; the sum
 decodes as s * sum(codes).
 """
@@ -21,9 +21,10 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from ._seedutil import (Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent,
-                        pack_bits, packed_size, uniform01, unpack_bits)
 from .base import Codec, Encoded, ScaleContext, from_numpy_like, to_numpy_f32
+from .encoding import (Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent, pack_bits,
+                       packed_size, unpack_bits)
+from .kernels import uniform01
 
 
 @njit(cache=True)

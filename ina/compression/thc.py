@@ -5,7 +5,7 @@ key's residual when error feedback is on):
 
 1. **norm agreement**: every worker proposes M_w = the largest L2 norm of its h-element blocks;
    the switch's max register returns M = max over workers, carried as a Q8.8 log2 exponent
-   (E = ceil(256 log2 M), see _seedutil: max-ordered like the value, <= 0.27 % above it); g, T, the
+   (E = ceil(256 log2 M), see ina.compression.encoding: max-ordered like the value, <= 0.27 % above it); g, T, the
    rotation seed and the block (as -log2 h, so the smallest wins) are negotiated alike. With one
    block this is THC's "largest norm"; with several it is the largest block norm, so every block's
    coordinates get THC's scale or a finer one.
@@ -63,9 +63,11 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from ._seedutil import (EXP_MIN, ErrorFeedbackMixin, Reader, be_bytes, element_count, finite_max_abs, log_scale,
-                        log_scale_exponent, pack_bits, packed_size, uniform01, uniform_stream, unpack_bits)
 from .base import Codec, Encoded, ScaleContext, from_numpy_like, native, to_numpy_f32
+from .encoding import (EXP_MIN, Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent,
+                       pack_bits, packed_size, unpack_bits)
+from .feedback import ErrorFeedbackMixin
+from .kernels import random_u32, uniform01
 
 log = logging.getLogger("ina.compression.thc")
 
@@ -221,8 +223,8 @@ def expected_variance(g: int = 16, bits: int = 4, overflow: float = 1 / 32) -> f
 @functools.lru_cache(maxsize=64)
 def rotation_signs(h: int, rotation_seed: int) -> np.ndarray:
     """The diagonal D of the transform: h random signs from the shared rotation seed."""
-    u = uniform_stream(h, (int(rotation_seed) + ROTATION_STREAM) & 0xFFFFFFFF)
-    return np.where(u < 0.5, -1.0, 1.0)
+    u = random_u32(h, (int(rotation_seed) + ROTATION_STREAM) & 0xFFFFFFFF)
+    return np.where(u < 2**31, -1.0, 1.0)        # a uniform number in [0, 1) below 0.5
 
 
 def rht(x: np.ndarray, h: int, rotation_seed: int = 0) -> np.ndarray:

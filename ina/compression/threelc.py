@@ -23,7 +23,7 @@ Message of ``compress`` (self-contained byte string, network byte order):
     float32 M | quartic bytes                       (``ThreeLCQuartic``, name "3lc-3v", 1.6 bits/value)
 
 Switch path (``3lc-3v`` only, zero-run encoding cannot be summed): the workers share
-M = max over workers of (max|A| * s), negotiated as a Q8.8 log2 exponent (see _seedutil); each sends
+M = max over workers of (max|A| * s), negotiated as a Q8.8 log2 exponent (see encoding.py); each sends
 q in {-1, 0, 1} as int8 and the switch adds them; the sum decodes as M * sum(q). The error buffer is
 updated with the shared M, so error feedback works the same on both paths.
 
@@ -40,9 +40,9 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from ._seedutil import (HOST_AGGREGATOR, ErrorFeedbackMixin, Reader, be_bytes, element_count,
-                        finite_max_abs, log_scale, log_scale_exponent)
-from .base import Codec, Encoded, ScaleContext, from_numpy_like, to_numpy_f32
+from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, ScaleContext, from_numpy_like, to_numpy_f32
+from .encoding import Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent
+from .feedback import ErrorFeedbackMixin
 
 ZERO_BYTE = 121          # five 3-value zeros: 1*81 + 1*27 + 1*9 + 1*3 + 1
 QUARTIC_MAX = 242        # 2*81 + 2*27 + 2*9 + 2*3 + 2
@@ -240,18 +240,13 @@ class _ThreeValue(ErrorFeedbackMixin, Codec):
         return from_numpy_like(out, enc.like, enc.shape)
 
 
-class ThreeLC(_ThreeValue):
+class ThreeLC(HostAggregated, _ThreeValue):
     """Full 3LC: 3-value quantization + quartic encoding + zero-run encoding (variable length)."""
     name = "3lc"
     wire_id = 10
-    payload_type = PayloadType.NONE
-    switch_summable = False
-    variable_length = True
-    aggregation = "host"
-    label = HOST_AGGREGATOR
     zero_run = True
     description = ("3LC: 3-value quantization with sparsity multiplier s, error feedback, quartic + "
-                   "zero-run encoding [" + HOST_AGGREGATOR + "]")
+                   "zero-run encoding [" + HOST_AGGREGATED + "]")
 
     @property
     def bits_per_element(self) -> float:

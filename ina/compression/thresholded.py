@@ -38,10 +38,10 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from ._seedutil import (HOST_AGGREGATOR, ErrorFeedbackMixin, Reader, be_bytes, decode_positions, element_count,
-                        encode_positions, finite_max_abs, log_scale, log_scale_exponent, pack_bits, packed_size,
-                        unpack_bits)
-from .base import Codec, Encoded, ScaleContext, from_numpy_like, to_numpy_f32
+from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, ScaleContext, from_numpy_like, to_numpy_f32
+from .encoding import (Reader, be_bytes, decode_positions, element_count, encode_positions, finite_max_abs, log_scale,
+                       log_scale_exponent, pack_bits, packed_size, unpack_bits)
+from .feedback import ErrorFeedbackMixin
 
 WGT, BGT, QGT = 0, 1, 2
 VARIANT_NAMES = {WGT: "wgt", BGT: "bgt", QGT: "qgt"}
@@ -81,7 +81,7 @@ def _threshold(acc, t, variant, max_multiple, mult, residual):
 
 
 # ----------------------------------------------------------------------------- codecs
-class _Thresholded(ErrorFeedbackMixin, Codec):
+class ThresholdedTransfer(ErrorFeedbackMixin, Codec):
     variant: int
     unbiased = False     # deterministic thresholding; the residual delivers the rest later
     stochastic = False
@@ -148,23 +148,19 @@ class _Thresholded(ErrorFeedbackMixin, Codec):
         return from_numpy_like(out, enc.like, enc.shape)
 
 
-class WholeGradientTransfer(_Thresholded):
+class WholeGradientTransfer(HostAggregated, ThresholdedTransfer):
     name = "wgt"
     wire_id = 12
     variant = WGT
-    payload_type = PayloadType.NONE
-    switch_summable = False
-    aggregation = "host"
-    label = HOST_AGGREGATOR
     description = ("thresholded whole-gradient transfer (WGT): values with |g| >= T sent as float32, "
-                   "rest accumulated [" + HOST_AGGREGATOR + "]")
+                   "rest accumulated [" + HOST_AGGREGATED + "]")
 
     @property
     def bits_per_element(self) -> float:
         return 32.0    # per sent value, positions extra; see paper_bits
 
 
-class BinarizedGradientTransfer(_Thresholded):
+class BinarizedGradientTransfer(ThresholdedTransfer):
     name = "bgt"
     wire_id = 13
     variant = BGT

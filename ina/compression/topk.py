@@ -18,25 +18,18 @@ import math
 
 import numpy as np
 
-from ina.wire import PayloadType
-
-from ._seedutil import (HOST_AGGREGATOR, ErrorFeedbackMixin, Reader, be_bytes, decode_positions, element_count,
-                        encode_positions, finite_max_abs)
-from .base import Codec, Encoded, from_numpy_like, to_numpy_f32
+from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, from_numpy_like, to_numpy_f32
+from .encoding import Reader, be_bytes, decode_positions, element_count, encode_positions, finite_max_abs
+from .feedback import ErrorFeedbackMixin
 
 
-class TopK(ErrorFeedbackMixin, Codec):
+class TopK(HostAggregated, ErrorFeedbackMixin, Codec):
     name = "topk"
     wire_id = 21
-    payload_type = PayloadType.NONE
-    switch_summable = False
-    variable_length = True
-    aggregation = "host"
-    label = HOST_AGGREGATOR
     unbiased = False
     stochastic = False
     description = ("top-k sparsification with error feedback: the k largest |x + residual| with their "
-                   "positions, float32 [" + HOST_AGGREGATOR + "]")
+                   "positions, float32 [" + HOST_AGGREGATED + "]")
 
     def __init__(self, ratio: float = 0.01, k: int | None = None, error_feedback: bool = True,
                  seed: int | None = 0):

@@ -104,7 +104,7 @@ def cmd_up(a) -> int:
             teardown(topo.prefix)
         raise
     st = topo.status()
-    topo._close_handles()
+    topo.close_handles()
     if a.json:
         print(json.dumps(st, indent=2))
     else:
@@ -136,7 +136,7 @@ def cmd_status(a) -> int:
         return 0
     topo = Topology.attach(_resolve_prefix(a.prefix))
     st = topo.status()
-    topo._close_handles()
+    topo.close_handles()
     print(json.dumps(st, indent=2)) if a.json else _print_status(st)
     return 0
 
@@ -145,7 +145,7 @@ def cmd_set_rate(a) -> int:
     topo = Topology.attach(_resolve_prefix(a.prefix))
     target = a.host if a.host in ("all", "workers") else topo.host(a.host)
     topo.set_rate(target, a.rate, direction=a.direction)
-    topo._close_handles()
+    topo.close_handles()
     return 0
 
 
@@ -155,7 +155,7 @@ def cmd_exec(a) -> int:
         raise TopologyError("exec: no command given (usage: ina-net exec HOST -- CMD [ARGS...])")
     topo = Topology.attach(_resolve_prefix(a.prefix))
     h = topo.host(host_key(a.host))
-    topo._close_handles()
+    topo.close_handles()
     exe = shutil.which(argv[0])
     if exe is None:
         print(f"ina-net: exec: command not found: {argv[0]}", file=sys.stderr)

@@ -554,7 +554,9 @@ class Topology:
                 self._indices[key] = idx
         return idx
 
-    def _close_handles(self) -> None:
+    def close_handles(self) -> None:
+        """Close this object's netlink sockets (the topology stays up; they reopen when needed).
+        Before exec'ing into a host, or when an attached topology is no longer used."""
         self._indices.clear()
         for ipr in self._handles.values():
             with contextlib.suppress(Exception):
@@ -574,7 +576,7 @@ class Topology:
 
     def __exit__(self, *exc) -> None:
         if self.keep:
-            self._close_handles()
+            self.close_handles()
         else:
             self.down()
 
@@ -929,7 +931,7 @@ class Topology:
                     p.kill()
                     p.wait(timeout=TERM_GRACE)
         self._procs.clear()
-        self._close_handles()
+        self.close_handles()
         report = teardown(self.prefix)
         self._is_up = False
         return report

@@ -86,9 +86,23 @@ def _lowbias32_ir(builder, x):
     return builder.xor(x, builder.lshr(x, ir.Constant(i32, 16)))
 
 
+# -- the counter-based random stream (the only one of the codecs) ---------------------------------
+STREAM_STEP = 0x9E3779B9     # element i of stream s is lowbias32(i * STREAM_STEP + s), in 32 bits
+
+
+def stream_seed(seed: int, first: int) -> int:
+    """The stream under which element 0 draws what element ``first`` of stream ``seed`` draws.
+
+    Encoding elements ``first ..`` of a tensor under ``stream_seed(seed, first)`` draws exactly the
+    random numbers a whole-tensor encode under ``seed`` draws for them (how the allreduce client
+    encodes a tensor block by block and still matches a whole-tensor encode).
+    """
+    return (int(seed) + STREAM_STEP * int(first)) & 0xFFFFFFFF
+
+
 @intrinsic
 def _rand(typingctx, i, s):
-    """The i-th 32-bit random number of stream s: lowbias32(i * 0x9E3779B9 + s) in 32-bit arithmetic.
+    """The i-th 32-bit random number of stream s: lowbias32(i * STREAM_STEP + s) in 32-bit arithmetic.
 
     Written as LLVM IR because numba would widen the multiplications to 64 bits, which halves the
     vector lanes (and needs the slow 64-bit vector multiply).
@@ -100,10 +114,16 @@ def _rand(typingctx, i, s):
         i32 = ir.IntType(32)
         x = builder.trunc(args[0], i32) if i.bitwidth > 32 else builder.zext(args[0], i32) if i.bitwidth < 32 else args[0]
         seed = builder.trunc(args[1], i32) if s.bitwidth > 32 else builder.zext(args[1], i32) if s.bitwidth < 32 else args[1]
-        x = builder.add(builder.mul(x, ir.Constant(i32, 0x9E3779B9)), seed)
+        x = builder.add(builder.mul(x, ir.Constant(i32, STREAM_STEP)), seed)
         return _lowbias32_ir(builder, x)
 
     return types.uint32(i, s), codegen
+
+
+@njit(inline="always")
+def uniform01(i, seed):
+    """A uniform number in [0, 1) for element ``i`` of the stream ``seed`` (2**-32 resolution)."""
+    return np.float64(_rand(i, seed)) * 2.3283064365386963e-10
 
 
 @njit(cache=True)

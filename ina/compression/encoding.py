@@ -1,6 +1,6 @@
 """Shared pieces of the seed-paper codecs (3LC, thresholded transfer, entropy-adaptive Huffman,
-MQGrad, TernGrad, QSGD): error-feedback residual buffers, the log-scale exponent they negotiate on
-the switch, bit packing, a counter-based random stream and small big-endian byte helpers.
+MQGrad, TernGrad, QSGD): the log-scale exponent they negotiate on the switch, bit packing and small
+big-endian byte helpers for their messages, and the sparse position coding of wgt/bgt/qgt and topk.
 
 Shared scale on the switch
 --------------------------
@@ -11,25 +11,10 @@ power of two (their code step is scale / levels), so they put a finer number in 
 workers is still the max of the scales (log2 is monotone), so the switch negotiates it exactly like
 the exponent; the shared scale ``2**(E / 256)`` is at most 0.27 % above the largest worker's scale.
 The range is 2**-128 .. 2**127.99, the whole float32 range; an all-zero tensor proposes E = -32768.
-
-Numba caching: kernels in the codec modules inline hash32/uniform01 from here and are compiled
-with cache=True; numba does not notice edits to this file, so clear ina/compression/__pycache__
-after changing them.
-
-Error feedback
---------------
-:class:`ResidualStore` keeps one float32 residual ("error accumulation buffer", 3LC; "residual",
-thresholded transfer) per key. A stateful codec adds the residual of ``key`` to its input, encodes
-the sum, and keeps ``sum - decoded`` for the next step, where ``decoded`` is bit for bit what the
-receiver reconstructs. So for every key, after any number of steps,
-``sum(inputs) == sum(decoded) + residual`` (up to float32 rounding of the additions).
-A call without a key (``key=None``) is stateless: no buffer is read or written.
 """
 from __future__ import annotations
 
 import math
-import threading
-from typing import Hashable
 
 import numpy as np
 from numba import njit
@@ -37,8 +22,6 @@ from numba import njit
 LOG2_FRAC = 256                 # Q8.8: 1/256 binade resolution
 EXP_MIN = -(2**15)              # int16 range of the header's exponent field
 EXP_MAX = 2**15 - 1
-HOST_AGGREGATOR = ("variable-length message: needs the host-aggregator mode of the switch service "
-                   "(NOT switch-feasible)")
 
 
 # ----------------------------------------------------------------------------- shared log scale
@@ -74,132 +57,6 @@ def finite_max_abs(x32: np.ndarray, what: str = "tensor") -> float:
         bad = int(np.count_nonzero(~np.isfinite(x32)))
         raise ValueError(f"{what} contains {bad} NaN or Inf value(s); refusing to encode (nothing was sent)")
     return m
-
-
-# ----------------------------------------------------------------------------- error feedback
-class ResidualStore:
-    """Per-key float32 residuals (error accumulation buffers) of a stateful codec.
-
-    ``key`` names a tensor (e.g. a parameter name, or ``(name, chunk)`` on a chunked path); its
-    residual has that tensor's number of elements. Feeding a key a tensor of another size raises
-    instead of mixing two tensors' errors.
-    """
-
-    def __init__(self):
-        self._buf: dict[Hashable, np.ndarray] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable, n: int) -> np.ndarray | None:
-        with self._lock:
-            r = self._buf.get(key)
-        if r is not None and r.size != n:
-            raise ValueError(f"error-feedback key {key!r} holds a residual of {r.size} elements but this "
-                             f"tensor has {n}; use one key per tensor (or reset({key!r}))")
-        return r
-
-    def put(self, key: Hashable, r: np.ndarray) -> None:
-        with self._lock:
-            self._buf[key] = r
-
-    def residual(self, key: Hashable = None) -> np.ndarray | None:
-        """A copy of the residual of ``key`` (None if the key has not been used)."""
-        with self._lock:
-            r = self._buf.get(key)
-        return None if r is None else r.copy()
-
-    def reset(self, key: Hashable = ...) -> None:
-        """Forget the residual of ``key``, or of every key when called without one."""
-        with self._lock:
-            if key is ...:
-                self._buf.clear()
-            else:
-                self._buf.pop(key, None)
-
-    def keys(self) -> list:
-        with self._lock:
-            return list(self._buf)
-
-    def __len__(self) -> int:
-        return len(self._buf)
-
-
-class ErrorFeedbackMixin:
-    """Gives a codec ``error_feedback`` (bool), ``residual(key)`` and ``reset(key)``.
-
-    Error feedback needs a ``key`` naming the tensor: a call with ``key=None`` is stateless (no
-    residual added or kept), so that two tensors can never share a buffer by accident. Subclasses
-    call :meth:`_accumulate` to get ``x + residual`` and :meth:`_keep` with ``acc - decoded``.
-    """
-
-    error_feedback: bool = False
-
-    def _init_feedback(self, error_feedback: bool) -> None:
-        self.error_feedback = bool(error_feedback)
-        self._residuals = ResidualStore()
-
-    def _accumulate(self, x32: np.ndarray, key) -> np.ndarray:
-        if not self.error_feedback or key is None:
-            return x32
-        r = self._residuals.get(key, x32.size)
-        return x32 if r is None else x32 + r
-
-    def _keep(self, key, residual: np.ndarray) -> None:
-        if self.error_feedback and key is not None:
-            self._residuals.put(key, np.ascontiguousarray(residual, dtype=np.float32))
-
-    def residual(self, key=None) -> np.ndarray | None:
-        """The error-accumulation buffer of ``key`` (a copy; None before the key's first use)."""
-        return self._residuals.residual(key)
-
-    def reset(self, key=...) -> None:
-        """Drop the residual of ``key`` (all keys when called without one)."""
-        self._residuals.reset(key)
-
-
-# ----------------------------------------------------------------------------- random stream
-_M32 = 0xFFFFFFFF
-
-
-@njit(inline="always")
-def hash32(x):
-    """lowbias32: a well-mixed 32-bit hash, used as a counter-based random stream.
-
-    Numba widens uint32 products to 64 bits, so every step is masked back to 32 bits explicitly.
-    """
-    x = np.uint64(x) & np.uint64(_M32)
-    x ^= x >> np.uint64(16)
-    x = (x * np.uint64(0x7FEB352D)) & np.uint64(_M32)
-    x ^= x >> np.uint64(15)
-    x = (x * np.uint64(0x846CA68B)) & np.uint64(_M32)
-    x ^= x >> np.uint64(16)
-    return x
-
-
-@njit(inline="always")
-def uniform01(i, seed):
-    """A uniform number in [0, 1) for element ``i`` of the stream ``seed`` (2**-32 resolution)."""
-    c = (np.uint64(i) * np.uint64(0x9E3779B9) + np.uint64(seed)) & np.uint64(_M32)
-    return np.float64(hash32(c)) * 2.3283064365386963e-10
-
-
-def hash32_reference(x: int) -> int:
-    """Pure-Python lowbias32 (for tests of the numba stream)."""
-    x &= _M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    x ^= x >> 16
-    return x
-
-
-@njit(cache=True)
-def uniform_stream(n, seed):
-    """The first n numbers of the stream ``seed`` (exposed for statistical tests)."""
-    out = np.empty(n, np.float64)
-    for i in range(n):
-        out[i] = uniform01(i, seed)
-    return out
 
 
 # ----------------------------------------------------------------------------- bit packing
