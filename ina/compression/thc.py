@@ -78,18 +78,37 @@ MAX_BLOCK_LOG2 = 16
 
 
 # ----------------------------------------------------------------------------- kernels
-@njit(cache=True)
-def _fwht_block(buf, start, h):
-    """In-place unnormalised Walsh-Hadamard transform of buf[start:start + h] (the butterfly)."""
+LANES = 8       # blocks transformed at once: the butterfly runs across them, one vector op per step
+
+
+@njit(cache=True, inline="always")
+def _fwht_lanes(buf, h):
+    """In-place unnormalised Walsh-Hadamard transform of every column of buf (h x LANES, one block a
+    column): the radix-2 butterfly, each block's additions in the same order as one block alone."""
     span = 1
     while span < h:
-        for i in range(start, start + h, 2 * span):
+        for i in range(0, h, 2 * span):
             for j in range(i, i + span):
-                a = buf[j]
-                b = buf[j + span]
-                buf[j] = a + b
-                buf[j + span] = a - b
+                for lane in range(LANES):
+                    a = buf[j, lane]
+                    b = buf[j + span, lane]
+                    buf[j, lane] = a + b
+                    buf[j + span, lane] = a - b
         span *= 2
+
+
+@njit(cache=True, inline="always")
+def _load_lanes(x, scale, signs, first_block, buf):
+    """buf[:, lane] = x's block first_block + lane times scale * signs (float64; zero past x's end)."""
+    h = signs.size
+    for lane in range(LANES):
+        base = (first_block + lane) * h
+        if base + h <= x.size:
+            for k in range(h):
+                buf[k, lane] = np.float64(x[base + k]) * scale * signs[k]
+        else:
+            for k in range(h):
+                buf[k, lane] = np.float64(x[base + k]) * scale * signs[k] if base + k < x.size else 0.0
 
 
 @njit(cache=True)
@@ -104,51 +123,67 @@ def _block_norms(x, h, out):
 
 @njit(cache=True)
 def _rotate(x, signs, out):
-    """out = H D x / sqrt(h) per block (float64; x zero-padded to out.size), one block at a time so
-    that each stays in cache."""
+    """out = H D x / sqrt(h) per block (float64; x zero-padded to out.size)."""
     h = signs.size
     inv = 1.0 / math.sqrt(h)
-    for start in range(0, out.size, h):
-        for k in range(h):
-            i = start + k
-            out[i] = np.float64(x[i]) * signs[k] if i < x.size else 0.0
-        _fwht_block(out, start, h)
-        for i in range(start, start + h):
-            out[i] *= inv
+    buf = np.empty((h, LANES), np.float64)
+    blocks = out.size // h
+    for b0 in range(0, blocks, LANES):
+        _load_lanes(x, 1.0, signs, b0, buf)
+        _fwht_lanes(buf, h)
+        for lane in range(min(LANES, blocks - b0)):
+            for k in range(h):
+                out[(b0 + lane) * h + k] = buf[k, lane] * inv
 
 
 @njit(cache=True)
-def _decode(codes, step, signs, out):
-    """out = D H (codes * step) / sqrt(h) per block: the inverse transform of the dequantized sum."""
+def _inverse_blocks(codes, step, signs, out):
+    """out = D H (codes * step) / sqrt(h) per block: the inverse transform of the dequantized sum
+    (out float32 or float64; the products are float64, rounded once on the store)."""
     h = signs.size
     inv = 1.0 / math.sqrt(h)
-    for start in range(0, out.size, h):
-        for i in range(start, start + h):
-            out[i] = np.float64(codes[i]) * step
-        _fwht_block(out, start, h)
-        for k in range(h):
-            out[start + k] *= inv * signs[k]
+    ones = np.ones(h, np.float64)
+    buf = np.empty((h, LANES), np.float64)
+    blocks = out.size // h
+    for b0 in range(0, blocks, LANES):
+        _load_lanes(codes, step, ones, b0, buf)
+        _fwht_lanes(buf, h)
+        for lane in range(min(LANES, blocks - b0)):
+            for k in range(h):
+                out[(b0 + lane) * h + k] = buf[k, lane] * (inv * signs[k])
 
 
 @njit(cache=True)
-def _quantize(y, scale, t, g, lower, p_up, table, seed, idx, out):
-    """Scale, clip to +-t, round stochastically onto the fine grid, then to a table neighbour by a
-    second draw; idx = table index, out = centred code table[idx] - g/2. Returns the clipped count."""
+def _encode_blocks(x, signs, scale, t, g, lower, p_up, table, seed, idx, out):
+    """Per h-block of x (zero-padded), fused and in cache: rotate (H D x / sqrt(h)), scale, clip to
+    +-t, round stochastically onto the fine grid, then to a table neighbour by a second draw;
+    out = centred code table[k] - g/2, idx = k (when idx has out's size). Returns the clipped count."""
+    h = signs.size
+    inv = 1.0 / math.sqrt(h)
     fine_steps = lower.size - 1
     half = g // 2
     to_fine = fine_steps / (2.0 * t)
     seed2 = seed + TABLE_STREAM
+    keep_idx = idx.size == out.size
+    buf = np.empty((h, LANES), np.float64)
+    blocks = out.size // h
     clipped = 0
-    for i in range(y.size):            # branch-free: the random draws are unpredictable branches
-        v = y[i] * scale
-        clipped += (v > t) | (v < -t)
-        v = min(max(v, -t), t)
-        f = (v + t) * to_fine
-        j = int(f)                     # f >= 0: the floor
-        j = min(j + np.int64(uniform01(i, seed) < f - j), fine_steps)
-        k = lower[j] + np.int64(uniform01(i, seed2) < p_up[j])
-        idx[i] = k
-        out[i] = np.int8(table[k] - half)
+    for b0 in range(0, blocks, LANES):
+        _load_lanes(x, 1.0, signs, b0, buf)
+        _fwht_lanes(buf, h)
+        for lane in range(min(LANES, blocks - b0)):
+            for k in range(h):         # branch-free: the random draws are unpredictable branches
+                i = (b0 + lane) * h + k
+                v = buf[k, lane] * inv * scale
+                clipped += (v > t) | (v < -t)
+                v = min(max(v, -t), t)
+                f = (v + t) * to_fine
+                j = int(f)             # f >= 0: the floor
+                j = min(j + np.int64(uniform01(i, seed) < f - j), fine_steps)
+                q = lower[j] + np.int64(uniform01(i, seed2) < p_up[j])
+                out[i] = np.int8(table[q] - half)
+                if keep_idx:
+                    idx[i] = q
     return clipped
 
 
@@ -240,7 +275,7 @@ def inverse_rht(y: np.ndarray, h: int, rotation_seed: int = 0) -> np.ndarray:
     if y.size % h:
         raise ValueError(f"{y.size} values are not whole Hadamard blocks of {h}")
     out = np.empty(y.size, np.float64)
-    _decode(y, 1.0, rotation_signs(h, rotation_seed), out)
+    _inverse_blocks(y, 1.0, rotation_signs(h, rotation_seed), out)
     return out
 
 
@@ -325,16 +360,16 @@ class THC(ErrorFeedbackMixin, Codec):
         return self._params(ctx)[0] // 2       # centred table values: |code| <= g/2
 
     # -- encoding and decoding ----------------------------------------------------------------------
-    def _encode(self, acc, norm, g, t, rot, h, seed):
-        """(table indices, centred int8 codes) of acc, zero-padded to whole h-blocks."""
+    def _encode(self, acc, norm, g, t, rot, h, seed, with_idx=False):
+        """(table indices, centred int8 codes) of acc, zero-padded to whole h-blocks (the indices, for
+        compress(), only ``with_idx``)."""
         m = acc.size + (-acc.size % h)
-        idx = np.zeros(m, np.int64)
+        idx = np.zeros(m if with_idx else 0, np.uint8)     # bits <= 8: indices below 256
         codes = np.zeros(m, np.int8)
         if norm > 0 and m:
             table, lower, p_up = _sender_tables(g, self.bits, t)
-            y = np.empty(m, np.float64)
-            _rotate(acc, rotation_signs(h, rot), y)
-            clipped = _quantize(y, math.sqrt(h) / norm, t, g, lower, p_up, table, seed, idx, codes)
+            clipped = _encode_blocks(acc, rotation_signs(h, rot), math.sqrt(h) / norm, t, g, lower, p_up, table,
+                                     seed, idx, codes)
             self.clipped += int(clipped)
             self.coordinates += m
         return idx, codes
@@ -343,10 +378,10 @@ class THC(ErrorFeedbackMixin, Codec):
         codes = native(codes).reshape(-1)
         if codes.size % h:
             raise ValueError(f"thc: {codes.size} codes are not whole Hadamard blocks of {h}")
-        out = np.zeros(codes.size, np.float64)
+        out = np.zeros(codes.size, np.float32)
         if norm > 0:
-            _decode(codes, (2.0 * t / g) * norm / math.sqrt(h), rotation_signs(h, rot), out)
-        return out.astype(np.float32)
+            _inverse_blocks(codes, (2.0 * t / g) * norm / math.sqrt(h), rotation_signs(h, rot), out)
+        return out
 
     def _norm(self, acc: np.ndarray) -> float:
         finite_max_abs(acc)
@@ -378,7 +413,8 @@ class THC(ErrorFeedbackMixin, Codec):
         acc = self._accumulate(to_numpy_f32(x), key)
         exponent = log_scale_exponent(self._norm(acc))
         norm, h = log_scale(exponent), self.block
-        idx, codes = self._encode(acc, norm, self.g, self.clip, self.rotation_seed, h, self.next_seed())
+        idx, codes = self._encode(acc, norm, self.g, self.clip, self.rotation_seed, h, self.next_seed(),
+                                  with_idx=True)
         if self.error_feedback and key is not None:
             self._keep(key, acc - self._decode(codes, norm, self.g, self.clip, self.rotation_seed, h)[:acc.size])
         msg = np.concatenate([be_bytes("i2", exponent), be_bytes("u1", self.g), be_bytes("u1", self.bits),
