@@ -57,7 +57,7 @@ def test_registry_has_every_seed_codec_with_unique_wire_ids_above_9():
     assert len(ids) == len(set(ids))
 
 
-@pytest.mark.parametrize("name", ["3lc", "eaq", "wgt"])
+@pytest.mark.parametrize("name", ["3lc", "eaq", "wgt", "topk"])
 def test_variable_length_codecs_are_labelled_host_aggregator_only(name):
     codec = C.get(name)
     assert codec.switch_summable is False
