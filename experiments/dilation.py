@@ -278,3 +278,18 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
     finally:
         group.close()
     return ks
+
+
+def config_key(workload, method, n, rate, elements, dilation=1, profile=None) -> str:
+    """A configuration's key in results.json (a re-run skips the keys it has); a dilated or profiled
+    run's keys name the factor and the profile, so runs at K and 2K can share a folder."""
+    k = f"{workload}|{method}|{n}|{rate}|{elements}"
+    return k + (f"|x{dilation:g}" if dilation != 1 else "") + (f"|{profile}" if profile not in (None, "software") else "")
+
+
+def is_done(done: set, args, wl, m, n, rate, el) -> bool:
+    """Is this configuration in results.json already (under this dilation factor and profile)?"""
+    import re
+    if args.dilation == "auto":       # any factor the probe chose
+        return config_key(wl, m, n, rate, el, 1, args.profile) in {re.sub(r"\|x[^|]+", "", d) for d in done}
+    return config_key(wl, m, n, rate, el, args.dilation or 1, args.profile) in done

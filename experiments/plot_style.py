@@ -5,7 +5,7 @@ line style = where the sum is computed.
   transfers, ...), one hue per family, a lighter or darker shade per member;
 * marker: unique per method (the registry's order), so a method can be told apart in greyscale too;
 * line style: solid = switch-summable INA codec, dashed = host-aggregated (NOT switch-feasible),
-  dotted = baseline (Gloo ring).
+  dotted = baseline (Gloo's ring, fp32 and fp16; PyTorch's PowerSGD hook).
 
 Styles depend only on the registry, never on which methods one plot happens to show, so a method
 looks the same in every figure.
@@ -19,15 +19,16 @@ BASELINE_COLOUR = "#000000"
 # families in this order get these tab10 hues (grey is left out: too close to the black baseline);
 # a family not listed (a new codec module) takes the next hue
 FAMILY_ORDER = ["natural", "bfp", "dithering", "terngrad", "mqgrad", "thresholded", "threelc", "entropy_huffman"]
-HUES = ["#1f77b4", "#d62728", "#2ca02c", "#17becf", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#bcbd22"]
+HUES = ["#1f77b4", "#d62728", "#2ca02c", "#17becf", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#bcbd22",
+        "#000080"]
 SAME_FAMILY = {"qsgd": "dithering"}   # QSGD's stochastic levels are random dithering's (rd is "QSGD-like")
 BASELINE_MARKERS = ["x", "+", "1"]
-MARKERS = ["o", "s", "^", "v", "D", "P", "X", "*", "p", "h", "<", ">", "d", "H", "8"]
+MARKERS = ["o", "s", "^", "v", "D", "P", "X", "*", "p", "h", "<", ">", "d", "H", "8", "3", "4"]
 LINESTYLE = {"switch": "-", "host": "--", "baseline": ":"}
 SHADES = [0.0, 0.45, -0.35, 0.7]      # >0: towards white, <0: towards black
 FAMILY_NAME = {"bfp": "block floating point", "natural": "natural compression",
                "dithering": "dithering / QSGD", "threelc": "3LC", "thresholded": "thresholded transfers", "mqgrad": "MQGrad",
-               "terngrad": "TernGrad", "entropy_huffman": "entropy + Huffman"}
+               "terngrad": "TernGrad", "entropy_huffman": "entropy + Huffman", "thc": "THC", "topk": "top-k"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ def aggregation(method: str) -> str:
 def styles(extra: tuple[str, ...] = ()) -> dict[str, Style]:
     """Every registered method's style (plus ``extra`` methods such as other baselines)."""
     from ina import compression
-    methods = ["gloo"] + [f"ina:{c}" for c in compression.available()] + [m for m in extra if m != "gloo"]
+    from .baselines import BASELINES
+    methods = ["gloo", *BASELINES] + [f"ina:{c}" for c in compression.available()] + list(extra)
     methods = list(dict.fromkeys(methods))
     fams: dict[str, list[str]] = {f: [] for f in ["baseline"] + FAMILY_ORDER}
     for m in methods:
@@ -110,6 +112,9 @@ def legend_label(method: str) -> str:
     """Short legend entry: the codec name, its family and, for host-aggregated ones, NOT switch-feasible."""
     if method == "gloo":
         return "Gloo ring fp32 (baseline)"
+    if family(method) == "baseline":          # gloo-fp16, powersgd (experiments.baselines)
+        from .baselines import BASELINES
+        return BASELINES.get(method, method).split(" (")[0] + " (baseline)"
     fam = FAMILY_NAME.get(family(method), family(method))
     tail = ", host-aggregated, NOT switch-feasible" if aggregation(method) == "host" else ""
     return f"{method[4:]} ({fam}{tail})"

@@ -3,6 +3,7 @@
     ina-sweep --quick                       # < 3 minutes: ResNet-110 size / 4, 2 and 4 workers, core methods
     ina-sweep                               # the full sweep (long: hours at 10 Mbit/s with VGG-16 sizes)
     ina-sweep --out results/x --rates 100mbit --workers 4 --methods gloo,ina:nc --sizes 1.7M
+    ina-sweep --methods baselines,ina:thc ...  # Gloo fp32 and fp16 rings, PyTorch's PowerSGD hook, THC
 
 One emulated topology (``ina.net.Topology``, MTU 9000) with a switch host running ``ina-switch``
 (unshaped switch link: one port per worker) and up to 8 worker hosts, each with its own shaped
@@ -24,6 +25,11 @@ Workloads:
 * ``accuracy``: data-parallel SGD on scikit-learn's digits for a fixed number of steps, Gloo vs
   every INA codec; test accuracy against steps and wall time.
 
+Methods: ``gloo`` (Gloo's ring, fp32), the strongest non-INA baselines a user can switch on
+(``gloo-fp16``: Horovod's Compression.fp16; ``powersgd``: PyTorch's PowerSGD DDP hook; see
+``experiments.baselines``) and ``ina:<codec>`` (through the switch, or its host aggregator for the
+variable-length codecs, labelled NOT switch-feasible).
+
 Outputs in ``--out`` (default ``results/sweep-<timestamp>``): ``results.json`` + ``results.csv``
 (raw, one record per configuration), ``*.png`` plots and ``report.md``. A re-run with the same
 ``--out`` skips configurations already in ``results.json``.
@@ -36,14 +42,14 @@ import datetime as _dt
 import json
 import logging
 import os
-import re
 import selectors
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .sweep_methods import CORE_METHODS, all_methods, host_methods, is_host_method, seed_methods
+from .baselines import BASELINES, is_baseline
+from .sweep_methods import CORE_METHODS, aggregation, all_methods, host_methods, is_host_method, seed_methods
 
 log = logging.getLogger("ina.sweep")
 
@@ -69,15 +75,9 @@ def rate_bps(rate: str) -> float | None:
 
 
 def key_of(rec: dict) -> str:
+    from .dilation import config_key
     return config_key(rec["workload"], rec["method"], rec["workers"], rec["rate"], rec["elements"],
                       rec.get("dilation", 1), rec.get("profile"))
-
-
-def config_key(workload, method, n, rate, elements, dilation=1, profile=None) -> str:
-    """A configuration's key in results.json (a re-run skips the keys it has); a dilated or profiled
-    run's keys name the factor and the profile, so runs at K and 2K can share a folder."""
-    k = f"{workload}|{method}|{n}|{rate}|{elements}"
-    return k + (f"|x{dilation:g}" if dilation != 1 else "") + (f"|{profile}" if profile not in (None, "software") else "")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,6 +99,9 @@ def payload_widths(method: str, n: int = 4) -> tuple[int, int]:
 def ideal_time(method: str, n: int, elements: int, rate: str) -> float | None:
     """Link-bound time: ring 2(n-1)/n*S/rate; INA max(S_up, S_down)/rate (both directions concurrent)."""
     bps = rate_bps(rate)
+    if is_baseline(method):
+        from . import baselines
+        return baselines.ideal_time(method, n, elements, bps)
     if bps is None or is_host_method(method):      # host-aggregated: from the measured bytes (run_bench)
         return None
     up, down = payload_widths(method, n)
@@ -214,7 +217,7 @@ def ina_rto(method: str, rate: str, slots: int, mtu: int, n: int = 4, base: floa
     a 20 ms RTO at 100 Mbit/s with 64 x 8 kB in flight (42 ms) retransmits spuriously. ``base``: the
     floor (20 ms; stretched by a dilation factor)."""
     bps = rate_bps(rate)
-    if method == "gloo" or bps is None or is_host_method(method):
+    if not method.startswith("ina:") or bps is None or is_host_method(method):
         return None
     from .sweep_worker import ina_elements
     up, down = payload_widths(method, n)
@@ -227,6 +230,9 @@ def wait_estimate(method: str, n: int, elements: int, rate: str, slack: float = 
     """Seconds one allreduce may take, for the launcher's bounds: 3x its link-bound time plus ``slack``
     (2 s; stretched by a dilation factor) (host-aggregated codecs: 3x the time of 4 bytes per value each way)."""
     it = ideal_time(method, n, elements, rate)
+    if it is None and is_baseline(method):
+        from . import baselines
+        it = baselines.wait_bound(method, n, elements, rate_bps(rate))
     if it is None and is_host_method(method) and rate_bps(rate):
         it = 4 * elements * 8 / rate_bps(rate)
     return (it or 0.01) * 3 + slack
@@ -267,7 +273,7 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     if "client" in res[0]:
         rec["client_bytes_sent_per_worker"] = sum(r["client"]["bytes_sent"] for r in res) / (n * reps)
         rec["client_retransmissions"] = sum(r["client"]["retransmissions"] for r in res)
-    if is_host_method(method) and bps:
+    if (is_host_method(method) or method == "powersgd") and bps:
         # variable-length messages: the link-bound time of the bytes actually sent (TCP/IP headers included)
         rec["ideal_time"] = max(rec["wire_up_bytes_per_worker"], rec["wire_down_bytes_per_worker"]) * 8 / bps
         rec["ideal_from_measured_bytes"] = True
@@ -350,8 +356,7 @@ def derive(records: list[dict], sizes: dict[str, int]) -> list[dict]:
     inv = {v: k for k, v in sizes.items()}
     for r in records:
         r["model"] = inv.get(r["elements"], r.get("model"))
-        r["aggregation"] = ("Gloo ring" if r["method"] == "gloo" else
-                            "host (NOT switch-feasible)" if is_host_method(r["method"]) else "switch")
+        r["aggregation"] = aggregation(r["method"])
         g = by.get((r["workload"], "gloo", r["workers"], r["rate"], r["elements"]))
         if r["workload"] == "allreduce":
             r["speedup_vs_gloo"] = g["time_median"] / r["time_median"] if g else None
@@ -367,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, help="results folder (default results/sweep-<timestamp>); re-run resumes")
     ap.add_argument("--rates", help=f"comma-separated link rates (default {','.join(RATES)})")
     ap.add_argument("--workers", help="comma-separated worker counts (default 2,4,8; quick 2,4)")
-    ap.add_argument("--methods", help="comma-separated: gloo, ina:<codec>, 'core', 'seed', 'all' (default all; "
-                                      "quick: core)")
+    ap.add_argument("--methods", help="comma-separated: gloo, ina:<codec>, " + ", ".join(BASELINES) + ", 'core', "
+                                      "'seed', 'baselines', 'all' (default all; quick: core)")
     ap.add_argument("--sizes", help="comma-separated element counts or model names (default the three models)")
     ap.add_argument("--scale", type=float, help="divide model sizes by this (quick default 4)")
     ap.add_argument("--reps", type=int, help="timed repetitions per configuration (default 5; quick 3)")
@@ -395,12 +400,13 @@ def _methods(ap, spec: str) -> list[str]:
     methods: list[str] = []
     for m in spec.split(","):
         methods += {"core": CORE_METHODS, "seed": seed_methods() + host_methods(), "host": host_methods(),
-                    "all": all_methods()}.get(m, [m])
+                    "baselines": ["gloo", *BASELINES], "all": all_methods()}.get(m, [m])
     from ina import compression
     for m in methods:
-        if m != "gloo":
+        if m != "gloo" and not is_baseline(m):
             if not m.startswith("ina:") or m[4:] not in compression.available():
-                ap.error(f"method {m!r}: expected gloo or ina:<codec> with codec one of {compression.available()}")
+                ap.error(f"method {m!r}: expected gloo, {', '.join(BASELINES)} or ina:<codec> with codec one of "
+                         f"{compression.available()}")
     return list(dict.fromkeys(methods))
 
 
@@ -457,6 +463,7 @@ def _meta(args, argv, out: Path, st: dict) -> dict:
 
 def _plan(args, st: dict, done: set) -> list[tuple]:
     """(workload, workers, rate, elements, method) of every configuration still to run."""
+    from .dilation import is_done
     plan = []
     methods = st["methods"]
     for n in st["workers"]:
@@ -464,7 +471,7 @@ def _plan(args, st: dict, done: set) -> list[tuple]:
             for sname, el in st["sizes"].items():
                 for m in methods:
                     it = ideal_time(m, n, el, rate)
-                    if _done(done, args, "allreduce", m, n, rate, el):
+                    if is_done(done, args, "allreduce", m, n, rate, el):
                         continue
                     if it is not None and it > args.max_ring_time:
                         continue
@@ -472,7 +479,7 @@ def _plan(args, st: dict, done: set) -> list[tuple]:
             for el in st["tp_sizes"].values():
                 for m in methods:
                     it = ideal_time(m, n, el, rate)
-                    if not _done(done, args, "throughput", m, n, rate, el) and not (it is not None and it > args.max_ring_time):
+                    if not is_done(done, args, "throughput", m, n, rate, el) and not (it is not None and it > args.max_ring_time):
                         plan.append(("throughput", n, rate, el, m))
         if args.acc_steps and n == st["acc_workers"]:
             for m in methods:
@@ -480,13 +487,6 @@ def _plan(args, st: dict, done: set) -> list[tuple]:
                         d.startswith(f"accuracy|{m}|{n}|{args.acc_rate}|") for d in done):
                     plan.append(("accuracy", n, args.acc_rate, 0, m))
     return plan
-
-
-def _done(done: set, args, wl, m, n, rate, el) -> bool:
-    """Is this configuration in results.json already (under this dilation factor and profile)?"""
-    if args.dilation == "auto":       # any factor the probe chose
-        return config_key(wl, m, n, rate, el, 1, args.profile) in {re.sub(r"\|x[^|]+", "", d) for d in done}
-    return config_key(wl, m, n, rate, el, args.dilation or 1, args.profile) in done
 
 
 def switch_args(args) -> list[str]:

@@ -1,11 +1,14 @@
-"""The methods an ina-sweep compares: Gloo's ring, the switch-summable codecs, the host-aggregated ones.
+"""The methods an ina-sweep compares: Gloo's ring, the strong non-INA baselines
+(``experiments.baselines``), the switch-summable codecs, the host-aggregated ones.
 
 Shared by the sweep (``experiments/sweep.py``) and its report (``experiments/sweep_report.py``).
 """
 from __future__ import annotations
 
+from .baselines import BASELINES, is_baseline
+
 CORE_METHODS = ["gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd"]
-NOT_SEED = {"bfp32", "nc", "nc-det", "nd", "rd"}
+NOT_SEED = {"bfp32", "nc", "nc-det", "nd", "rd", "thc"}
 
 
 def seed_methods() -> list[str]:
@@ -29,4 +32,22 @@ def is_host_method(method: str) -> bool:
 
 
 def all_methods() -> list[str]:
-    return CORE_METHODS + ["ina:rd"] + seed_methods() + host_methods()
+    return CORE_METHODS + list(BASELINES) + ["ina:rd", "ina:thc"] + seed_methods() + host_methods()
+
+
+def aggregation(method: str) -> str:
+    """Where the method's sum is formed, in the words of the results table."""
+    if method == "gloo":
+        return "Gloo ring"
+    if is_baseline(method):
+        return BASELINES[method]
+    return "host (NOT switch-feasible)" if is_host_method(method) else "switch"
+
+
+def method_label(method: str) -> str:
+    """The method's name in the report's plots and tables."""
+    if method == "gloo":
+        return "Gloo ring fp32"
+    if is_baseline(method):
+        return BASELINES[method]
+    return f"host-aggregated {method[4:]} (NOT switch-feasible)" if is_host_method(method) else "INA " + method[4:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .sweep_methods import is_host_method
+from .sweep_methods import is_host_method, method_label
 
 RATE_ORDER = {"10mbit": 0, "100mbit": 1, "1gbit": 2, "unlimited": 3}
 RATE_LABEL = {"10mbit": "10 Mbit/s", "100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unshaped"}
@@ -64,12 +64,6 @@ def _methods(records):
     return sorted(seen, key=lambda m: (m != "gloo", m))
 
 
-def _label(m):
-    if m == "gloo":
-        return "Gloo ring fp32"
-    return f"host-aggregated {m[4:]} (NOT switch-feasible)" if is_host_method(m) else "INA " + m[4:]
-
-
 def _rec(records, m, n, rate, el):
     """The record of method m with n workers at this rate and size (None if not measured)."""
     return next((x for x in records if x["method"] == m and x["workers"] == n and x["rate"] == rate
@@ -118,7 +112,7 @@ def targets(records, meta) -> list[dict]:
                 ring = (f"; ring {gp[lo]['time_median']:.3f} -> {gp[hi]['time_median']:.3f} s "
                         f"({gp[hi]['time_median'] / gp[lo]['time_median']:.2f}x)") if lo in gp and hi in gp else ""
                 grows = (lo in gp and hi in gp and gp[hi]["time_median"] > gp[lo]["time_median"])
-                out.append({"target": f"{_label(m)} time flat (within 10%) from {lo} to {hi} workers at "
+                out.append({"target": f"{method_label(m)} time flat (within 10%) from {lo} to {hi} workers at "
                                       f"{rate_name(rate)}{at} while the ring's grows",
                             "measured": f"{pts[lo]['time_median']:.3f} -> {pts[hi]['time_median']:.3f} s "
                                         f"({ratio:.3f}x){ring}",
@@ -428,7 +422,7 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
             for rate in rates:
                 r = _rec(ar, m, n, rate, el)
                 row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else ""))
-            L.append(f"| {_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
+            L.append(f"| {method_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
         L.append("")
     L += ["## All allreduce measurements", "",
           "| workers | rate | elements | method | time (s) | ideal (s) | time/ideal | speedup | up MB/worker | "
@@ -439,7 +433,8 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
         g = next((x for x in ar if x["method"] == "gloo" and x["workers"] == r["workers"] and x["rate"] == r["rate"]
                   and x["elements"] == r["elements"]), None)
         bvr = r["wire_up_bytes_per_worker"] / g["wire_up_bytes_per_worker"] if g and g["wire_up_bytes_per_worker"] else None
-        L.append(f"| {r['workers']} | {rate_name(r['rate'])} | {r['elements']:,} | {_label(r['method'])} "
+        L.append(f"| {r['workers']} | {rate_name(r['rate'])} | {r['elements']:,} "
+                 f"| {method_label(r['method'])} "
                  f"| {r['time_median']:.4f} | {_fmt(r['ideal_time'], '.4f')} | {_fmt(r['bound_ratio'], '.2f')} | "
                  f"{_fmt(r.get('speedup_vs_gloo'), '.2f')} | {_mb(r['wire_up_bytes_per_worker'])} | "
                  f"{_mb(r['wire_down_bytes_per_worker'])} | {_fmt(bvr, '.3f')} | {r['wire_drops']} | "
@@ -474,7 +469,7 @@ def _md_throughput(meta, tp, ar, methods, rates, sizes) -> list[str]:
                 r = _rec(tp, m, n, rate, el)
                 row.append(f"{r['samples_per_s']:.1f} ({r['speedup_vs_gloo']:.2f}x)" if r and r.get("speedup_vs_gloo")
                            else (_fmt(r["samples_per_s"], ".1f") if r else "–"))
-            L.append(f"| {_label(m)} | " + " | ".join(row) + " |")
+            L.append(f"| {method_label(m)} | " + " | ".join(row) + " |")
         L.append("")
     L += ["## Data volume per worker per allreduce (MB sent, link counters) — compare with the natural-compression "
           "paper's data-volume figure", ""]
@@ -486,7 +481,7 @@ def _md_throughput(meta, tp, ar, methods, rates, sizes) -> list[str]:
             r = next((x for x in ar if x["method"] == m and x["workers"] == n and x["rate"] != "unlimited"
                       and x["elements"] == el), None)
             row.append(_mb(r["wire_up_bytes_per_worker"]) if r else "–")
-        L.append(f"| {_label(m)} | " + " | ".join(row) + " |")
+        L.append(f"| {method_label(m)} | " + " | ".join(row) + " |")
     L.append("")
     return L
 
@@ -502,7 +497,7 @@ def _md_accuracy(acc) -> list[str]:
           "|---|---|---|---|---|"]
     for r in sorted(acc, key=lambda r: (r["method"] != "gloo", r["method"])):
         d = (r["final_accuracy"] - base["final_accuracy"]) * 100 if base else None
-        L.append(f"| {_label(r['method'])} | {r['final_accuracy'] * 100:.2f} | {_fmt(d, '+.2f')} | "
+        L.append(f"| {method_label(r['method'])} | {r['final_accuracy'] * 100:.2f} | {_fmt(d, '+.2f')} | "
                  f"{r['train_time']:.2f} | {r['comm_time']:.2f} |")
     L.append("")
     return L
@@ -559,7 +554,7 @@ def headline(meta, records) -> list[str]:
     if acc:
         a0 = next(iter(acc.values()))
         acc_head = f"accuracy ({a0['workers']} workers, {rate_name(a0['rate'])}, {a0['steps']} steps)"
-    w = max(len(_label(m)) for m in methods)
+    w = max(len(method_label(m)) for m in methods)
     head = f"{'method':<{w}}" + "".join(f"  {rate_name(r):>14}" for r in rates) + (f"  {acc_head}" if acc else "")
     L = ["", f"ina-sweep headline: speedup over the Gloo ring (time vs ideal)"
              + (f", {n} workers, {el:,} elements" if ar else ""), head, "-" * len(head)]
@@ -572,7 +567,7 @@ def headline(meta, records) -> list[str]:
         a = acc.get(m)
         at = (f"{a['final_accuracy'] * 100:.2f}% ({(a['final_accuracy'] - base['final_accuracy']) * 100:+.2f})"
               if a and base else (f"{a['final_accuracy'] * 100:.2f}%" if a else "-"))
-        L.append(f"{_label(m):<{w}}" + "".join(f"  {c:>14}" for c in cells) + (f"  {at}" if acc else ""))
+        L.append(f"{method_label(m):<{w}}" + "".join(f"  {c:>14}" for c in cells) + (f"  {at}" if acc else ""))
     L += ["", "How to read it:"] + ["  " + s for s in HEADLINE_NOTES]
     if acc:
         L.append("  accuracy: final test accuracy on scikit-learn digits, in parentheses the difference to Gloo in "

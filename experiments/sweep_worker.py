@@ -15,8 +15,9 @@ JSON-line commands on stdin, answering JSON lines on stdout:
     :func:`synthetic_model`); answers per-step wall and compute times.
 ``{"op": "quit"}``
 
-``method`` is ``"gloo"`` (torch.distributed all_reduce of fp32, Gloo's ring) or ``"ina:<codec>"``
-(ina.Client through the switch). Everything that waits has a bound (``--timeout``).
+``method`` is ``"gloo"`` (torch.distributed all_reduce of fp32, Gloo's ring), ``"ina:<codec>"``
+(ina.Client through the switch) or a baseline of :mod:`experiments.baselines` (``gloo-fp16``,
+``powersgd``). Everything that waits has a bound (``--timeout``).
 """
 from __future__ import annotations
 
@@ -88,11 +89,15 @@ class Worker:
                                        slots=self.a.slots, timeout=self.a.timeout, seed=1234, codecs=(codec,))
         return self.clients[key]
 
-    def reducer(self, method: str, job: int, rto: float | None = None, max_rto: float | None = None,
+    def reducer(self, method: str, job: int, rto: float | None = None, shapes=None, max_rto: float | None = None,
                 stretch: float = 1.0):
         """(allreduce function, ina.Client or None) for ``method``; ``rto``: the client's minimum
         retransmission timeout for this configuration (from the launcher), ``max_rto`` its largest
-        (both stretched by a dilation factor ``stretch``, which also stretches the tail probe's floor)."""
+        (both stretched by a dilation factor ``stretch``, which also stretches the tail probe's floor);
+        ``shapes``: the model's parameter shapes (PowerSGD compresses each matrix)."""
+        from . import baselines
+        if baselines.is_baseline(method):
+            return baselines.reducer(method, self.torch, self.dist, self.a.world, shapes), None
         if method == "gloo":
             dist = self.dist
 
@@ -103,7 +108,8 @@ class Worker:
                 return t
             return red, None
         if not method.startswith("ina:"):
-            raise ValueError(f"unknown method {method!r}: expected 'gloo' or 'ina:<codec>'")
+            raise ValueError(f"unknown method {method!r}: expected 'gloo', 'ina:<codec>' or one of "
+                             f"{', '.join(baselines.BASELINES)}")
         cl = self.client(method[4:], job)
         if rto:                      # the timeout before the first round-trip sample (then: measured)
             cl.rto = float(rto)
@@ -167,7 +173,7 @@ class Worker:
         params = list(model.parameters())
         sizes = [p.numel() for p in params]
         opt = torch.optim.SGD(params, lr=float(cmd.get("lr", 0.1)), momentum=0.9)
-        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"))
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), shapes=[p.shape for p in params])
         flat = torch.zeros(sum(sizes))
         red(flat.clone())                                # warm-up (numba caches, connections)
         mq = cl.codec(cl_codec) if cl is not None and (cl_codec := cmd["method"][4:]) == "mqgrad" else None
@@ -218,7 +224,7 @@ class Worker:
         params = list(model.parameters())
         sizes = [p.numel() for p in params]
         opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"))
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), shapes=[p.shape for p in params])
         g = torch.Generator().manual_seed(2000 + self.a.rank)
         batch = int(cmd.get("batch", 32))
         d_in, d_out = model[0].in_features, model[-1].out_features

@@ -150,7 +150,7 @@ class Client(Worker):
             # one payload-less packet per value: the switch's max register returns the max over workers
             maxima = self._stream(proposals.size, PayloadType.NONE, c.wire_id, proposals)
             ctx = ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=c.next_seed(),
-                               agreed=tuple(int(v) for v in maxima[1:]))
+                               agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
             out = self._reduce(c, x32, ctx, kw)
         except AllreduceError as e:
             self._break(str(e))

@@ -155,6 +155,31 @@ class SwitchProc(SwitchService):
 # ------------------------------------------------------------------------------------------------
 # workers
 # ------------------------------------------------------------------------------------------------
+def client_threads(port: int, world: int, job: int, body, join_timeout: float = 60.0, rank_options=None,
+                   **client_options) -> list:
+    """Run ``body(rank, client)`` in ``world`` threads of this process, each with its own
+    ``ina.Client`` of job ``job``; return their results by rank (raises naming the failed ranks).
+    ``rank_options(rank)``, if given, returns further Client options of that rank."""
+    out, errors = [None] * world, []
+
+    def target(r):
+        try:
+            opts = {**client_options, **(rank_options(r) if rank_options else {})}
+            with Client(("127.0.0.1", port), rank=r, world_size=world, job=job, **opts) as cl:
+                out[r] = body(r, cl)
+        except Exception as e:  # reported below, with the rank
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_timeout)
+    assert not [t for t in threads if t.is_alive()], f"ranks still running after {join_timeout} s"
+    assert not errors, errors
+    return out
+
+
 def join_all(port: int, job: int, n: int, **kw) -> list:
     """n Clients of one job joined from threads of this process (the join is a rendezvous)."""
     out, errs = [None] * n, [None] * n

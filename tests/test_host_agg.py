@@ -26,7 +26,7 @@ from ina.host_client import HostAggClient, host_aggregator_address
 from ina.host_wire import HEADER, HOST_AGG_LABEL, MAGIC, VERSION, FrameType, recv_frame
 from switch_model.launch import start_switch
 
-HOST_CODECS = [("3lc", {}), ("eaq", {}), ("wgt", {"threshold": 0.5})]
+HOST_CODECS = [("3lc", {}), ("eaq", {}), ("wgt", {"threshold": 0.5}), ("topk", {"ratio": 0.05})]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_variable_length_codecs_match_the_reference(service, name, opts):
     assert 0 < st["message_bytes_sent"] < 4 * n * rounds and 0 < st["message_bytes_received"] < 4 * n * rounds
 
 
-@pytest.mark.parametrize("name,opts", [("3lc", {}), ("wgt", {"threshold": 0.5})])
+@pytest.mark.parametrize("name,opts", [("3lc", {}), ("wgt", {"threshold": 0.5}), ("topk", {"ratio": 0.3})])
 def test_error_feedback_keeps_long_run_sums(service, name, opts):
     """Over 40 rounds with a key: sum of results == sum of inputs - ranks' residuals - aggregator's
     residual, and the error stays bounded; without a key (stateless) the same inputs drift away."""

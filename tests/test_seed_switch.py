@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from ina import Client
 from ina.compression import ScaleContext
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sw_harness import SwitchProc  # noqa: E402
+from sw_harness import SwitchProc, client_threads  # noqa: E402
 
 N = 3
 ELEMS = 3000
@@ -35,24 +34,8 @@ def switch(tmp_path_factory):
 
 def run_ranks(switch, job, body, codec_options=None, timeout=60.0):
     """Run ``body(rank, client)`` in N threads, each with its own Client; return their results."""
-    out, errors = [None] * N, []
-
-    def target(r):
-        try:
-            with Client(("127.0.0.1", switch.port), rank=r, world_size=N, job=job, elements=1024, slots=8,
-                        timeout=20.0, seed=77, codec_options=codec_options) as cl:
-                out[r] = body(r, cl)
-        except Exception as e:  # reported below, with the rank
-            errors.append(f"rank {r}: {type(e).__name__}: {e}")
-
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(N)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not [t for t in threads if t.is_alive()], f"ranks still running after {timeout} s"
-    assert not errors, errors
-    return out
+    return client_threads(switch.port, N, job, body, join_timeout=timeout, elements=1024, slots=8, timeout=20.0,
+                          seed=77, codec_options=codec_options)
 
 
 def gradient(rank, step):

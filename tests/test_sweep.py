@@ -81,3 +81,27 @@ def test_bad_method_is_named(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(tmp_path), "--methods", "gloo,ina:nope"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "ina:nope" in p.stderr
+
+
+@pytest.mark.timeout(300)
+def test_strong_baselines_and_thc_in_a_tiny_sweep(tmp_path):
+    """The non-INA baselines a user could switch on (fp16 ring, PowerSGD) and THC run as sweep methods;
+    their bytes on the wire come from the links."""
+    out = tmp_path / "sweep"
+    p = sweep(out, "gloo,gloo-fp16,powersgd,ina:thc")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "12 configuration(s) run" in p.stderr          # 3 workloads x 4 methods
+    data = json.loads((out / "results.json").read_text())
+    ar = {r["method"]: r for r in data["records"] if r["workload"] == "allreduce"}
+    up = {m: r["wire_up_bytes_per_worker"] / ar["gloo"]["wire_up_bytes_per_worker"] for m, r in ar.items()}
+    assert 0.4 < up["gloo-fp16"] < 0.6, up                 # half the ring's bytes
+    assert up["powersgd"] < 0.1, up                        # rank-1 factors of a 244 x 246 matrix
+    assert 0.2 < up["ina:thc"] < 0.35, up                  # int8 codes, int8 sums back (2 x 8 <= 127)
+    assert ar["gloo-fp16"]["rel_error"] < 1e-3 and ar["ina:thc"]["rel_error"] < 0.5
+    assert ar["gloo-fp16"]["aggregation"].startswith("Gloo ring fp16") and "PowerSGD" in ar["powersgd"]["aggregation"]
+    assert ar["ina:thc"]["aggregation"] == "switch" and ar["gloo-fp16"]["ideal_time"] == pytest.approx(
+        ar["gloo"]["ideal_time"] / 2)
+    acc = {r["method"]: r for r in data["records"] if r["workload"] == "accuracy"}
+    assert set(acc) == {"gloo", "gloo-fp16", "powersgd", "ina:thc"}
+    report = (out / "report.md").read_text()
+    assert "Gloo ring fp16 (Horovod Compression.fp16" in report and "PyTorch PowerSGD DDP hook" in report

@@ -33,7 +33,7 @@ def test_families_share_a_hue_and_line_style_says_where_the_sum_is():
     assert _hue(s["ina:3lc"].colour) == pytest.approx(_hue(s["ina:3lc-3v"].colour), abs=0.02)
     assert _hue(s["ina:nc"].colour) != pytest.approx(_hue(s["ina:bfp32"].colour), abs=0.05)
     for m in all_methods():
-        want = ":" if m == "gloo" else ("--" if is_host_method(m) else "-")
+        want = ":" if not m.startswith("ina:") else ("--" if is_host_method(m) else "-")     # baselines dotted
         assert style(m).linestyle == want, m
         assert ("NOT switch-feasible" in legend_label(m)) == is_host_method(m)
     # a method outside the registry (another baseline) still gets a look of its own

@@ -17,6 +17,8 @@ from .mqgrad import MQGrad, MQGradController, UniformQuantizer
 from .natural import NaturalCompression, NaturalCompressionDeterministic, natural_compression
 from .qsgd import QSGD
 from .terngrad import TernGrad
+from .thc import THC
+from .topk import TopK
 from .threelc import ThreeLC, ThreeLCQuartic
 from .thresholded import BinarizedGradientTransfer, QuantizedGradientTransfer, WholeGradientTransfer
 
@@ -36,7 +38,9 @@ for _cls in (NaturalCompression, NaturalCompressionDeterministic, BlockFloatingP
              NaturalDithering, RandomDithering,
              # seed papers 000-003 and references (wire ids 10+): see docs/codecs.md
              ThreeLC, ThreeLCQuartic, WholeGradientTransfer, BinarizedGradientTransfer,
-             QuantizedGradientTransfer, EntropyAdaptiveHuffman, UniformQuantizer, MQGrad, TernGrad, QSGD):
+             QuantizedGradientTransfer, EntropyAdaptiveHuffman, UniformQuantizer, MQGrad, TernGrad, QSGD,
+             # after the seeds (wire ids 20+): THC, and top-k as the sparsification reference
+             THC, TopK):
     register(_cls)
 
 

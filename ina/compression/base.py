@@ -29,6 +29,7 @@ from . import kernels as K
 HOST_AGGREGATED = ("variable-length message: needs the host-aggregator mode of the switch service "
                    "(NOT switch-feasible)")
 
+
 @dataclass(frozen=True)
 class ScaleContext:
     """What the workers of one allreduce share: the negotiated exponent and the switch's resources."""
@@ -37,6 +38,7 @@ class ScaleContext:
     register_bits: int = 64  # switch register width (32 or 64)
     seed: int = 0            # per-worker, per-chunk randomness for stochastic codecs
     agreed: tuple = ()       # max over workers of each value of Codec.negotiated() (e.g. MQGrad's bits)
+    elements: int = 0        # elements per packet (0: unknown); decode_sum sees whole packets (THC aligns to them)
 
     def from_element(self, first: int) -> "ScaleContext":
         """The context for encoding a block of the tensor that starts at element ``first``: its random
@@ -276,3 +278,15 @@ class Codec:
 
     def __repr__(self) -> str:
         return f"<codec {self.name} id={self.wire_id} {self.bits_per_element:g} bits/elem>"
+
+
+class HostAggregated:
+    """The declarations of a codec whose messages are variable-length (3lc, eaq, wgt, topk): no switch
+    path; the service's host aggregator decodes, sums and re-encodes them (NOT switch-feasible).
+    Listed first among a codec's bases, so that these values win."""
+
+    payload_type = PayloadType.NONE
+    switch_summable = False
+    variable_length = True
+    aggregation = "host"
+    label = HOST_AGGREGATED

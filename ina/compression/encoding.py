@@ -1,6 +1,6 @@
 """Shared pieces of the seed-paper codecs (3LC, thresholded transfer, entropy-adaptive Huffman,
 MQGrad, TernGrad, QSGD): the log-scale exponent they negotiate on the switch, bit packing and small
-big-endian byte helpers for their messages.
+big-endian byte helpers for their messages, and the sparse position coding of wgt/bgt/qgt and topk.
 
 Shared scale on the switch
 --------------------------
@@ -118,6 +118,85 @@ def unpack_bits(buf: np.ndarray, width: int, n: int) -> np.ndarray:
     out = np.empty(n, np.uint16)
     _unpack_bits(np.ascontiguousarray(buf, dtype=np.uint8), width, n, out)
     return out
+
+
+# ----------------------------------------------------------------------------- sparse positions
+POS_BITMAP, POS_VARINT = 0, 1     # position modes of sparse messages (wgt/bgt/qgt, topk)
+
+
+@njit(cache=True)
+def _varint_gaps(idx, out):
+    pos = 0
+    prev = -1
+    for j in range(idx.size):
+        gap = np.uint64(idx[j] - prev - 1)
+        prev = idx[j]
+        while gap >= np.uint64(0x80):
+            out[pos] = np.uint8((gap & np.uint64(0x7F)) | np.uint64(0x80))
+            gap >>= np.uint64(7)
+            pos += 1
+        out[pos] = np.uint8(gap)
+        pos += 1
+    return pos
+
+
+@njit(cache=True)
+def _read_varint_gaps(buf, k, n, idx):
+    """Decode k gaps; returns (bytes read, error code): 1 truncated, 2 index out of range."""
+    pos = 0
+    prev = -1
+    for j in range(k):
+        gap = np.uint64(0)
+        shift = np.uint64(0)
+        while True:
+            if pos >= buf.size:
+                return pos, 1
+            b = np.uint64(buf[pos])
+            pos += 1
+            gap |= (b & np.uint64(0x7F)) << shift
+            shift += np.uint64(7)
+            if b < np.uint64(0x80):
+                break
+            if shift > np.uint64(56):
+                return pos, 2
+        cur = prev + 1 + np.int64(gap)
+        if cur >= n:
+            return pos, 2
+        idx[j] = cur
+        prev = cur
+    return pos, 0
+
+
+def encode_positions(idx: np.ndarray, n: int) -> tuple[int, np.ndarray]:
+    """(mode, bytes) of sorted positions in a tensor of n elements: LEB128 varints of the gaps
+    between positions (POS_VARINT) or a bitmap of n bits (POS_BITMAP), whichever is smaller."""
+    gaps = np.empty(idx.size * 10, np.uint8)
+    glen = _varint_gaps(np.asarray(idx, np.int64), gaps)
+    if glen < packed_size(n, 1):
+        return POS_VARINT, gaps[:glen]
+    bitmap = np.zeros(n, np.uint8)
+    bitmap[idx] = 1
+    return POS_BITMAP, np.packbits(bitmap)
+
+
+def decode_positions(rd: "Reader", mode: int, k: int, n: int) -> np.ndarray:
+    """The k positions that :func:`encode_positions` wrote in ``mode``, read from ``rd``."""
+    if mode == POS_BITMAP:
+        bits = np.unpackbits(rd.take(packed_size(n, 1), "position bitmap"))[:n]
+        idx = np.flatnonzero(bits)
+        if idx.size != k:
+            raise ValueError(f"{rd.what} bitmap marks {idx.size} positions, the header says {k}")
+        return idx
+    if mode == POS_VARINT:
+        idx = np.empty(k, np.int64)
+        used, err = _read_varint_gaps(rd.buf[rd.pos:], k, n, idx)
+        if err == 1:
+            raise ValueError(f"truncated {rd.what} message: position gaps end early")
+        if err == 2:
+            raise ValueError(f"{rd.what} message has a position beyond the tensor's {n} elements")
+        rd.take(int(used), "position gaps")
+        return idx
+    raise ValueError(f"unknown position mode {mode} in {rd.what} message")
 
 
 # ----------------------------------------------------------------------------- byte helpers

@@ -39,9 +39,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ina.wire import PayloadType
-
-from .base import HOST_AGGREGATED, Codec, Encoded, from_numpy_like, to_numpy_f32
+from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, from_numpy_like, to_numpy_f32
 from .encoding import Reader, be_bytes, element_count, finite_max_abs, pack_bits, packed_size, unpack_bits
 from .feedback import ErrorFeedbackMixin
 
@@ -260,14 +258,9 @@ def entropy_bits(counts: np.ndarray) -> float:
 
 
 # ----------------------------------------------------------------------------- codec
-class EntropyAdaptiveHuffman(ErrorFeedbackMixin, Codec):
+class EntropyAdaptiveHuffman(HostAggregated, ErrorFeedbackMixin, Codec):
     name = "eaq"
     wire_id = 15
-    payload_type = PayloadType.NONE
-    switch_summable = False
-    variable_length = True
-    aggregation = "host"
-    label = HOST_AGGREGATED
     unbiased = False
     stochastic = True     # the entropy sample is random (the codes themselves are deterministic)
     description = ("entropy-adaptive uniform quantization (N = H + c bits per layer) with Huffman "

@@ -40,7 +40,7 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from .base import HOST_AGGREGATED, Codec, Encoded, ScaleContext, from_numpy_like, to_numpy_f32
+from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, ScaleContext, from_numpy_like, to_numpy_f32
 from .encoding import Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent
 from .feedback import ErrorFeedbackMixin
 
@@ -240,15 +240,10 @@ class _ThreeValue(ErrorFeedbackMixin, Codec):
         return from_numpy_like(out, enc.like, enc.shape)
 
 
-class ThreeLC(_ThreeValue):
+class ThreeLC(HostAggregated, _ThreeValue):
     """Full 3LC: 3-value quantization + quartic encoding + zero-run encoding (variable length)."""
     name = "3lc"
     wire_id = 10
-    payload_type = PayloadType.NONE
-    switch_summable = False
-    variable_length = True
-    aggregation = "host"
-    label = HOST_AGGREGATED
     zero_run = True
     description = ("3LC: 3-value quantization with sparsity multiplier s, error feedback, quartic + "
                    "zero-run encoding [" + HOST_AGGREGATED + "]")

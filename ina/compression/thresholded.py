@@ -38,15 +38,14 @@ from numba import njit
 
 from ina.wire import PayloadType
 
-from .base import HOST_AGGREGATED, Codec, Encoded, ScaleContext, from_numpy_like, to_numpy_f32
-from .encoding import (Reader, be_bytes, element_count, finite_max_abs, log_scale, log_scale_exponent, pack_bits,
-                       packed_size, unpack_bits)
+from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, ScaleContext, from_numpy_like, to_numpy_f32
+from .encoding import (Reader, be_bytes, decode_positions, element_count, encode_positions, finite_max_abs, log_scale,
+                       log_scale_exponent, pack_bits, packed_size, unpack_bits)
 from .feedback import ErrorFeedbackMixin
 
 WGT, BGT, QGT = 0, 1, 2
 VARIANT_NAMES = {WGT: "wgt", BGT: "bgt", QGT: "qgt"}
 PAPER_VALUE_BITS = {WGT: 32, BGT: 1, QGT: 8}
-POS_BITMAP, POS_VARINT = 0, 1
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -81,49 +80,6 @@ def _threshold(acc, t, variant, max_multiple, mult, residual):
     return k
 
 
-@njit(cache=True)
-def _varint_gaps(idx, out):
-    pos = 0
-    prev = -1
-    for j in range(idx.size):
-        gap = np.uint64(idx[j] - prev - 1)
-        prev = idx[j]
-        while gap >= np.uint64(0x80):
-            out[pos] = np.uint8((gap & np.uint64(0x7F)) | np.uint64(0x80))
-            gap >>= np.uint64(7)
-            pos += 1
-        out[pos] = np.uint8(gap)
-        pos += 1
-    return pos
-
-
-@njit(cache=True)
-def _read_varint_gaps(buf, k, n, idx):
-    """Decode k gaps; returns (bytes read, error code): 1 truncated, 2 index out of range."""
-    pos = 0
-    prev = -1
-    for j in range(k):
-        gap = np.uint64(0)
-        shift = np.uint64(0)
-        while True:
-            if pos >= buf.size:
-                return pos, 1
-            b = np.uint64(buf[pos])
-            pos += 1
-            gap |= (b & np.uint64(0x7F)) << shift
-            shift += np.uint64(7)
-            if b < np.uint64(0x80):
-                break
-            if shift > np.uint64(56):
-                return pos, 2
-        cur = prev + 1 + np.int64(gap)
-        if cur >= n:
-            return pos, 2
-        idx[j] = cur
-        prev = cur
-    return pos, 0
-
-
 # ----------------------------------------------------------------------------- codecs
 class ThresholdedTransfer(ErrorFeedbackMixin, Codec):
     variant: int
@@ -154,15 +110,7 @@ class ThresholdedTransfer(ErrorFeedbackMixin, Codec):
         mult, residual, k = self._apply(acc, self.threshold)
         self._keep(key, residual)
         idx = np.flatnonzero(mult)
-        n = acc.size
-        gaps = np.empty(idx.size * 10, np.uint8)
-        glen = _varint_gaps(idx.astype(np.int64), gaps)
-        if glen < packed_size(n, 1):
-            mode, pos = POS_VARINT, gaps[:glen]
-        else:
-            bitmap = np.zeros(n, np.uint8)
-            bitmap[idx] = 1
-            mode, pos = POS_BITMAP, np.packbits(bitmap)
+        mode, pos = encode_positions(idx, acc.size)
         sent = mult[idx]
         if self.variant == WGT:
             values = np.frombuffer(acc[idx].astype(">f4").tobytes(), np.uint8)
@@ -186,21 +134,7 @@ class ThresholdedTransfer(ErrorFeedbackMixin, Codec):
         k = int(rd.scalar("u4", "count"))
         if k > n:
             raise ValueError(f"{self.name} message claims {k} sent values for a tensor of {n}")
-        if mode == POS_BITMAP:
-            bits = np.unpackbits(rd.take(packed_size(n, 1), "position bitmap"))[:n]
-            idx = np.flatnonzero(bits)
-            if idx.size != k:
-                raise ValueError(f"{self.name} bitmap marks {idx.size} positions, the header says {k}")
-        elif mode == POS_VARINT:
-            idx = np.empty(k, np.int64)
-            used, err = _read_varint_gaps(rd.buf[rd.pos:], k, n, idx)
-            if err == 1:
-                raise ValueError(f"truncated {self.name} message: position gaps end early")
-            if err == 2:
-                raise ValueError(f"{self.name} message has a position beyond the tensor's {n} elements")
-            rd.take(int(used), "position gaps")
-        else:
-            raise ValueError(f"unknown position mode {mode} in {self.name} message")
+        idx = decode_positions(rd, mode, k, n)
         out = np.zeros(n, np.float32)
         if variant == WGT:
             out[idx] = np.frombuffer(rd.take(4 * k, "values").tobytes(), ">f4")
@@ -214,14 +148,10 @@ class ThresholdedTransfer(ErrorFeedbackMixin, Codec):
         return from_numpy_like(out, enc.like, enc.shape)
 
 
-class WholeGradientTransfer(ThresholdedTransfer):
+class WholeGradientTransfer(HostAggregated, ThresholdedTransfer):
     name = "wgt"
     wire_id = 12
     variant = WGT
-    payload_type = PayloadType.NONE
-    switch_summable = False
-    aggregation = "host"
-    label = HOST_AGGREGATED
     description = ("thresholded whole-gradient transfer (WGT): values with |g| >= T sent as float32, "
                    "rest accumulated [" + HOST_AGGREGATED + "]")
 
