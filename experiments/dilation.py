@@ -103,11 +103,12 @@ class Dilation:
 def codec_time(method: str, n: int, elements: int, device_gbps: float | None = None, reps: int = 3) -> dict:
     """Encode + decode CPU seconds of one worker's share of an allreduce, measured here at real speed
     (best of ``reps`` after an untimed warm-up), and the same work at ``device_gbps`` GB/s of float32 input per pass
-    (None: this CPU). Gloo's ring: 0 (its float sums are part of the measured transfer)."""
+    (None: this CPU). Gloo's ring: 0 (its float sums are part of the measured transfer); the Gloo-based
+    baselines (experiments/baselines.py) compress inside their reducer: 0, not measured."""
     import numpy as np
     out = {"codec_time_cpu": 0.0, "codec_time_device": 0.0,
            "codec_device": "this CPU" if device_gbps is None else f"{device_gbps:g} GB/s"}
-    if method == "gloo":
+    if not method.startswith("ina:"):   # Gloo's ring; the baselines (fp16, PowerSGD ...): not measured here
         return out
     from ina import compression
     from ina.compression.base import ScaleContext
@@ -218,7 +219,7 @@ def feasible_methods(methods: list[str], profile_name: str) -> tuple[list[str], 
     prof = get_profile(profile_name)
     keep, skipped = [], {}
     for m in methods:
-        ok, why = (True, "") if m == "gloo" else compression.get(m[4:]).feasible_under(prof)
+        ok, why = compression.get(m[4:]).feasible_under(prof) if m.startswith("ina:") else (True, "")
         if ok:
             keep.append(m)
         else:

@@ -123,8 +123,8 @@ class Worker:
     def bench(self, cmd):
         torch = self.torch
         n = int(cmd["elements"])
-        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), cmd.get("max_rto"),
-                               float(cmd.get("stretch", 1.0)))
+        red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), max_rto=cmd.get("max_rto"),
+                               stretch=float(cmd.get("stretch", 1.0)))
         g = torch.Generator().manual_seed(1000 + self.a.rank)
         x = torch.randn(n, generator=g) * 1e-2
         ref = x.clone()
