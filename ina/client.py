@@ -5,7 +5,8 @@ One allreduce is:
 1. **exponent negotiation**: one packet with no payload whose exponent field is this worker's
    scale exponent (plus one such packet per further value the codec needs agreed, e.g. MQGrad's
    bits); the switch's max-exponent register returns the max over workers;
-2. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2;
+2. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2
+   (ina.wire.slot_of_chunk; ids count modulo ina.wire.chunk_modulus(slots) and wrap to 0 there);
    the window equals the job's slots and is self-clocking (the result of chunk c frees its slot
    for chunk c + slots); a chunk whose result is late is retransmitted with exponential backoff
    and an adaptive timeout;
@@ -27,13 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import burst as B
-from . import compression
-from .compression.base import ScaleContext, native, to_numpy_f32
+from . import compression, lifetime, staging
+from .compression.base import ScaleContext, native
 from .control import ControlChannel, ControlError
 from .recovery import LossDetector
 from .errors import AllreduceError
 from .host_client import HostAggClient
-from .wire import HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view, payload_view
+from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, chunk_modulus, header_view,
+                   payload_view, slot_of_chunk)
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -64,13 +66,15 @@ class Client(Worker):
     ``Client(switch=("host", port), rank=r, world_size=n, job=j)`` joins job ``j`` at the switch
     (a rendezvous: it returns once all ``n`` ranks joined, or raises after ``timeout``).
     ``elements`` is the chunk length (elements per packet) and ``slots`` the job's share of the
-    switch's slot pool, i.e. the window of chunks in flight.
+    switch's slot pool, i.e. the window of chunks in flight. ``first_chunk`` is the chunk id the
+    job's first packet carries (0; a long-running job's ids wrap to 0 after chunk_modulus - 1).
     """
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
-                 rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
-                 coalesce: float = 0.004):
+                 rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
+                 codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
+                 token: str | None = None):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
@@ -78,7 +82,7 @@ class Client(Worker):
         self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
         self.sock = B.udp_socket("0.0.0.0", 0)
-        self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0))
+        self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0), token=token)   # token: INA_TOKEN
         local_ip = self.ctl.sock.getsockname()[0]
         try:
             cfg = self.ctl.request({"op": "join", "job": job, "rank": rank, "world_size": world_size,
@@ -103,10 +107,16 @@ class Client(Worker):
         B.set_recv_timeout(self.sock, 0.002)
         self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
         self.tx = B.TxBatch(self.sock, capacity=1024)
-        self._next_chunk = 0
+        self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
+        if not 0 <= first_chunk < self.chunk_modulus:
+            self.close()
+            raise ValueError(f"first_chunk {first_chunk} out of range 0..{self.chunk_modulus - 1} (the chunk ids of a "
+                             f"job with {self.slots} slots)")
+        self._next_chunk = int(first_chunk)
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
+        self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
                  self.slots, self.elements)
 
@@ -123,7 +133,7 @@ class Client(Worker):
         c = self.codec(codec)
         if not c.switch_summable:
             return self._host_allreduce(tensor, c, key, average)
-        x32 = to_numpy_f32(tensor)
+        x32 = staging.to_host(tensor)        # CUDA tensors: through a pinned host buffer
         n = x32.size
         if n == 0:
             return tensor
@@ -204,6 +214,11 @@ class Client(Worker):
         return out[:n]
 
     # ----------------------------------------------------------------------------------------------
+    @property
+    def next_chunk(self) -> int:
+        """The chunk id the next packet stream starts at (ids wrap to 0 at ``chunk_modulus``)."""
+        return self._next_chunk
+
     def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
                 count: int = 0, encode_block=None, block: int = 1, decode=None):
         """Send ``n_chunks`` chunks through the job's slots and collect their results.
@@ -215,7 +230,7 @@ class Client(Worker):
         done, which is sent only after c is done, so a row is never reused while its chunk is pending.
         """
         c0 = self._next_chunk
-        self._next_chunk += n_chunks
+        self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
         return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encode_block, block,
                          decode).run()
 
@@ -259,7 +274,9 @@ class Client(Worker):
         except ControlError as e:
             return msg + f"; the switch does not answer either: {e}"
         if not st.get("active"):
-            return msg + f"; the switch no longer knows job {self.job} (it was torn down)"
+            return msg + f"; the switch no longer knows job {self.job} (it was torn down: {st.get('ended', '?')})"
+        for key, how in (("left", "left the job cleanly"), ("disconnected", "disconnected without leaving")):
+            msg += f"; rank(s) {st[key]} {how}" if st.get(key) else ""
         missing = sorted({r for w in st.get("waiting", []) for r in w["missing_ranks"]})
         if missing:
             return msg + f"; the switch is waiting for rank(s) {missing} in {st['incomplete_slots']} slot(s)"
@@ -270,6 +287,7 @@ class Client(Worker):
         """Leave the job (the switch frees its slots once every worker left)."""
         if self.ctl is None:
             return
+        self._leave_at_exit.detach()
         if self._host is not None:
             self._host.close()
             self._host = None
@@ -327,9 +345,9 @@ class _Transfer:
         """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
         hv, E, S = self.hv, self.E, self.S
         rows = chunks % self.R
-        ids = self.c0 + chunks
-        hv["slot"][rows] = (ids % S) | (((ids // S) & 1) << 15)
-        hv["chunk"][rows] = ids & 0xFFFFFFFF
+        ids = (self.c0 + chunks) % self.cl.chunk_modulus
+        hv["slot"][rows] = slot_of_chunk(ids, S)
+        hv["chunk"][rows] = ids
         hv["exponent"][rows] = self.exps_in[chunks]
         hv["flags"][rows] = 0
         if E:
@@ -391,11 +409,12 @@ class _Transfer:
         if (mt == int(MsgType.ABORT)).any():
             ab = h[(mt == int(MsgType.ABORT)) & (h["job"] == cl.job)]
             if ab.size:
-                raise AllreduceError(f"job {cl.job} was aborted by the switch: rank {int(ab['rank'][0])} left the "
-                                     f"job; {n_chunks - self.n_done} of {n_chunks} chunks incomplete")
+                why = lifetime.abort_reason(cl.ctl, cl.job, int(ab["rank"][0]))
+                raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
+                                     f"{n_chunks - self.n_done} of {n_chunks} chunks incomplete")
         ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (cl.rx.lens[:k] == self.res_len)
-        j = h["chunk"].astype(np.int64) - (self.c0 & 0xFFFFFFFF)
-        ok &= (j >= 0) & (j < n_chunks)
+        j = (h["chunk"].astype(np.int64) - self.c0) % cl.chunk_modulus
+        ok &= j < n_chunks
         stale = int(np.count_nonzero(~ok))
         jj = j[ok]
         if jj.size:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ina.client import Client
 from switch_model.launch import SwitchService, free_port, start_switch  # noqa: F401 - free_port for the tests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +125,7 @@ def stats(port: int) -> dict:
 def wait_until(pred, timeout: float, what: str, interval: float = 0.02):
     """Poll ``pred()`` until it returns a truthy value; raise naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    ev = __import__("threading").Event()
+    ev = threading.Event()
     while True:
         v = pred()
         if v:
@@ -153,6 +155,30 @@ class SwitchProc(SwitchService):
 # ------------------------------------------------------------------------------------------------
 # workers
 # ------------------------------------------------------------------------------------------------
+def join_all(port: int, job: int, n: int, **kw) -> list:
+    """n Clients of one job joined from threads of this process (the join is a rendezvous)."""
+    out, errs = [None] * n, [None] * n
+
+    def one(r):
+        try:
+            out[r] = Client(("127.0.0.1", port), rank=r, world_size=n, job=job, **kw)
+        except Exception as e:  # noqa: BLE001
+            errs[r] = e
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=kw.get("timeout", 30) + 10)
+    assert not any(t.is_alive() for t in ts), "join did not return"
+    if any(errs):
+        for c in out:
+            if c:
+                c.close()
+        raise next(e for e in errs if e)
+    return out
+
+
 class Workers:
     """``n`` worker processes of one job, each running ``tests/sw_worker.py`` on a spec file."""
 

@@ -636,7 +636,7 @@ def test_horovod_ranks_in_emulated_hosts(horovod_ready, tmp_path):
         sw_host = topo.host("sw")
         port = 9999
         sw = start_test_switch(tmp_path / "switch.log", port=port, popen=functools.partial(topo.popen, "sw"),
-                               control_host=sw_host.ip, timeout=30)
+                               host="0.0.0.0", control_host=sw_host.ip, timeout=30)
         try:
             before = topo.counters()
             env = ina_env(None, None, INA_SWITCH=f"{sw_host.ip}:{port}", INA_CODEC="bfp32", INA_SEED=7,
