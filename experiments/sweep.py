@@ -118,7 +118,7 @@ class WorkerGroup:
                                "--slots", str(args.slots), "--timeout", str(args.timeout)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, cwd=str(Path(__file__).parent.parent),
                            text=True, bufsize=1)
-            p._errf = errf
+            errf.close()                     # the worker has its own descriptor
             os.set_blocking(p.stdout.fileno(), False)
             self.sel.register(p.stdout, selectors.EVENT_READ, r)
             self.bufs[r] = ""
@@ -174,7 +174,6 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
-            p._errf.close()
 
 
 def _link_bytes(topo, n: int, rate: str) -> dict:
@@ -528,10 +527,11 @@ def main(argv=None) -> int:
     meta["elapsed"] = time.monotonic() - t_start
     final = derive(records, names)
     save_results(out, meta, final)
-    from .sweep_report import write_report
+    from .sweep_report import print_headline, write_report
     write_report(out, meta, final, plots=not args.no_plots)
     print(f"ina-sweep: {len(plan)} configuration(s) run in {meta['elapsed']:.0f}s; results in {out}/ "
           f"(results.json, results.csv, report.md{', *.png' if not args.no_plots else ''})", file=sys.stderr)
+    print_headline(out, meta, final)
     return 0
 
 
