@@ -152,7 +152,7 @@ def switch_for(topo):
     if topo is None:
         return start_switch(None, "--stats-interval", "0")
     return start_switch(9999, "--stats-interval", "0", popen=functools.partial(topo.popen, "sw"),
-                        control_host=topo.host("sw").ip, timeout=30)
+                        host="0.0.0.0", control_host=topo.host("sw").ip, timeout=30)
 
 
 def main(argv=None) -> int:
