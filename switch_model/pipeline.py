@@ -41,11 +41,15 @@ class StageClock:
     ``poll_once`` reads the clock once before the first stage and once after each stage, so the
     stages partition each busy poll exactly: ``sum(stage_ns) == busy_ns``. Waiting for the first
     packet of a burst (the blocking receive of an idle switch) is ``wait_ns``, not a stage's time.
+    Stage times are wall-clock times; ``busy_cpu_ns`` is the CPU time the data-plane thread got during
+    the busy polls, so ``busy_ns - busy_cpu_ns`` is the time it was runnable but preempted (on a
+    shared machine) or blocked in a system call.
     """
 
     def __init__(self):
         self.stage_ns = np.zeros(len(STAGES), np.int64)
         self.busy_ns = 0
+        self.busy_cpu_ns = 0
         self.wait_ns = 0
         self.bursts = 0
         self.burst_hist = np.zeros(BURST_BUCKETS, np.int64)
@@ -58,7 +62,7 @@ class StageClock:
         hist = {(f"{1 << b}" if b == 0 else f"{1 << b}-{(1 << (b + 1)) - 1}"): int(v)
                 for b, v in enumerate(self.burst_hist) if v}
         return {"stage_ns": {name: int(v) for name, v in zip(STAGES, self.stage_ns)}, "busy_ns": int(self.busy_ns),
-                "wait_ns": int(self.wait_ns), "bursts": int(self.bursts), "burst_sizes": hist}
+                "busy_cpu_ns": int(self.busy_cpu_ns), "wait_ns": int(self.wait_ns), "bursts": int(self.bursts), "burst_sizes": hist}
 
 
 def add_timing(into: dict, other: dict) -> None:
@@ -66,7 +70,7 @@ def add_timing(into: dict, other: dict) -> None:
     for group in ("stage_ns", "burst_sizes"):
         for key, v in other[group].items():
             into[group][key] = into[group].get(key, 0) + v
-    for key in ("busy_ns", "wait_ns", "bursts"):
+    for key in ("busy_ns", "busy_cpu_ns", "wait_ns", "bursts"):
         into[key] += other[key]
 
 
@@ -174,7 +178,7 @@ class Switch:
         """Run one burst through every stage. Returns the number of packets received.
         The time of each stage goes to ``self.clock`` (a :class:`StageClock`)."""
         clk, now, ns = self.clock, time.perf_counter_ns, self.clock.stage_ns
-        t0 = now()
+        t0, cpu0 = now(), time.thread_time_ns()
         n = self.stage_rx()
         t1 = now()
         if not n and not (self.ingress.active or self.egress.active):
@@ -206,6 +210,7 @@ class Switch:
             t6 = now()
             ns[5] += t6 - t2
         clk.busy_ns += t6 - t0
+        clk.busy_cpu_ns += time.thread_time_ns() - cpu0
         if n:
             clk.burst(n)
         return n
