@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from ina.wire import HEADER_SIZE, MsgType, PayloadType, header_view, pack
+from switch_model.dataplane import source_key
 from switch_model.pipeline import Switch, SwitchConfig
 
 SCENARIOS = {   # name: (payload type, workers, packets per burst, elements per packet)
@@ -46,6 +47,7 @@ def run_scenario(ptype, workers: int, burst: int, elements: int, seconds: float)
                              sram_mb=512))
     try:
         sw.install_job(1, workers, slots, elements, ptype != PayloadType.NC8, [("127.0.0.1", 9)] * workers)
+        sw.state.src[:] = source_key(0x7F000001, 9)                   # every packet from the joined address
         rng = np.random.default_rng(0)
         pkts = [pack(msg_type=MsgType.DATA, job=1, rank=i % workers, payload_type=ptype, count=elements,
                      payload=_payload(ptype, elements, rng), elements=elements) for i in range(burst)]

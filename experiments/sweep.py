@@ -464,7 +464,7 @@ def _start_switch(topo, out: Path):
     from switch_model.launch import start_switch
     return start_switch(SWITCH_PORT, "--slots", str(SWITCH_SLOTS), "--elements", str(SWITCH_ELEMENTS),
                         "--stats-interval", "0", "--log-level", "WARNING", popen=functools.partial(topo.popen, topo.switch),
-                        control_host=topo.switch.ip, log_path=out / "switch.log", timeout=30.0)
+                        host="0.0.0.0", control_host=topo.switch.ip, log_path=out / "switch.log", timeout=30.0)
 
 
 def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, t_start: float) -> None:

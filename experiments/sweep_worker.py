@@ -100,7 +100,7 @@ class Worker:
         if not method.startswith("ina:"):
             raise ValueError(f"unknown method {method!r}: expected 'gloo' or 'ina:<codec>'")
         cl = self.client(method[4:], job)
-        if rto:
+        if rto:                      # the timeout before the first round-trip sample (then: measured)
             cl.rto = float(rto)
             cl.max_rto = max(cl.max_rto, 4 * cl.rto)
         return (lambda t, average=False, key=None: cl.allreduce(t, codec=method[4:], average=average, key=key)), cl

@@ -2,7 +2,8 @@
 
 Importing this module (done at interpreter start by a ``.pth`` line, only when ``INA_SWITCH`` is set)
 adds a meta-path finder: when ``horovod.torch`` finishes importing, :func:`gloo_patch.horovod.install`
-runs. Nothing else is imported, so processes that never touch Horovod (``horovodrun`` itself, pip,
+runs; when Horovod's rendezvous server (``horovod.runner.http.http_server``, imported by ``horovodrun``)
+finishes importing, :func:`gloo_patch.rendezvous_fix.apply` fixes its re-initialization race. Nothing else is imported, so processes that never touch Horovod (``horovodrun`` itself, pip,
 pytest) pay only for this file.
 
     python -m gloo_patch.autopatch --install-hook    # write the .pth line into this venv (make install does)
@@ -19,6 +20,7 @@ import sysconfig
 from pathlib import Path
 
 TARGET = "horovod.torch"
+RENDEZVOUS = "horovod.runner.http.http_server"
 PTH_NAME = "ina_emu_horovod_autopatch.pth"
 PTH_LINE = "import os; os.environ.get('INA_SWITCH') and __import__('gloo_patch.autopatch')\n"
 
@@ -33,26 +35,34 @@ def _apply(module) -> None:
         raise
 
 
+def _apply_rendezvous(module) -> None:
+    from gloo_patch import rendezvous_fix
+    rendezvous_fix.apply()
+
+
+_HOOKS = {TARGET: _apply, RENDEZVOUS: _apply_rendezvous}
+
+
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, hook):
+        self.inner, self.hook = inner, hook
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
         self.inner.exec_module(module)
-        _apply(module)
+        self.hook(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
+        if fullname not in _HOOKS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _Loader(spec.loader)
+        spec.loader = _Loader(spec.loader, _HOOKS[fullname])
         return spec
 
 

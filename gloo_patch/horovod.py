@@ -17,39 +17,64 @@ What is patched (see docs/frameworks.md):
   ``horovod.torch.optimizer`` (which imported ``synchronize`` into its own globals), ``functions``,
   ``sync_batch_norm``; an :class:`InaHandle` is completed by us, any other handle by Horovod;
 * ``init``/``shutdown``: join the switch after ``hvd.init()`` (the ranks agree on a job id through a
-  Horovod broadcast from rank 0), leave it on ``hvd.shutdown()``.
+  Horovod broadcast from rank 0), leave it on ``hvd.shutdown()`` (a later ``hvd.init()`` joins afresh).
 
-Taken over: op Sum or Average, the global process set, float32/float16/bfloat16 dense tensors,
-with prescale/postscale factors applied locally. Everything else (Adasum, Min, Max, Product, other
-process sets, other dtypes) stays on Gloo with one log line per distinct reason; broadcast,
-allgather, alltoall, reducescatter and sparse allreduce are not touched.
+Horovod's contract. Every allreduce of the global process set is queued, whatever its op and dtype,
+after Horovod's own argument checks (``_check_function``: supported tensor type, contiguity; a name
+already in flight raises Horovod's duplicate-name ``ValueError``). When a rank first waits for one
+(``synchronize``/``poll``), the queued batch goes through one agreement round (``gloo_patch.agreement``:
+a small Gloo allreduce of a digest of names, shapes, dtypes, ops, prescale/postscale, and flags).
+If all ranks agree, the offloadable allreduces (op Sum/Average, float32/float16/bfloat16, no NaN/Inf on
+any rank) go through the switch, fused into buffers of at most ``HOROVOD_FUSION_THRESHOLD`` bytes in
+name order; the others go to Horovod's own allreduce. If the ranks disagree, each name queued on every
+rank goes to Horovod's own allreduce, which raises Horovod's own error on every rank for a mismatch
+(shape, dtype, op, prescale/postscale), so nothing can hang at the switch. If a rank has joined
+(``hvd.join()``), the batch goes to Horovod, where joined ranks contribute zeros.
 
-Ordering: Horovod matches collectives across ranks by name. INA allreduces are queued when issued and
-run when a rank first waits for one (``synchronize``/``poll``), in name order, so ranks whose hooks
-fired in different orders still feed the switch the same sequence of tensors.
+Other process sets go straight to Horovod; broadcast, allgather, alltoall, reducescatter and sparse
+allreduce are not touched.
 """
 from __future__ import annotations
 
 import atexit
 import itertools
+import json
+import os
 import sys
 import threading
+import time
 
+from ina import AllreduceError
+
+from . import agreement
 from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
 _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.optimizer", "horovod.torch.functions",
                     "horovod.torch.sync_batch_norm")
+DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
+                  "is currently being processed.  If you want to request another tensor, use a different tensor name.")
+DEFAULT_FUSION_BYTES = 128 * 1024 * 1024     # Horovod's default HOROVOD_FUSION_THRESHOLD
+AGREE_NAME, DETAIL_NAME = "ina.agree", "ina.agree.detail"
+
+
+def fusion_threshold() -> int:
+    v = os.environ.get("HOROVOD_FUSION_THRESHOLD", "")
+    try:
+        return int(v) if v else DEFAULT_FUSION_BYTES
+    except ValueError:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={v!r}: expected a number of bytes") from None
 
 
 class InaHandle:
-    """Handle of an allreduce taken over by the INA backend (Horovod's own handles are ints)."""
+    """Handle of an allreduce queued by the INA backend (Horovod's own handles are ints)."""
 
-    __slots__ = ("name", "tensors", "outputs", "average", "prescale", "postscale", "grouped", "done", "error", "seq")
+    __slots__ = ("name", "tensors", "outputs", "op", "prescale", "postscale", "grouped", "done", "error", "seq",
+                 "consumed", "desc", "polled")
 
-    def __init__(self, name, tensors, outputs, average, prescale, postscale, grouped, seq):
-        self.name, self.tensors, self.outputs = name, tensors, outputs
-        self.average, self.prescale, self.postscale = average, prescale, postscale
-        self.grouped, self.done, self.error, self.seq = grouped, False, None, seq
+    def __init__(self, name, tensors, outputs, op, prescale, postscale, grouped, seq, desc):
+        self.name, self.tensors, self.outputs, self.op = name, tensors, outputs, op
+        self.prescale, self.postscale, self.grouped, self.seq = prescale, postscale, grouped, seq
+        self.done, self.error, self.consumed, self.desc, self.polled = False, None, False, desc, False
 
     def result(self):
         return tuple(self.outputs) if self.grouped else self.outputs[0]
@@ -66,14 +91,18 @@ class _HorovodIna:
         self.config = config
         self.orig = {"_allreduce_async": M._allreduce_async, "_grouped_allreduce_async": M._grouped_allreduce_async,
                      "synchronize": M.synchronize, "poll": M.poll, "init": M.init, "shutdown": M.shutdown}
+        self.op_names = {M.Sum: "Sum", M.Average: "Average", M.Adasum: "Adasum", M.Min: "Min", M.Max: "Max",
+                         M.Product: "Product"}
         self.client = None
         self.job: int | None = None
         self.rank = -1
         self.pending: list[InaHandle] = []
         self.seq = itertools.count()
         self.lock = threading.RLock()
-        self.broken: BaseException | None = None
+        self.stale = None          # an agreement round that timed out, completed before the next one
         self.fallbacks = FallbackLog("[ina horovod rank ?]")
+        self.rounds = 0
+        self.switch_failed = False   # an allreduce through the switch failed: the client is latched broken
 
     # -- switch connection ---------------------------------------------------------------------------
     def connect(self) -> None:
@@ -95,108 +124,259 @@ class _HorovodIna:
                              **self.config.client_kwargs())
         if self.rank == 0:
             log.info("[ina horovod rank 0] INA backend on: %d ranks, job %d, %s. Through the switch: allreduce "
-                     "(Sum/Average, global process set, float32/float16/bfloat16). On Gloo: everything else "
-                     "(broadcast, allgather, alltoall, reducescatter, sparse allreduce, other ops/dtypes/process "
-                     "sets)", size, job, self.config.describe())
+                     "(Sum/Average, global process set, float32/float16/bfloat16, fused up to %d bytes). On Gloo: "
+                     "everything else (broadcast, allgather, alltoall, reducescatter, sparse allreduce, other "
+                     "ops/dtypes/process sets, NaN/Inf)", size, job, self.config.describe(), fusion_threshold())
 
     def disconnect(self) -> None:
-        c, self.client = self.client, None
+        c, self.client, self.switch_failed = self.client, None, False
+        with self.lock:
+            for h in self.pending:
+                h.error = RuntimeError(f"allreduce {h.name!r} was still queued when Horovod was shut down")
+            self.pending, self.stale = [], None
         if c is not None:
             try:
                 c.close()
             except Exception as e:  # noqa: BLE001 - leaving is best effort at shutdown
                 log.warning("[ina horovod rank %d] leaving job %s: %s", self.rank, self.job, e)
 
+    def client_unusable(self) -> bool:
+        return self.client is None or self.switch_failed
+
     # -- decisions ---------------------------------------------------------------------------------------
-    def why_not(self, tensors, op, process_set) -> str | None:
-        M = self.M
-        if op not in (M.Sum, M.Average):
-            names = {M.Adasum: "Adasum", M.Min: "Min", M.Max: "Max", M.Product: "Product"}
-            return f"op {names.get(op, op)} (the switch only adds)"
-        if process_set is not M.global_process_set and getattr(process_set, "process_set_id", 0) != 0:
-            return f"process set {process_set.process_set_id} (only the global process set is offloaded)"
-        return tensors_not_offloadable(tensors)
+    def why_not(self, h: InaHandle) -> str | None:
+        """Why this (agreed) allreduce cannot go through the switch; None if it can."""
+        if h.op not in (self.M.Sum, self.M.Average):
+            return f"op {self.op_names.get(h.op, h.op)} (the switch only adds)"
+        return tensors_not_offloadable(h.tensors)
 
     # -- the patched functions -------------------------------------------------------------------------
     def allreduce_async(self, tensor, output, name, op, prescale_factor, postscale_factor, process_set):
-        why = self.why_not([tensor], op, process_set)
-        if why is not None:
-            self.fallbacks.fallback("allreduce", why, name or f"{tensor.dtype} {tuple(tensor.shape)}")
-            return self.orig["_allreduce_async"](tensor, output, name, op, prescale_factor, postscale_factor,
-                                                 process_set)
+        if not self.global_set(process_set):
+            return self._other_set("allreduce", process_set, name or f"{tensor.dtype} {tuple(tensor.shape)}",
+                                   self.orig["_allreduce_async"], tensor, output, name, op, prescale_factor,
+                                   postscale_factor, process_set)
+        self.M._check_function(self.M._allreduce_function_factory, tensor)   # Horovod's own argument checks
         return self._queue(name, [tensor], [output], op, prescale_factor, postscale_factor, grouped=False)
 
     def grouped_allreduce_async(self, tensors, outputs, name, op, prescale_factor, postscale_factor, process_set):
-        why = self.why_not(tensors, op, process_set)
-        if why is not None:
-            self.fallbacks.fallback("grouped_allreduce", why, name or f"{len(tensors)} tensors")
-            return self.orig["_grouped_allreduce_async"](tensors, outputs, name, op, prescale_factor,
-                                                         postscale_factor, process_set)
+        if not self.global_set(process_set):
+            return self._other_set("grouped_allreduce", process_set, name or f"{len(tensors)} tensors",
+                                   self.orig["_grouped_allreduce_async"], tensors, outputs, name, op,
+                                   prescale_factor, postscale_factor, process_set)
+        for t in tensors:
+            self.M._check_function(self.M._grouped_allreduce_function_factory, t)
         return self._queue(name, list(tensors), list(outputs), op, prescale_factor, postscale_factor, grouped=True)
+
+    def global_set(self, process_set) -> bool:
+        return process_set is self.M.global_process_set or getattr(process_set, "process_set_id", 0) == 0
+
+    def _other_set(self, what, process_set, example, fn, *args):
+        self.fallbacks.fallback(what, f"process set {process_set.process_set_id} (only the global process set is "
+                                      "offloaded)", example)
+        return fn(*args)
 
     def _queue(self, name, tensors, outputs, op, prescale, postscale, grouped) -> InaHandle:
         if not self.M.is_initialized():
             raise ValueError("Horovod has not been initialized; use hvd.init().")
         with self.lock:
+            if name is not None and any(h.name == name for h in self.pending):
+                raise ValueError(DUPLICATE_NAME)
             seq = next(self.seq)
-            h = InaHandle(name if name is not None else f"ina.noname.{seq:012d}", tensors, outputs,
-                          op == self.M.Average, float(prescale), float(postscale), grouped, seq)
+            name = name if name is not None else f"ina.noname.{seq:012d}"
+            desc = (f"op={self.op_names.get(op, op)}|pre={float(prescale)!r}|post={float(postscale)!r}|"
+                    f"{'grouped' if grouped else 'single'}|{agreement.describe_tensors(tensors)}")
+            h = InaHandle(name, tensors, outputs, op, float(prescale), float(postscale), grouped, seq, desc)
             self.pending.append(h)
         return h
 
-    def flush(self) -> None:
-        """Run every queued allreduce through the switch, in name order."""
+    # -- running the queue -----------------------------------------------------------------------------
+    def complete(self, target: InaHandle) -> None:
+        """Run agreement rounds (and what they decide) until ``target`` is done or failed."""
+        deadline = time.monotonic() + self.config.timeout
+        with self.lock:
+            while not target.done and target.error is None:
+                if target not in self.pending:
+                    raise RuntimeError(f"allreduce {target.name!r} is not queued (Horovod was shut down?)")
+                if time.monotonic() > deadline:   # rounds complete, but no other rank queued this name
+                    raise self.M.HorovodInternalError(
+                        f"INA backend: allreduce {target.name!r} was not queued on every rank within "
+                        f"{self.config.timeout:g} s (INA_TIMEOUT); names differ across ranks?")
+                self._round()
+
+    def _round(self) -> None:
+        batch = sorted(self.pending, key=lambda h: (h.name, h.seq))
+        entries = [(h.name, h.desc, agreement.nonfinite(h.tensors)) for h in batch]
+        total = self._native_wait(self._native_allreduce(agreement.local_vector(entries, self.client_unusable()),
+                                                         AGREE_NAME), "the agreement round")
+        ag = agreement.read(total)
+        self.rounds += 1
+        size = self.M.size()
+        if ag.present < size:            # a rank has joined: Horovod's allreduce, joined ranks add zeros
+            ready, native = batch, {h.name: "a rank has joined (hvd.join)" for h in batch}
+        elif ag.agree:
+            ready, native = batch, {}
+        else:
+            ready, native = self._reconcile(batch)
+        if ag.unusable:
+            native.update({h.name: "a rank's switch client failed earlier" for h in ready if h.name not in native})
+        for h in ready:
+            why = native.get(h.name) or self.why_not(h)
+            if why is None and ag.has_nonfinite(h.name):
+                why = "NaN/Inf on some rank (Gloo propagates them)"
+            if why is not None:
+                native[h.name] = why
+        ready_set = set(map(id, ready))
+        self.pending = [h for h in self.pending if id(h) not in ready_set]
+        self._run_native([h for h in ready if h.name in native], native)
+        self._run_switch([h for h in ready if h.name not in native])
+
+    def _reconcile(self, batch):
+        """The ranks' batches differ: exchange the descriptions. Names queued on every rank run now (through
+        Horovod if their descriptions differ: Horovod raises its own mismatch error on every rank); the
+        rest stay queued for a later round."""
         import torch  # noqa: PLC0415
 
-        with self.lock:
-            batch, self.pending = sorted(self.pending, key=lambda h: (h.name, h.seq)), []
-            if not batch:
-                return
+        mine = json.dumps([[h.name, h.desc] for h in batch]).encode()
+        h = self.M.allgather_async(torch.tensor(list(mine), dtype=torch.uint8).reshape(-1, 1), name=DETAIL_NAME)
+        lens = self._native_wait(self._native_allreduce(torch.zeros(self.M.size(), dtype=torch.int64).index_fill_(
+            0, torch.tensor([self.M.rank()]), len(mine)), DETAIL_NAME + ".len"), "the agreement's sizes")
+        data = bytes(self._native_wait(h, "the agreement's details").reshape(-1).tolist())
+        per_rank, off = [], 0
+        for n in lens.tolist():
+            per_rank.append(dict(json.loads(data[off:off + n].decode())))
+            off += n
+        common = set(per_rank[0]).intersection(*per_rank[1:])
+        ready = [h for h in batch if h.name in common]
+        native = {h.name: "ranks disagree on it (Horovod checks)" for h in ready
+                  if len({d[h.name] for d in per_rank}) > 1}
+        return ready, native
+
+    def _native_allreduce(self, t, name):
+        return self.orig["_allreduce_async"](t, t, name, self.M.Sum, 1.0, 1.0, self.M.global_process_set)
+
+    def _native_wait(self, handle, what: str):
+        """Horovod's synchronize, bounded by INA_TIMEOUT (a rank that never reaches the round)."""
+        if self.stale is not None:
+            stale, self.stale = self.stale, None
+            self._native_wait(stale, "an earlier agreement round")
+        deadline = time.monotonic() + self.config.timeout
+        while not self.orig["poll"](handle):
+            if time.monotonic() > deadline:
+                self.stale = handle
+                raise self.M.HorovodInternalError(
+                    f"INA backend: {what} did not complete within {self.config.timeout:g} s (INA_TIMEOUT): a rank "
+                    "did not reach it; queued here: " + ", ".join(h.name for h in self.pending[:10]))
+            time.sleep(0.0002)
+        return self.orig["synchronize"](handle)
+
+    def _run_native(self, handles, why: dict) -> None:
+        started = []
+        for h in handles:
+            self.fallbacks.fallback("grouped_allreduce" if h.grouped else "allreduce", why[h.name], h.name)
             try:
-                if self.broken is not None:
-                    raise self.broken
-                self.connect()
-                with torch.no_grad():
-                    for h in batch:
-                        n = 0
-                        # a named tensor keeps its error-feedback residual across steps; Horovod's
-                        # generated names (no name given) change every call, so those go stateless
-                        named = not h.name.startswith("ina.noname.")
-                        for i, (t, out) in enumerate(zip(h.tensors, h.outputs)):
-                            if out is not t:
-                                out.copy_(t)
-                            if h.prescale != 1.0:
-                                out.mul_(h.prescale)
-                            self.client.allreduce(out, codec=self.config.codec, average=h.average,
-                                                  key=(h.name, i) if named else None)
-                            if h.postscale != 1.0:
-                                out.mul_(h.postscale)
-                            n += t.numel()
-                        h.done = True
-                        self.fallbacks.offloaded(len(h.tensors), n)
-            except Exception as e:
-                if self.broken is None:
-                    log.error("[ina horovod rank %d] allreduce through switch %s:%d (job %s) failed: %s", self.rank,
-                              *self.config.switch, self.job, e)
-                self.broken = e
-                for h in batch:
-                    if not h.done:
-                        h.error = e
-                raise
+                if h.grouped:
+                    nh = self.orig["_grouped_allreduce_async"](h.tensors, h.outputs, h.name, h.op, h.prescale,
+                                                               h.postscale, self.M.global_process_set)
+                else:
+                    nh = self.orig["_allreduce_async"](h.tensors[0], h.outputs[0], h.name, h.op, h.prescale,
+                                                       h.postscale, self.M.global_process_set)
+                started.append((h, nh))
+            except Exception as e:  # noqa: BLE001 - the caller's synchronize raises it
+                h.error = e
+        for h, nh in started:
+            try:
+                self.orig["synchronize"](nh)
+                h.done = True
+            except Exception as e:  # noqa: BLE001
+                h.error = e
+
+    def _run_switch(self, handles) -> None:
+        """Offloadable allreduces through the switch, fused in name order into buffers of one dtype/op/scale."""
+        import torch  # noqa: PLC0415
+
+        if not handles:
+            return
+        limit = fusion_threshold()
+        groups, cur, cur_key, cur_bytes = [], [], None, 0
+        for h in handles:
+            nbytes = sum(t.numel() * t.element_size() for t in h.tensors)
+            key = (h.tensors[0].dtype, h.tensors[0].device, h.op, h.prescale, h.postscale)
+            if cur and (key != cur_key or cur_bytes + nbytes > limit):
+                groups.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append(h)
+            cur_key, cur_bytes = key, cur_bytes + nbytes
+        groups.append(cur)
+        try:
+            self.connect()
+            with torch.no_grad():
+                for g in groups:
+                    self._fused_allreduce(g)
+        except Exception as e:
+            self.switch_failed = self.switch_failed or isinstance(e, AllreduceError)
+            log.error("[ina horovod rank %d] allreduce through switch %s:%d (job %s) failed: %s", self.rank,
+                      *self.config.switch, self.job, e)
+            for h in handles:      # each raises from its synchronize; the next rounds go through Gloo
+                if not h.done:
+                    h.error = e
+
+    def _fused_allreduce(self, group) -> None:
+        import torch  # noqa: PLC0415
+
+        h0 = group[0]
+        pairs = [(t, o) for h in group for t, o in zip(h.tensors, h.outputs)]
+        # Horovod scales half-precision tensors in float32 math: so do we
+        wide = (h0.prescale != 1.0 or h0.postscale != 1.0) and h0.tensors[0].dtype in (torch.float16, torch.bfloat16)
+        copied = len(pairs) > 1 or wide
+        if not copied:
+            t, buf = pairs[0]
+            if buf is not t:
+                buf.copy_(t)
+        else:
+            buf = torch.cat([t.reshape(-1).to(torch.float32 if wide else t.dtype) for t, _ in pairs])
+        if h0.prescale != 1.0:
+            buf.mul_(h0.prescale)
+        # a named buffer keeps its error-feedback residual across steps; Horovod's generated names
+        # (no name given) change every call, so those go stateless
+        named = not any(h.name.startswith("ina.noname.") for h in group)
+        key = (h0.name, len(group), group[-1].name) if named else None
+        self.client.allreduce(buf, codec=self.config.codec, average=h0.op == self.M.Average, key=key)
+        if h0.postscale != 1.0:
+            buf.mul_(h0.postscale)
+        if copied:
+            off = 0
+            for t, o in pairs:
+                n = t.numel()
+                o.copy_(buf[off:off + n].reshape(o.shape))
+                off += n
+        for h in group:
+            h.done = True
+            self.fallbacks.offloaded(len(h.tensors), sum(t.numel() for t in h.tensors))
 
     def synchronize(self, handle):
         if isinstance(handle, InaHandle):
+            if handle.consumed:        # Horovod: a handle already synchronized returns None
+                return None
             if not handle.done and handle.error is None:
-                self.flush()
+                self.complete(handle)
+            handle.consumed = True
             if handle.error is not None:
-                raise handle.error
+                e = handle.error
+                raise e if isinstance(e, (ValueError, NotImplementedError, self.M.HorovodInternalError)) \
+                    else self.M.HorovodInternalError(e)
             return handle.result()
         return self.orig["synchronize"](handle)
 
     def poll(self, handle) -> bool:
+        """Nothing runs in the background: the first poll of a queued allreduce says it is not done
+        (Horovod's poll of an op in progress), the next one runs the queue and says it is."""
         if isinstance(handle, InaHandle):
-            if not handle.done and handle.error is None:
-                self.flush()     # nothing runs in the background: polling completes the queue
+            if not handle.done and handle.error is None and not handle.consumed:
+                if not handle.polled:
+                    handle.polled = True
+                    return False
+                self.complete(handle)
             return True
         return self.orig["poll"](handle)
 
@@ -206,12 +386,16 @@ class _HorovodIna:
         return out
 
     def shutdown(self, *args, **kwargs):
+        # Horovod's own shutdown first: ranks leave a barrier together and shut Gloo down at once; a delay
+        # on one rank before it (leaving the switch) lets the other re-init and read a stale address
+        out = self.orig["shutdown"](*args, **kwargs)
         self.disconnect()
-        return self.orig["shutdown"](*args, **kwargs)
+        return out
 
     def stats(self) -> dict:
         d = self.fallbacks.counters.as_dict()
         d["job"] = self.job
+        d["agreement_rounds"] = self.rounds
         d["client"] = self.client.stats.as_dict() if self.client is not None else None
         return d
 

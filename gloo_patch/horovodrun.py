@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,16 +23,6 @@ from switch_model.launch import start_switch, wait_ready
 from .common import check_codec, parse_switch
 
 INJECT_DIR = Path(__file__).resolve().parent / "_inject"
-
-
-def horovodrun_bin() -> str:
-    cand = Path(sys.executable).parent / "horovodrun"
-    if cand.exists():
-        return str(cand)
-    found = shutil.which("horovodrun")
-    if not found:
-        raise SystemExit("[ina-horovodrun] error: horovodrun not found; run `make install` (builds Horovod)")
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             env["INA_SWITCH"] = f"{host}:{port}"
         print(f"[ina-horovodrun] INA_SWITCH={env['INA_SWITCH']} INA_CODEC={env.get('INA_CODEC', 'nc')}",
               file=sys.stderr, flush=True)
-        return subprocess.call([horovodrun_bin(), *rest], env=env)
+        # horovodrun, with Horovod's rendezvous server fixed for jobs that re-initialize (gloo_patch.rendezvous_fix)
+        return subprocess.call([sys.executable, "-m", "gloo_patch.rendezvous_fix", *rest], env=env)
     finally:
         if switch is not None:
             switch.stop(timeout=10)

@@ -34,12 +34,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import agreement
 from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
 BACKEND_NAME = "ina"
 _BT = dist.ProcessGroup.BackendType
-_OP_NAMES = {getattr(dist.ReduceOp, n): n for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR",
-                                                   "PREMUL_SUM")}
+_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+_OP_NAMES = {getattr(dist.ReduceOp, n): n for n in _OPS}
+NONFINITE = "NaN/Inf on some rank (Gloo propagates them)"
+CLIENT_FAILED = "a rank's switch client failed earlier"
 
 
 class _InaWork(dist.Work):
@@ -78,6 +81,18 @@ def _op_name(op) -> str:
         except TypeError:
             pass
     return str(op)
+
+
+def agree(gather, tensors, op_name: str, unusable: bool, what: str) -> str | None:
+    """One all_gather of a row per rank (``gloo_patch.agreement``) before an allreduce: raises RuntimeError
+    on every rank if the ranks disagree (shapes, dtypes, op); else why every rank must take Gloo for this
+    one (NaN/Inf on some rank, a failed client somewhere), or None. ``gather(out, mine)`` all-gathers."""
+    mine = agreement.row(tensors, _OPS.index(op_name) if op_name in _OPS else len(_OPS), unusable)
+    rows = gather(mine)
+    err, nonfinite, failed = agreement.judge(rows, dict(enumerate(_OPS)))
+    if err is not None:
+        raise RuntimeError(f"{what}: {err}")
+    return NONFINITE if nonfinite else CLIENT_FAILED if failed else None
 
 
 class _Lane:
@@ -120,6 +135,9 @@ class _Lane:
                 log.error("[ina rank %d] allreduce through switch %s:%d failed, job %d: %s", self.rank,
                           *self.config.switch, self.job, e)
                 fut.set_exception(e)
+
+    def unusable(self) -> bool:
+        return self._error is not None
 
     def close(self) -> None:
         self._q.put(None)
@@ -174,11 +192,19 @@ class InaProcessGroup(dist.ProcessGroup):
         return d
 
     # -- allreduce --------------------------------------------------------------------------------
-    def _why_not(self, tensors: list[torch.Tensor], op) -> str | None:
+    def _why_not(self, tensors: list[torch.Tensor], op, what: str) -> str | None:
+        """Agree with the other ranks on this allreduce (raises if they disagree), then: why it stays on
+        Gloo, or None to offload it."""
         name = _op_name(op)
+        shared = agree(self._gather, tensors, name, self._lane.unusable(), f"[ina rank {self.rank()}] {what}")
         if name not in ("SUM", "AVG"):
             return f"reduce op {name} (the switch only adds)"
-        return tensors_not_offloadable(tensors)
+        return tensors_not_offloadable(tensors) or shared
+
+    def _gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.zeros_like(mine) for _ in range(self.size())]
+        self.gloo.allgather([out], [mine]).wait()
+        return out
 
     def _offload(self, tensors: list[torch.Tensor], op) -> dist.Work:
         self.fallbacks.offloaded(len(tensors), sum(t.numel() for t in tensors))
@@ -212,14 +238,14 @@ class InaProcessGroup(dist.ProcessGroup):
         elif not isinstance(opts, dist.AllreduceOptions):   # allreduce(tensors, op) overload
             op, opts = opts, dist.AllreduceOptions()
             opts.reduceOp = op
-        why = self._why_not(tensors, opts.reduceOp)
+        why = self._why_not(tensors, opts.reduceOp, "allreduce")
         if why is None:
             return self._offload(list(tensors), opts.reduceOp)
         return self._gloo_allreduce(list(tensors), opts.reduceOp, why, "allreduce")
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
-        why = self._why_not(tensors, opts.reduceOp)
+        why = self._why_not(tensors, opts.reduceOp, "allreduce_coalesced")
         if why is None:
             return self._offload(list(tensors), opts.reduceOp)
         return self._gloo_allreduce(list(tensors), opts.reduceOp, why, "allreduce_coalesced")
@@ -290,6 +316,11 @@ class InaHookState:
         if rank == 0:
             log.info("[ina rank 0] DDP comm hook: %d ranks, job %d, %s", size, job, self.config.describe())
 
+    def gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.zeros_like(mine) for _ in range(self.process_group.size())]
+        dist.all_gather(out, mine, group=self.process_group)
+        return out
+
     def stats(self) -> dict:
         d = self.fallbacks.counters.as_dict()
         d["client"] = self.lane.client.stats.as_dict()
@@ -308,6 +339,9 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes)."""
     buf = bucket.buffer()
     why = tensors_not_offloadable([buf])
+    shared = agree(state.gather, [buf], "AVG", state.lane.unusable(),
+                   f"[ina rank {state.process_group.rank()}] DDP bucket {bucket.index()}")
+    why = why or shared
     if why:
         state.fallbacks.fallback("DDP bucket", why, f"bucket {bucket.index()}")
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415

@@ -5,7 +5,8 @@ One allreduce is:
 1. **exponent negotiation**: one packet with no payload whose exponent field is this worker's
    scale exponent (plus one such packet per further value the codec needs agreed, e.g. MQGrad's
    bits); the switch's max-exponent register returns the max over workers;
-2. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2;
+2. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2
+   (ina.wire.slot_of_chunk; ids count modulo ina.wire.chunk_modulus(slots) and wrap to 0 there);
    the window equals the job's slots and is self-clocking (the result of chunk c frees its slot
    for chunk c + slots); a chunk whose result is late is retransmitted with exponential backoff
    and an adaptive timeout;
@@ -30,10 +31,12 @@ from . import burst as B
 from . import compression
 from .compression.base import ScaleContext, native, to_numpy_f32
 from .control import ControlChannel, ControlError
+from .recovery import LossDetector
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
-from .wire import HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, header_view, payload_view
+from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, chunk_modulus, header_view,
+                   payload_view, slot_of_chunk)
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -50,7 +53,11 @@ __all__ = ["Client", "ClientStats", "AllreduceError"]
 class ClientStats(WorkerStats):
     packets_sent: int = 0
     packets_received: int = 0
-    retransmissions: int = 0
+    retransmissions: int = 0          # every resend: fast + probe + timeout retransmissions
+    fast_retransmissions: int = 0     # resent because results of later chunks arrived first
+    probe_retransmissions: int = 0    # resent after a silence of the probe timeout (tail losses)
+    timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
+    duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
     stale_results: int = 0
 
 
@@ -60,23 +67,26 @@ class Client(Worker):
     ``Client(switch=("host", port), rank=r, world_size=n, job=j)`` joins job ``j`` at the switch
     (a rendezvous: it returns once all ``n`` ranks joined, or raises after ``timeout``).
     ``elements`` is the chunk length (elements per packet) and ``slots`` the job's share of the
-    switch's slot pool, i.e. the window of chunks in flight.
+    switch's slot pool, i.e. the window of chunks in flight. ``first_chunk`` is the chunk id the
+    job's first packet carries (0; a long-running job's ids wrap to 0 after chunk_modulus - 1).
     """
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
-                 rto: float = 0.02, max_rto: float = 1.0, seed: int | None = None, codec_options: dict | None = None,
-                 coalesce: float = 0.004, timeline: bool = False):
+                 rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
+                 codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
+                 token: str | None = None, timeline: bool = False):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
+        self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
         self.record_timeline = bool(timeline)  # keep the last allreduce's Timeline in last_timeline
         self.last_timeline: dict | None = None
         self._timeline: Timeline | None = None
         self.sock = B.udp_socket("0.0.0.0", 0)
-        self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0))
+        self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0), token=token)   # token: INA_TOKEN
         local_ip = self.ctl.sock.getsockname()[0]
         try:
             cfg = self.ctl.request({"op": "join", "job": job, "rank": rank, "world_size": world_size,
@@ -101,9 +111,15 @@ class Client(Worker):
         B.set_recv_timeout(self.sock, 0.002)
         self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
         self.tx = B.TxBatch(self.sock, capacity=1024)
-        self._next_chunk = 0
+        self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
+        if not 0 <= first_chunk < self.chunk_modulus:
+            self.close()
+            raise ValueError(f"first_chunk {first_chunk} out of range 0..{self.chunk_modulus - 1} (the chunk ids of a "
+                             f"job with {self.slots} slots)")
+        self._next_chunk = int(first_chunk)
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
+        self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
                  self.slots, self.elements)
 
@@ -230,7 +246,7 @@ class Client(Worker):
         done, which is sent only after c is done, so a row is never reused while its chunk is pending.
         """
         c0 = self._next_chunk
-        self._next_chunk += n_chunks
+        self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
         return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encode_block, block,
                          decode).run()
 
@@ -242,13 +258,22 @@ class Client(Worker):
             self.srtt = 0.875 * self.srtt + 0.125 * r
 
     def current_rto(self) -> float:
-        """Retransmission timeout: srtt + 4 rttvar of the chunks' measured round trips (RFC 6298 with
-        Karn's rule), at least ``rto`` (the configured minimum) and at most ``max_rto``. A full window
-        queued behind a slow link or a busy switch makes the round trip long; a fixed timeout would
-        retransmit spuriously and add to the load."""
+        """Retransmission timeout, the safety net of :mod:`ina.recovery`: srtt + 4 rttvar of the chunks'
+        measured round trips (RFC 6298 with Karn's rule), at least ``rto`` and at most ``max_rto``. It
+        resends every chunk it finds late, so it stays well above a round trip: a whole window waiting
+        for a slow peer would otherwise be resent again and again (fast retransmission and the tail
+        probe find real losses much sooner)."""
         if self.srtt is None:
             return self.rto
         return min(self.max_rto, max(self.rto, self.srtt + 4 * self.rttvar))
+
+    def probe_timeout(self, spacing: float) -> float | None:
+        """How long a silence (no result at all) may last while chunks are out before the oldest is
+        resent (the tail probe of :mod:`ina.recovery`): two of the fastest round trips plus four
+        result spacings, at least ``min_rto``. None before the first round trip was measured."""
+        if math.isinf(self.rtt_min):
+            return None
+        return max(self.min_rto, 2 * self.rtt_min + 4 * spacing)
 
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
@@ -322,8 +347,7 @@ class _Transfer:
         self.res_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E
         self.exps = np.zeros(n_chunks, np.int64)
         self.done = np.zeros(n_chunks, bool)
-        self.sent_at = np.zeros(n_chunks)
-        self.tries = np.zeros(n_chunks, np.int64)
+        self.ld = LossDetector(n_chunks)
         self.overflow = 0
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
@@ -335,9 +359,9 @@ class _Transfer:
         """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
         hv, E, S = self.hv, self.E, self.S
         rows = chunks % self.R
-        ids = self.c0 + chunks
-        hv["slot"][rows] = (ids % S) | (((ids // S) & 1) << 15)
-        hv["chunk"][rows] = ids & 0xFFFFFFFF
+        ids = (self.c0 + chunks) % self.cl.chunk_modulus
+        hv["slot"][rows] = slot_of_chunk(ids, S)
+        hv["chunk"][rows] = ids
         hv["exponent"][rows] = self.exps_in[chunks]
         hv["flags"][rows] = 0
         if E:
@@ -360,7 +384,7 @@ class _Transfer:
         if not chunks.size:
             return
         self.cl._send(self.pkts, self.load(chunks), self.pkt_len)
-        self.sent_at[chunks] = time.monotonic()
+        self.ld.sent(chunks, time.monotonic())
         self.n_sent += chunks.size
         self.max_sent = max(self.max_sent, int(chunks[-1]))
         if self.tl:
@@ -374,7 +398,6 @@ class _Transfer:
         cl, n_chunks = self.cl, self.n_chunks
         self.send_new(np.arange(min(self.S, n_chunks)))
         now = self.last_progress = time.monotonic()
-        next_check = now + cl.current_rto()
         while self.n_done < n_chunks:
             k = cl.rx.recv(wait=True)
             now = time.monotonic()
@@ -382,9 +405,8 @@ class _Transfer:
                 self.last_rx = None           # an idle gap (peers, a loss) says nothing about the link
             else:
                 self.receive(k, now)
-            if now >= next_check and self.n_done < n_chunks:
-                next_check = now + cl.current_rto() / 2
-                self.retransmit_late(now)
+            if self.n_done < n_chunks:
+                self.retransmit_lost(now)
                 if now - self.last_progress > cl.timeout:
                     raise AllreduceError(cl._stall_message(n_chunks, self.n_done, self.c0))
         if self.overflow:
@@ -410,8 +432,8 @@ class _Transfer:
                 raise AllreduceError(f"job {cl.job} was aborted by the switch: rank {int(ab['rank'][0])} left the "
                                      f"job; {n_chunks - self.n_done} of {n_chunks} chunks incomplete")
         ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (cl.rx.lens[:k] == self.res_len)
-        j = h["chunk"].astype(np.int64) - (self.c0 & 0xFFFFFFFF)
-        ok &= (j >= 0) & (j < n_chunks)
+        j = (h["chunk"].astype(np.int64) - self.c0) % cl.chunk_modulus
+        ok &= j < n_chunks
         stale = int(np.count_nonzero(~ok))
         jj = j[ok]
         if jj.size:
@@ -419,7 +441,7 @@ class _Transfer:
             idx = np.nonzero(ok)[0][fresh]
             jj, first_pos = np.unique(jj[fresh], return_index=True)
             idx = idx[first_pos]
-            stale += int(np.count_nonzero(ok)) - jj.size
+            cl.stats.duplicate_results += int(np.count_nonzero(ok)) - jj.size
             if jj.size:
                 self.complete(buf, h, idx, jj, now)
         cl.stats.stale_results += stale
@@ -432,12 +454,19 @@ class _Transfer:
             self.tl.mark("first_result")
         if E:
             self.decode(jj, native(payload_view(buf[idx], self.result_type, E)))
-        first_try = jj[self.tries[jj] == 0]       # Karn: no samples from retransmitted chunks
-        if first_try.size and E:                  # negotiation rounds wait for the slowest rank
-            self.cl._rtt_sample(float(np.median(now - self.sent_at[first_try])))
+        ld = self.ld
+        first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
+        if first_try.size:
+            rtts = now - ld.sent_at[first_try]
+            # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
+            # is at most that long (so the tail probe has a bound from the first allreduce on)
+            self.cl.rtt_min = min(self.cl.rtt_min, float(rtts.min()))
+            if E:
+                self.cl._rtt_sample(float(np.median(rtts)))
         self.exps[jj] = h["exponent"][idx]
         self.overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
         self.done[jj] = True
+        ld.delivered(jj, ld.pending(self.low, self.max_sent, self.done), now)
         self.n_done += jj.size
         self.last_progress = now
         if self.tl and self.n_done == self.n_chunks:
@@ -460,18 +489,19 @@ class _Transfer:
             if pause > 5e-5:
                 time.sleep(pause)
 
-    def retransmit_late(self, now: float) -> None:
-        """Resend the sent, not-done chunks older than their backed-off timeout."""
+    def retransmit_lost(self, now: float) -> None:
+        """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results
+        show the gap, after a silence or the timeout for the tail."""
         cl = self.cl
-        rto = cl.current_rto()
-        lo, hi = self.low, self.max_sent + 1     # every sent, not-done chunk still owns its ring row
-        win = np.arange(lo, hi)
-        w = win[(~self.done[lo:hi]) & (self.sent_at[lo:hi] > 0)]
-        late = w[now - self.sent_at[w] > np.minimum(rto * 2.0 ** self.tries[w], cl.max_rto)]
-        if late.size:
-            rows = late % self.R
+        fast, probe, late = self.ld.lost(self.ld.pending(self.low, self.max_sent, self.done), now, cl.srtt,
+                                         cl.current_rto(), cl.max_rto, cl.probe_timeout(self.per_pkt))
+        lost = np.concatenate([fast, probe, late])
+        if lost.size:                            # every sent, not-done chunk still owns its ring row
+            rows = lost % self.R
             self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
             cl._send(self.pkts, rows, self.pkt_len)
-            self.sent_at[late] = now
-            self.tries[late] += 1
-            cl.stats.retransmissions += late.size
+            self.ld.resent(lost, now)
+            cl.stats.fast_retransmissions += fast.size
+            cl.stats.probe_retransmissions += probe.size
+            cl.stats.timeout_retransmissions += late.size
+            cl.stats.retransmissions += lost.size

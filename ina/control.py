@@ -2,10 +2,13 @@
 
 Requests are one JSON object per line with an "op" field; every reply is one JSON object with
 "ok": true/false (and "error": "..." when false). Operations: join, leave, status, stats, impair.
+A switch with a shared token wants it in "join" and "impair": the channel adds ``token`` (default:
+the environment variable INA_TOKEN) to every request.
 """
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 
@@ -14,8 +17,9 @@ class ControlError(RuntimeError):
 
 
 class ControlChannel:
-    def __init__(self, host: str, port: int, timeout: float = 10.0):
+    def __init__(self, host: str, port: int, timeout: float = 10.0, token: str | None = None):
         self.addr = (host, port)
+        self.token = token or os.environ.get("INA_TOKEN") or None
         try:
             self.sock = socket.create_connection(self.addr, timeout=timeout)
         except OSError as e:
@@ -26,6 +30,8 @@ class ControlChannel:
     def request(self, msg: dict, timeout: float = 10.0) -> dict:
         self.sock.settimeout(timeout)
         try:
+            if self.token is not None:
+                msg = {**msg, "token": self.token}
             self.sock.sendall(json.dumps(msg).encode() + b"\n")
             line = self._rfile.readline()
         except socket.timeout:
@@ -50,9 +56,9 @@ class ControlChannel:
             pass
 
 
-def request(host: str, port: int, msg: dict, timeout: float = 10.0) -> dict:
+def request(host: str, port: int, msg: dict, timeout: float = 10.0, token: str | None = None) -> dict:
     """One request on a fresh connection (stats, impair, status)."""
-    ch = ControlChannel(host, port, timeout)
+    ch = ControlChannel(host, port, timeout, token)
     try:
         return ch.request(msg, timeout)
     finally:

@@ -60,6 +60,30 @@ _NONE, _NC8, _INT32, _INT64, _INT8N = (int(PayloadType.NONE), int(PayloadType.NC
                                        int(PayloadType.INT64), int(PayloadType.INT8_NARROW))
 
 
+# --- chunk ids: the slot mapping and the order, the one rule client and switch share ---------------
+# A job's chunk ids count modulo its chunk modulus M, the largest multiple of 2S below 2**32 (S: the
+# job's pool slots), so that chunk c and chunk c + S (mod M) always use the same pool index and the
+# other shadow set, across the wrap too (M = 2**32 when S is a power of two). Ids are ordered in
+# serial-number arithmetic (RFC 1982) modulo M. Plain integer code: the switch's kernels compile it.
+
+def chunk_modulus(pool_slots):
+    """M: the chunk ids of a job with ``pool_slots`` slots are 0..M-1, and M - 1 is followed by 0."""
+    return (1 << 32) - (1 << 32) % (2 * pool_slots)
+
+
+def slot_of_chunk(chunk, pool_slots):
+    """The slot field of chunk ``chunk`` (0 <= chunk < M): pool index chunk % S, shadow bit (chunk // S) % 2
+    (numpy arrays too)."""
+    return (chunk % pool_slots) | (((chunk // pool_slots) & 1) << 15)
+
+
+def chunk_newer(chunk, than, modulus):
+    """Whether chunk id ``chunk`` comes after ``than`` in serial-number arithmetic modulo ``modulus``:
+    (chunk - than) mod M in 1 .. M/2 - 1."""
+    d = (chunk - than) % modulus
+    return 0 < d < modulus // 2
+
+
 def result_type(payload_type: int, raw: bool, register_bits: int) -> int:
     """The payload type a slot's result comes back in: the one rule of result widths.
 
@@ -100,7 +124,8 @@ HEADER: tuple[Field, ...] = (
     Field("payload_type", "u1", "PayloadType of the elements that follow"),
     Field("count", ">u2", "valid elements in this chunk (the rest of the fixed-length chunk is zero padding)"),
     Field("exponent", ">i2", "exponent/scale field: the worker's max exponent; in results, the max over workers"),
-    Field("chunk", ">u4", "packet id: chunk sequence number within the job, monotonic across allreduces"),
+    Field("chunk", ">u4", "packet id: chunk sequence number within the job, across allreduces, modulo "
+          "chunk_modulus(slots)"),
 )
 
 HEADER_DTYPE = np.dtype([(f.name, f.dtype) for f in HEADER])

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
+import os
 import signal
+import socket
 import sys
+from pathlib import Path
 
 from ina.wire import DEFAULT_PORT
 
@@ -29,12 +33,19 @@ def _collect(args, prefix: str) -> dict:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ina-switch", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run the switch service (UDP data plane + TCP control plane on --port)")
-    s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    s = sub.add_parser("serve", help="run the switch service (UDP data plane + TCP control plane on --port)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address of the data plane, the control plane and the host aggregator; beyond loopback "
+                        "(e.g. 0.0.0.0) a shared token is required")
+    s.add_argument("--token", default=None,
+                   help="shared token that join and impair requests must carry (if not given: $INA_TOKEN)")
+    s.add_argument("--token-file", default=None, help="read the shared token from this file (first line)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help="UDP port of the data plane = TCP port of the "
+                   "control plane")
     s.add_argument("--slots", type=int, default=512, help="aggregator slots in the pool (each with a shadow copy)")
     s.add_argument("--elements", type=int, default=1024, help="registers per slot (max elements per packet)")
-    s.add_argument("--register-bits", type=int, default=64, choices=(32, 64))
+    s.add_argument("--register-bits", type=int, default=64, choices=(32, 64), help="register width")
     s.add_argument("--sram-mb", type=float, default=64.0, help="register memory budget in MiB")
     s.add_argument("--burst", type=int, default=64, help="packets per receive burst")
     s.add_argument("--cores", type=int, default=1,
@@ -47,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="TCP port of the host aggregator for variable-length codecs (3lc, eaq, wgt; NOT "
                         "switch-feasible): default PORT+100 (a free port if that is taken), 0: a free port, -1: off")
     s.add_argument("--stats-interval", type=float, default=10.0, help="seconds between rate log lines (0: off)")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO", help="logging level")
     st = sub.add_parser("stats", help="print the counters of a running switch (JSON)")
     im = sub.add_parser("impair", help="change a running switch's impairments")
     w = sub.add_parser("wait", help="wait until a switch's control plane answers (for scripts that start one)")
@@ -55,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     for p in (st, im, w):
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=DEFAULT_PORT)
+        p.add_argument("--token", default=None, help="the switch's shared token (if not given: $INA_TOKEN)")
     _impair_args(im, "", "both directions")
     _impair_args(im, "ingress-", "worker->switch")
     _impair_args(im, "egress-", "switch->worker")
@@ -67,7 +79,7 @@ def _ask(args) -> int:
     from .launch import SwitchStartError, wait_ready
     try:
         if args.cmd == "stats":
-            reply = request(args.host, args.port, {"op": "stats"})["stats"]
+            reply = request(args.host, args.port, {"op": "stats"}, token=args.token)["stats"]
         elif args.cmd == "wait":
             wait_ready(args.host, args.port, args.timeout)
             print(f"ina-switch at tcp {args.host}:{args.port} is ready", file=sys.stderr)
@@ -75,7 +87,8 @@ def _ask(args) -> int:
         else:
             both = _collect(args, "")
             reply = request(args.host, args.port, {"op": "impair", "ingress": {**both, **_collect(args, "ingress_")},
-                                                   "egress": {**both, **_collect(args, "egress_")}})["impairments"]
+                                                   "egress": {**both, **_collect(args, "egress_")}},
+                            token=args.token)["impairments"]
     except (ControlError, SwitchStartError) as e:
         print(f"ina-switch {args.cmd}: {e}", file=sys.stderr)
         return 1
@@ -116,10 +129,36 @@ def _switch(args):
     return cfg, sw, sw
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is a loopback address: nothing beyond this machine reaches it."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _token(args) -> str | None:
+    """The shared token: --token, --token-file, or $INA_TOKEN. Required beyond loopback."""
+    token = args.token or os.environ.get("INA_TOKEN") or None
+    if args.token_file:
+        token = Path(args.token_file).read_text().splitlines()[0].strip() if Path(args.token_file).exists() else ""
+        if not token:
+            raise ValueError(f"--token-file {args.token_file}: missing or empty")
+    if token is None and not is_loopback(args.host):
+        raise ValueError(f"--host {args.host} listens beyond loopback: give a shared token (--token, --token-file "
+                         "or INA_TOKEN) that workers and admin commands must present")
+    return token
+
+
 def _serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     from .control import ControlPlane
+    try:
+        token = _token(args)
+    except ValueError as e:
+        print(f"ina-switch serve: {e}", file=sys.stderr)
+        return 2
     hagg = _host_aggregator(args)
     try:
         cfg, group, sw = _switch(args)
@@ -136,7 +175,9 @@ def _serve(args) -> int:
              else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}"
           + (f"; host aggregator (NOT switch-feasible) on tcp {cfg.host}:{hagg.port}" if hagg is not None else ""),
           file=sys.stderr, flush=True)
-    cp = ControlPlane(group, args.host, host_agg=hagg)
+    cp = ControlPlane(group, args.host, host_agg=hagg, token=token)
+    logging.getLogger("ina.switch").info("control plane on tcp %s:%d; shared token %s", args.host, sw.port,
+                                         "required for join and impair" if token else "off (loopback only)")
     cp.start()
 
     def on_signal(signum, frame):

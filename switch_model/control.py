@@ -4,14 +4,23 @@ stats and impairment settings, as JSON lines over TCP on the data plane's port n
 Each worker keeps its join connection open for the life of the job: if it closes without a
 "leave" (the worker died), the job is torn down, its slots freed and the other workers get an
 ABORT packet naming the rank that left.
+
+Limits (docs/switch.md, "Control plane"): with a shared token, "join" and "impair" must carry it
+("token"); a request line is at most ``max_line`` bytes; at most ``max_connections`` connections are
+open; a connection that has not joined a job is closed after ``idle_s`` seconds without a request;
+a join waits at most ``max_join_wait`` seconds for the other ranks. Refusals are logged and counted
+(stats "control").
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import socket
 import socketserver
 import threading
 import time
+from collections import Counter
 
 from ina.wire import MAX_WORKERS
 
@@ -27,10 +36,30 @@ class _Pending:
         self.error: str | None = None
 
 
+MAX_LINE = 64 * 1024          # bytes of one request line
+MAX_CONNECTIONS = 512         # open control connections (every worker of every job holds one)
+IDLE_S = 60.0                 # a connection that has not joined: seconds to its next request
+MAX_JOIN_WAIT = 600.0         # longest rendezvous a join may ask for
+TOKEN_OPS = ("join", "impair")  # the operations that need the shared token when one is set
+
+
+class Refused(ValueError):
+    """A request refused by a limit or the token check (counted under ``reason``)."""
+
+    def __init__(self, reason: str, msg: str):
+        super().__init__(msg)
+        self.reason = reason
+
+
 class ControlPlane:
-    def __init__(self, switch, host: str = "0.0.0.0", host_agg=None):
+    def __init__(self, switch, host: str = "127.0.0.1", host_agg=None, token: str | None = None,
+                 max_line: int = MAX_LINE, max_connections: int = MAX_CONNECTIONS, idle_s: float = IDLE_S):
         self.switch = switch
         self.host_agg = host_agg      # switch_model.host_agg.HostAggregatorProcess, or None
+        self.token = token or None
+        self.max_line, self.max_connections, self.idle_s = int(max_line), int(max_connections), float(idle_s)
+        self.refused: Counter = Counter()     # reason -> refused requests and connections
+        self.connections = 0
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._left: dict[int, set] = {}
@@ -56,15 +85,73 @@ class ControlPlane:
         self.server.server_close()
 
     # --------------------------------------------------------------------------------------------
+    def _refuse(self, reason: str, peer, what: str) -> Refused:
+        with self._lock:
+            self.refused[reason] += 1
+        log.warning("refused %s from %s:%d: %s", reason.replace("_", " "), peer[0], peer[1], what)
+        return Refused(reason, what)
+
+    def _check_token(self, msg: dict, op, peer) -> None:
+        if self.token is None or op not in TOKEN_OPS:
+            return
+        given = msg.get("token")
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), self.token.encode()):
+            raise self._refuse("bad_token", peer, f"{op!r} needs the switch's shared token (INA_TOKEN): "
+                                                  + ("none given" if given is None else "wrong token"))
+
+    def _lines(self, h, peer, joined):
+        """The connection's request lines, each at most max_line bytes; before a join, each within idle_s."""
+        while True:
+            h.connection.settimeout(None if joined() else self.idle_s)
+            try:
+                line = h.rfile.readline(self.max_line + 1)
+            except socket.timeout:
+                self._refuse("idle", peer, f"no request within {self.idle_s:g} s")
+                return
+            if not line:
+                return
+            if len(line) > self.max_line:
+                raise self._refuse("line_too_long", peer, f"request line longer than {self.max_line} bytes")
+            yield line
+
+    def control_stats(self) -> dict:
+        with self._lock:
+            return {"connections": self.connections, "max_connections": self.max_connections,
+                    "token_required": self.token is not None, "refused": dict(self.refused)}
+
     def _serve_connection(self, h) -> None:
+        peer = h.client_address
+        with self._lock:
+            self.connections += 1
+            over = self.connections > self.max_connections
+        try:
+            if over:
+                raise self._refuse("too_many_connections", peer,
+                                   f"{self.max_connections} control connections are already open")
+            self._requests(h, peer)
+        except Refused as e:
+            self._reply(h, {"ok": False, "error": str(e)})
+        finally:
+            with self._lock:
+                self.connections -= 1
+
+    @staticmethod
+    def _reply(h, out: dict) -> None:
+        try:
+            h.wfile.write(json.dumps(out).encode() + b"\n")
+            h.wfile.flush()
+        except OSError:
+            pass
+
+    def _requests(self, h, peer) -> None:
         joined: tuple | None = None   # (job, rank) once this connection joined a job
         left = False
-        peer = h.client_address
         try:
-            for line in h.rfile:
+            for line in self._lines(h, peer, lambda: joined is not None):
                 try:
                     msg = json.loads(line)
                     op = msg.get("op")
+                    self._check_token(msg, op, peer)
                     if op == "join":
                         if joined:
                             raise ValueError(f"this connection already joined job {joined[0]} as rank {joined[1]}")
@@ -77,7 +164,7 @@ class ControlPlane:
                         left = True
                         reply = {}
                     elif op == "stats":
-                        reply = {"stats": self.switch.dp("stats")}
+                        reply = {"stats": {**self.switch.dp("stats"), "control": self.control_stats()}}
                         if self.host_agg is not None:
                             reply["stats"]["host_aggregator"] = self._host_agg_stats()
                     elif op == "status":
@@ -88,10 +175,11 @@ class ControlPlane:
                     else:
                         raise ValueError(f"unknown op {op!r} (join, leave, status, stats, impair)")
                     out = {"ok": True, **reply}
+                except Refused:
+                    raise
                 except (ValueError, KeyError, TypeError, TimeoutError) as e:
                     out = {"ok": False, "error": str(e) if not isinstance(e, KeyError) else f"missing field {e}"}
-                h.wfile.write(json.dumps(out).encode() + b"\n")
-                h.wfile.flush()
+                self._reply(h, out)
                 if left:
                     break
         except OSError:
@@ -106,7 +194,7 @@ class ControlPlane:
         addr = (host, int(msg["udp_port"]))
         spec = {"world_size": n, "slots": int(msg.get("slots", 64)), "elements": int(msg.get("elements", 1024)),
                 "raw": bool(msg.get("raw", False))}
-        timeout = float(msg.get("timeout", 30.0))
+        timeout = min(float(msg.get("timeout", 30.0)), MAX_JOIN_WAIT)
         if not 0 <= rank < n:
             raise ValueError(f"rank {rank} out of range for world_size {n}")
         # what the switch can never install is refused now, not after the whole rendezvous

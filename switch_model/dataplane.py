@@ -28,7 +28,8 @@ import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, VERSION, MsgType, PayloadType, Flag, result_type
+from ina.wire import (HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, VERSION, Flag, MsgType, PayloadType, chunk_newer,
+                      result_type, slot_of_chunk)
 
 # --- header offsets, from the one declaration in ina/wire.py ---------------------------------------
 O_VERSION = OFFSET["version"]
@@ -68,11 +69,12 @@ class Verdict(IntEnum):
     UNKNOWN_JOB = 7
     UNKNOWN_WORKER = 8         # rank >= the job's worker count
     SLOT_OUT_OF_RANGE = 9      # pool index >= the job's slots (or one of another shard)
-    SLOT_CHUNK_MISMATCH = 10   # pool index / shadow set do not follow from the chunk id
+    SLOT_CHUNK_MISMATCH = 10   # pool index / shadow set do not follow from the chunk id (or id >= chunk modulus)
     PAYLOAD_TYPE_MISMATCH = 11  # differs from the slot's current round
-    STALE = 12                 # chunk older than the slot's current round (late duplicate)
+    STALE = 12                 # chunk older than the slot's round in serial-number order (late duplicate)
     SLOT_BUSY = 13             # newer chunk while the slot's round is incomplete (protocol violation)
     RETRANSMIT_PENDING = 14    # retransmission while the round is still waiting for other workers
+    FOREIGN_SOURCE = 15        # source address is not the one the rank joined from (checked last in parse)
 
 
 class Action(IntEnum):
@@ -105,8 +107,9 @@ SET = np.dtype([("round_chunk", np.int64),   # the chunk id of the round it hold
 # one job-table entry, derived from a pipeline.Job record (Job.table_row): the fields of the same names.
 # pool_slots is the job's whole pool (pool indices 0..pool_slots-1 in packets); with --cores N the pool
 # is sharded: pool index p lives in shard p % shards at local slot slot_lo + p // shards.
+# chunk_modulus: ina.wire.chunk_modulus(pool_slots), the job's chunk id space (ids wrap to 0 there).
 JOB = np.dtype([(name, np.int64) for name in ("active", "n_workers", "slot_lo", "pool_slots", "elements", "raw",
-                                              "addr_base", "shards", "shard")])
+                                              "addr_base", "shards", "shard", "chunk_modulus")])
 # one packet of the burst: what parse and aggregate decided
 PKT = np.dtype([("verdict", np.int64), ("set_id", np.int64), ("rank", np.int64), ("job", np.int64),
                 ("action", np.int64)])
@@ -124,17 +127,21 @@ class DataPlane(NamedTuple):
     pkts: np.ndarray       # (burst,) PKT: the current burst's verdicts and actions
     vals: np.ndarray       # (elements,) int64: the ALU's decoded chunk
     tx: np.ndarray         # (burst * MAX_WORKERS,) TX: the transmissions harvest planned
+    peers: np.ndarray      # (worker addresses,) int64: source_key of the address each job's rank joined from
+    src: np.ndarray        # (4 * burst,) int64: source_key of each packet of the current burst
     register_bits: int     # 32 or 64
     seed: int              # of the stochastic re-encoding
 
     @classmethod
-    def allocate(cls, slots: int, elements: int, burst: int, stride: int, register_bits: int, seed: int) -> "DataPlane":
+    def allocate(cls, slots: int, elements: int, burst: int, stride: int, register_bits: int, seed: int,
+                 peers: int) -> "DataPlane":
         sets = np.zeros(2 * slots, SET)
         sets["round_chunk"] = -1
         return cls(regs=np.zeros((2 * slots, elements), np.int64), sets=sets,
                    results=np.zeros((2 * slots, stride), np.uint8), jobs=np.zeros(MAX_JOBS, JOB),
                    counters=np.zeros(len(COUNTERS), np.int64), pkts=np.zeros(burst, PKT),
                    vals=np.zeros(elements, np.int64), tx=np.zeros(burst * MAX_WORKERS, TX),
+                   peers=np.full(peers, -1, np.int64), src=np.zeros(4 * burst, np.int64),
                    register_bits=int(register_bits), seed=int(seed))
 
     def reset_sets(self, lo: int, slots: int) -> None:
@@ -143,6 +150,11 @@ class DataPlane(NamedTuple):
         s["round_chunk"] = -1
         for name in ("complete", "bitmap", "count", "overflow"):
             s[name] = 0
+
+
+def source_key(ip: int, port: int):
+    """A UDP source address as one integer: IPv4 address (host order) << 16 | port (numpy arrays too)."""
+    return (ip << 16) | port
 
 
 def bind(kernel, *example_args):
@@ -182,7 +194,7 @@ def _width(ptype):
 
 
 @njit(inline="always")
-def _check_header(jobs, buf, lens, i):
+def _check_header(jobs, peers, src, buf, lens, i):
     """The verdict of packet i, and for an OK packet its job, rank and register set."""
     ln = lens[i]
     if ln < HDR or ln > buf.shape[1]:
@@ -212,19 +224,21 @@ def _check_header(jobs, buf, lens, i):
         return Verdict.UNKNOWN_WORKER, 0, 0, 0
     if pool >= job.pool_slots:
         return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0
-    if (c % job.pool_slots) != pool or ((c // job.pool_slots) & 1) != shadow:
+    if c >= job.chunk_modulus or _slot_of_chunk(c, job.pool_slots) != s:
         return Verdict.SLOT_CHUNK_MISMATCH, 0, 0, 0
     if pool % job.shards != job.shard:
         return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0             # a pool index of another shard
+    if src[i] != peers[job.addr_base + r]:
+        return Verdict.FOREIGN_SOURCE, 0, 0, 0
     return Verdict.OK, j, r, (job.slot_lo + pool // job.shards) * 2 + shadow
 
 
 @njit(cache=True)
 def parse(dp, buf, lens, n):
     """Validate headers against the job table: dp.pkts[i].verdict = OK or a drop reason."""
-    jobs, pkts, counters = dp.jobs, dp.pkts, dp.counters       # taken out once (see aggregate)
+    jobs, pkts, counters, peers, src = dp.jobs, dp.pkts, dp.counters, dp.peers, dp.src   # taken out once
     for i in range(n):
-        v, j, r, s = _check_header(jobs, buf, lens, i)
+        v, j, r, s = _check_header(jobs, peers, src, buf, lens, i)
         p = pkts[i]
         p.verdict = v
         if v == Verdict.OK:
@@ -257,10 +271,14 @@ def _harvest_pending(pkts, i, s):
     return False
 
 
+_slot_of_chunk = njit(inline="always")(slot_of_chunk)   # ina.wire's rules of chunk ids, shared with clients
+_chunk_newer = njit(inline="always")(chunk_newer)
+
+
 @njit(inline="always")
-def _protocol(sets, pkts, i, c, bit):
-    """The slot protocol for packet i (chunk c, worker bit): (its Action, or the Verdict it is dropped
-    with; whether it is the first packet of a new round)."""
+def _protocol(sets, pkts, i, c, bit, modulus):
+    """The slot protocol for packet i (chunk c, worker bit; chunk ids modulo ``modulus``): (its Action,
+    or the Verdict it is dropped with; whether it is the first packet of a new round)."""
     m = sets[pkts[i].set_id]
     if c == m.round_chunk:
         if m.bitmap & bit:
@@ -268,7 +286,7 @@ def _protocol(sets, pkts, i, c, bit):
                 return np.int64(Action.REPLAY), False
             return np.int64(Verdict.RETRANSMIT_PENDING), False
         return np.int64(Action.ABSORBED), False
-    if c > m.round_chunk:
+    if m.round_chunk < 0 or _chunk_newer(c, m.round_chunk, modulus):
         if m.round_chunk >= 0 and (not m.complete or _harvest_pending(pkts, i, pkts[i].set_id)):
             # busy: the round is incomplete, or it completed in this burst and its result is not
             # harvested yet (a new round would overwrite the registers before the harvest stage)
@@ -283,7 +301,8 @@ def aggregate(dp, buf, n):
 
     Per (slot, shadow set): the first packet of a round writes its values, later ones add; a
     worker whose bit is already set in the worker bitmap is retransmitting and only reads (a replay
-    if the round is complete). A round is identified by its chunk id; older chunks are stale.
+    if the round is complete). A round is identified by its chunk id; older chunks (serial-number
+    order modulo the job's chunk modulus, ina.wire.chunk_newer) are stale.
     """
     # the state's arrays, taken out once: each use of dp.<array> (or an array handed to a helper) in
     # the packet loop costs reference counting, measurable on small packets (bench_switch)
@@ -302,7 +321,7 @@ def aggregate(dp, buf, n):
         bit = np.uint64(1) << np.uint64(p.rank)
         c = _rd32(buf, i, O_CHUNK)
         pt = np.int64(buf[i, O_PTYPE])
-        a, first = _protocol(sets, pkts, i, c, bit)
+        a, first = _protocol(sets, pkts, i, c, bit, jobs[p.job].chunk_modulus)
         if a == Action.ABSORBED and not first and pt != m.ptype:
             a = Verdict.PAYLOAD_TYPE_MISMATCH
         p.action = a
@@ -404,12 +423,32 @@ def aggregate(dp, buf, n):
             p.action = Action.HARVEST
 
 
+# --- the re-encoding's random numbers (specified in docs/switch.md, "The rounding hash") -------------
+KEY_CHUNK_MUL = 0x9E3779B97F4A7C15     # (job << 32 | chunk) times this: a bijection of 64-bit words
+KEY_ELEMENT_MUL = 0xD1B54A32D192ED03   # element k adds k times this
+
+
 @njit(inline="always")
 def _mix64(z):
     # splitmix64 finaliser: a counter-based 64-bit integer hash (a switch's random-number extern)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+@njit(inline="always")
+def _round_key0(seed, job, chunk):
+    # the key of element 0 of a round; element k's key is key0 + k * KEY_ELEMENT_MUL (mod 2**64)
+    return (np.uint64(seed) << np.uint64(32)) ^ (((np.uint64(job) << np.uint64(32)) | np.uint64(chunk))
+                                                 * np.uint64(KEY_CHUNK_MUL))
+
+
+@njit(cache=True)
+def nc_reencode_one(v, seed, job, chunk, k):
+    """The code the switch writes for register sum ``v``, element ``k`` of job ``job``'s round
+    ``chunk`` under ``--seed`` ``seed``: the specified rounding, for test vectors and other
+    implementations."""
+    return _nc_reencode(np.int64(v), _round_key0(seed, job, chunk) + np.uint64(k) * np.uint64(KEY_ELEMENT_MUL))
 
 
 @njit(inline="always")
@@ -460,9 +499,9 @@ def _write_result(dp, s, j):
     results[s, O_CHUNK + 3] = np.uint8(c & 0xFF)
     regs = dp.regs
     if out_pt == P_NC8:
-        key0 = (np.uint64(dp.seed) << np.uint64(32)) ^ (np.uint64(c) * np.uint64(0x9E3779B97F4A7C15))
+        key0 = _round_key0(dp.seed, j, c)
         for k in range(E):
-            results[s, HDR + k] = _nc_reencode(regs[s, k], key0 + np.uint64(k) * np.uint64(0xD1B54A32D192ED03))
+            results[s, HDR + k] = _nc_reencode(regs[s, k], key0 + np.uint64(k) * np.uint64(KEY_ELEMENT_MUL))
     elif out_pt == P_INT64:
         for k in range(E):
             v = regs[s, k]

@@ -13,7 +13,9 @@ Used by the Horovod wrapper, the sweep, the demo, the benchmarks and the tests.
 """
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,6 +25,8 @@ import time
 from pathlib import Path
 
 from ina.control import ControlError, request
+
+log = logging.getLogger("ina.switch.launch")
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent     # the child imports the same switch_model
 PORT_TRIES = 3                                             # free ports tried when one is taken meanwhile
@@ -128,6 +132,18 @@ class SwitchService:
         self.stop()
 
 
+def _ensure_token(host: str | None, options) -> None:
+    """A switch bound beyond loopback needs a shared token (docs/switch.md, "Control plane"): without
+    one in the options or in INA_TOKEN, make one and put it into this process's environment, which
+    the switch and the workers this process starts inherit (emulated topologies, the sweep)."""
+    from .cli import is_loopback
+    if host is None or is_loopback(host) or os.environ.get("INA_TOKEN") or "--token" in options \
+            or "--token-file" in options:
+        return
+    os.environ["INA_TOKEN"] = secrets.token_hex(16)
+    log.info("switch on %s: made a shared token, exported as INA_TOKEN to this process's children", host)
+
+
 def start_switch(port: int | None, *options: str, host: str | None = None, control_host: str | None = None,
                  log_path: str | os.PathLike | None = None, popen=subprocess.Popen, timeout: float = 60.0,
                  **popen_kw) -> SwitchService:
@@ -140,6 +156,7 @@ def start_switch(port: int | None, *options: str, host: str | None = None, contr
     emulated host). Raises :class:`SwitchStartError` naming what went wrong within ``timeout`` s.
     """
     ask = control_host or (host if host not in (None, "0.0.0.0") else "127.0.0.1")
+    _ensure_token(host, options)
     tries = PORT_TRIES if port is None else 1
     for attempt in range(1, tries + 1):
         p = free_port() if port is None else port

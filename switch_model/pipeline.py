@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ina import burst as B
-from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, Flag, MsgType, pack
+from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, pack
 
 from . import dataplane as D
 from .impair import Impairment, ImpairmentConfig
@@ -131,6 +131,10 @@ class Job:
     def addr_base(self) -> int:
         return self.addr_block * MAX_WORKERS
 
+    @property
+    def chunk_modulus(self) -> int:
+        return chunk_modulus(self.pool_slots)
+
     def table_row(self) -> tuple:
         return tuple(int(getattr(self, name)) for name in D.JOB.names)
 
@@ -148,7 +152,8 @@ class Switch:
         self.rx = B.RxRing(self.sock, cfg.burst, stride)
         self.txq = B.TxBatch(self.sock, capacity=cfg.burst * MAX_WORKERS)
         # --- the data-plane state: registers, per-set metadata, job table, counters, burst scratch ---
-        self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, cfg.burst, stride, cfg.register_bits, cfg.seed)
+        self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, cfg.burst, stride, cfg.register_bits, cfg.seed,
+                                          MAX_ACTIVE_JOBS * MAX_WORKERS)
         self.counters = self.state.counters
         self.clock = StageClock()
         self._waited = 0
@@ -225,6 +230,8 @@ class Switch:
             n = self.rx.recv(wait=True)
             self._waited = time.perf_counter_ns() - t
         if n:
+            src = self.rx.src[:n]
+            self.state.src[:n] = D.source_key(src["addr"].astype(np.int64), src["port"])
             self.counters[C["rx_packets"]] += n
             self.counters[C["rx_bytes"]] += int(np.minimum(self.rx.lens[:n], self.rx.stride).sum())
         return n
@@ -232,15 +239,17 @@ class Switch:
     def stage_ingress(self, n: int):
         if not self.ingress.active:
             return self.rx.buf, self.rx.lens, n
-        pkts = [(self.rx.buf[i, : min(self.rx.lens[i], self.rx.stride)].tobytes(), int(self.rx.lens[i]))
-                for i in range(n)]
+        src = self.state.src
+        pkts = [(self.rx.buf[i, : min(self.rx.lens[i], self.rx.stride)].tobytes(),
+                 (int(self.rx.lens[i]), int(src[i]))) for i in range(n)]
         out = self.ingress.apply(pkts, time.monotonic())
         k = min(len(out), self._imp_buf.shape[0])
         if len(out) > k:   # more than the side pool holds: the rest waits for the next poll
             self.ingress.requeue(out[k:])
-        for i, (pkt, ln) in enumerate(out[:k]):
+        for i, (pkt, (ln, key)) in enumerate(out[:k]):
             self._imp_buf[i, : len(pkt)] = np.frombuffer(pkt, np.uint8)
             self._imp_lens[i] = ln
+            src[i] = key
         return self._imp_buf, self._imp_lens, k
 
     # buf / lens: the receive ring's (rx.buf, rx.lens) or the ingress side pool's, of the same types
@@ -391,7 +400,8 @@ class Switch:
         if created is not None:
             info.created = created
         for r, (h, p) in enumerate(addrs):
-            self.addrs[info.addr_base + r] = B.sockaddr(h, p)[0]
+            self.addrs[info.addr_base + r] = a = B.sockaddr(h, p)[0]
+            self.state.peers[info.addr_base + r] = D.source_key(int(a["addr"]), int(a["port"]))
         self.slot_owner[lo: lo + slots] = job
         self.state.reset_sets(lo, slots)
         self.state.jobs[job] = info.table_row()
@@ -410,6 +420,7 @@ class Switch:
         del self.job_info[job]
         self.state.jobs[job] = 0
         self.slot_owner[info.slot_lo: info.slot_lo + info.slots] = -1
+        self.state.peers[info.addr_base: info.addr_base + MAX_WORKERS] = -1
         self.state.reset_sets(info.slot_lo, info.slots)
         if notify_rank is not None:
             pkt = pack(msg_type=MsgType.ABORT, job=job, rank=notify_rank)

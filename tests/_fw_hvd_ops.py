@@ -22,8 +22,13 @@ inputs["avg_f32"] = rnd(5000, scale=3.0)
 outputs["avg_f32"] = hvd.allreduce(inputs["avg_f32"], name="avg_f32")                  # default op: Average
 inputs["sum_f16"] = rnd(3000, torch.float16)
 outputs["sum_f16"] = hvd.allreduce(inputs["sum_f16"], name="sum_f16", op=hvd.Sum)
-inputs["sum_bf16"] = rnd(1500, torch.bfloat16)
-outputs["sum_bf16"] = hvd.allreduce(inputs["sum_bf16"], name="sum_bf16", op=hvd.Sum)
+# Horovod's own argument checks: CPU bfloat16 and non-contiguous tensors are refused with ValueError
+for what, bad in [("cpu_bf16", rnd(1500, torch.bfloat16)), ("non_contiguous", rnd(60).reshape(6, 10).t())]:
+    try:
+        hvd.allreduce(bad, name=what, op=hvd.Sum)
+        outputs[what] = "accepted"
+    except ValueError as e:
+        outputs[what] = f"ValueError: {e}"
 inputs["async_a"] = rnd(2000).reshape(40, 50)
 inputs["async_b"] = rnd(700, scale=0.01)
 ta, tb = inputs["async_a"].clone(), inputs["async_b"].clone()

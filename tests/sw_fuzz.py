@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from hypothesis import strategies as st
 
-from ina.wire import HEADER_DTYPE, HEADER_SIZE, VERSION, MsgType
+from ina.wire import HEADER_DTYPE, HEADER_SIZE, VERSION, MsgType, chunk_modulus
 
 HDR = HEADER_SIZE
 WIDTH = {0: 0, 1: 1, 2: 4, 3: 8, 4: 1, 5: 1}    # bytes per element by payload type (NONE NC8 INT32 INT64 INT8 INT8_NARROW)
@@ -67,7 +67,7 @@ def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int) -> str:
     if pool >= j.slots:
         return "slot_out_of_range"
     c = int(h["chunk"])
-    if c % j.slots != pool or (c // j.slots) & 1 != shadow:
+    if c >= chunk_modulus(j.slots) or c % j.slots != pool or (c // j.slots) & 1 != shadow:
         return "slot_chunk_mismatch"
     return "ok"
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from ina.client import Client
 from switch_model.launch import SwitchService, free_port, start_switch  # noqa: F401 - free_port for the tests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +125,7 @@ def stats(port: int) -> dict:
 def wait_until(pred, timeout: float, what: str, interval: float = 0.02):
     """Poll ``pred()`` until it returns a truthy value; raise naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    ev = __import__("threading").Event()
+    ev = threading.Event()
     while True:
         v = pred()
         if v:
@@ -153,12 +155,36 @@ class SwitchProc(SwitchService):
 # ------------------------------------------------------------------------------------------------
 # workers
 # ------------------------------------------------------------------------------------------------
+def join_all(port: int, job: int, n: int, **kw) -> list:
+    """n Clients of one job joined from threads of this process (the join is a rendezvous)."""
+    out, errs = [None] * n, [None] * n
+
+    def one(r):
+        try:
+            out[r] = Client(("127.0.0.1", port), rank=r, world_size=n, job=job, **kw)
+        except Exception as e:  # noqa: BLE001
+            errs[r] = e
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=kw.get("timeout", 30) + 10)
+    assert not any(t.is_alive() for t in ts), "join did not return"
+    if any(errs):
+        for c in out:
+            if c:
+                c.close()
+        raise next(e for e in errs if e)
+    return out
+
+
 class Workers:
     """``n`` worker processes of one job, each running ``tests/sw_worker.py`` on a spec file."""
 
     def __init__(self, tmp: Path, port: int, n: int, job: int, ops: list, client: dict | None = None,
                  ranks=None, loop: int = 1, name: str | None = None, stop_file: str | None = None,
-                 start_file: str | None = None):
+                 start_file: str | None = None, warmup_ops: int | None = None):
         self.tmp = Path(tmp)
         self.n = n
         self.job = job
@@ -168,7 +194,7 @@ class Workers:
         for r in (range(n) if ranks is None else ranks):
             base = self.tmp / f"{self.name}-rank{r}"
             spec = {"port": port, "rank": r, "world_size": n, "job": job, "ops": ops,
-                    "client": client or {}, "loop": loop, "stop_file": stop_file, "start_file": start_file, "out": str(base) + ".npz",
+                    "client": client or {}, "loop": loop, "stop_file": stop_file, "start_file": start_file, "warmup_ops": warmup_ops, "out": str(base) + ".npz",
                     "meta": str(base) + ".json", "progress": str(base) + ".progress"}
             Path(str(base) + ".spec.json").write_text(json.dumps(spec))
             log = open(str(base) + ".log", "wb")

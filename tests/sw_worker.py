@@ -71,6 +71,9 @@ def main(spec_path: str) -> int:
                 if spec.get("keep_results", True):
                     results.append(to_f32(t))
                 progress.write(f"{it} {time.time()}\n")
+                done_ops = len(results) if spec.get("keep_results", True) else None
+                if done_ops == spec.get("warmup_ops"):      # counters once the warm-up ops are done
+                    meta["stats_after_warmup"] = client.stats.as_dict()
                 progress.flush()
             it += 1
             if spec.get("stop_file"):    # stop together: the ranks agree through a one-element allreduce
@@ -89,6 +92,7 @@ def main(spec_path: str) -> int:
     finally:
         if client is not None:
             meta["stats"] = client.stats.as_dict()
+            meta["probe_timeout_s"] = client.probe_timeout(0.0)
             client.close()
     np.savez(spec["out"], **{f"r{i}": r for i, r in enumerate(results)})
     Path(spec["meta"]).write_text(json.dumps(meta))

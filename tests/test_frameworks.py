@@ -81,11 +81,11 @@ def ina_env(switch: SwitchService | None, codec: str | None, **extra) -> dict:
     return env
 
 
-def run(cmd: list[str], env: dict, what: str) -> subprocess.CompletedProcess:
+def run(cmd: list[str], env: dict, what: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
     try:
-        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{what} did not finish within {RUN_TIMEOUT} s:\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
+        pytest.fail(f"{what} did not finish within {timeout} s:\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
     if p.returncode != 0:
         pytest.fail(f"{what} exited with {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
     return p
@@ -123,11 +123,12 @@ def bfp_reference(arrays: list[np.ndarray], average: bool) -> tuple[np.ndarray, 
     return out, scale
 
 
-def check_bfp_step(grads: list[dict], gloo_grads: list[dict], flatten: bool) -> None:
-    """INA gradients after one step == the integer reference, bit for bit; and == Gloo's within bfp's error."""
+def check_bfp_step(grads: list[dict], gloo_grads: list[dict], flatten: bool, by_name: bool = False) -> None:
+    """INA gradients after one step == the integer reference, bit for bit; and == Gloo's within bfp's error.
+    ``flatten``: one buffer at the switch (DDP's bucket; Horovod's fusion buffer, in name order: ``by_name``)."""
     n = len(grads)
-    names = list(grads[0]["local"])
-    groups = [names] if flatten else [[k] for k in names]   # DDP: one bucket; Horovod: one allreduce per tensor
+    names = sorted(grads[0]["local"]) if by_name else list(grads[0]["local"])
+    groups = [names] if flatten else [[k] for k in names]
     for group in groups:
         local = [np.concatenate([g["local"][k].float().numpy().ravel() for k in group]) for g in grads]
         ref, scale = bfp_reference(local, average=True)
@@ -248,14 +249,14 @@ def test_horovod_training_matches_gloo(np_, codec, switch, horovod_ready, tmp_pa
     results, grads = load_run(out, np_)
     check_grads_agree(grads)
     if codec == "bfp32":
-        check_bfp_step(grads, gloo_grads, flatten=False)
+        check_bfp_step(grads, gloo_grads, flatten=True, by_name=True)   # the 6 gradients fused, in name order
     else:
         check_nc_step(grads, gloo_grads)
     check_training(results, gloo_results, codec)
     st = results[0]["ina"]
     assert st["fallback_calls"] == 0, st["fallback_reasons"]
     assert st["offloaded_tensors"] == 200 * 6   # 6 parameter tensors per step, all through the switch
-    assert st["client"]["allreduces"] == st["offloaded_tensors"]
+    assert st["client"]["allreduces"] == 200   # fused: one buffer per step (HOROVOD_FUSION_THRESHOLD)
 
 
 def test_horovod_entry_points_dtypes_and_fallbacks(switch, horovod_ready, tmp_path):
@@ -267,12 +268,16 @@ def test_horovod_entry_points_dtypes_and_fallbacks(switch, horovod_ready, tmp_pa
     for r in range(2):
         o = ranks[r]["outputs"]
         # offloaded: bit-identical to the reference, in the caller's dtype
-        for name, avg in [("avg_f32", True), ("sum_f16", False), ("sum_bf16", False), ("async_a", False),
-                          ("async_b", True), ("grouped_0", False), ("grouped_1", False)]:
+        for name, avg in [("avg_f32", True), ("sum_f16", False), ("async_a", False), ("async_b", True)]:
             ref, _ = bfp_reference([i[name].float().numpy() for i in ins], avg)
             want = torch.from_numpy(ref).reshape(ins[0][name].shape).to(ins[0][name].dtype)
             assert o[name].dtype == ins[0][name].dtype and o[name].shape == ins[0][name].shape, name
             assert torch.equal(o[name], want), f"rank {r} {name}: not the integer reference"
+        # a grouped allreduce is one fused buffer at the switch: one shared exponent for both tensors
+        ref, _ = bfp_reference([torch.cat([i["grouped_0"], i["grouped_1"]]).numpy() for i in ins], False)
+        assert torch.equal(torch.cat([o["grouped_0"], o["grouped_1"]]), torch.from_numpy(ref)), "grouped"
+        assert o["cpu_bf16"] == "ValueError: Tensor type torch.BFloat16Tensor is not supported.", o["cpu_bf16"]
+        assert o["non_contiguous"] == "ValueError: Tensor is required to be contiguous.", o["non_contiguous"]
         ref, _ = bfp_reference([(i["scaled"] * 0.5).numpy() for i in ins], False)
         assert torch.equal(o["scaled"], torch.from_numpy(ref) * 4.0), "prescale/postscale"
         # fallbacks: Gloo's exact results
@@ -283,7 +288,7 @@ def test_horovod_entry_points_dtypes_and_fallbacks(switch, horovod_ready, tmp_pa
         assert torch.equal(o["gather"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
     assert torch.equal(ranks[0]["outputs"]["ps0"], ins[0]["ps0"])
     st = ranks[0]["stats"]
-    assert st["offloaded_tensors"] == 8 and st["client"]["allreduces"] == 8
+    assert st["offloaded_tensors"] == 7 and st["client"]["allreduces"] == 6   # the grouped pair is fused
     reasons = st["fallback_reasons"]
     assert reasons == {"allreduce: dtype float64 (offloaded: float32, float16, bfloat16)": 2,
                        "allreduce: dtype int32 (offloaded: float32, float16, bfloat16)": 1,
@@ -297,6 +302,56 @@ def test_horovod_entry_points_dtypes_and_fallbacks(switch, horovod_ready, tmp_pa
     assert "[ina horovod rank 1] allreduce falls back" not in err
 
 
+CONTRACT_BOUND = 5.0   # seconds a mismatch may take to raise on every rank (Horovod's own takes ~0.02 s)
+
+
+def test_horovod_contract(switch, horovod_ready, tmp_path):
+    """Horovod's contract with INA on (bfp32): mismatches raise Horovod's own error on every rank at once,
+    int32-vs-float cannot hang, Horovod's argument checks, NaN/Inf reach every rank exactly as with Gloo,
+    the backend keeps working after every error and after shutdown/init, hvd.join() gives zeros."""
+    horovodrun(2, [str(TESTS / "_fw_hvd_contract.py"), str(tmp_path)], ina_env(switch, "bfp32"),
+               "horovodrun contract script")
+    res = [json.loads((tmp_path / f"contract{r}.json").read_text()) for r in range(2)]
+    ts = [torch.load(tmp_path / f"contract{r}.pt") for r in range(2)]
+    # Horovod's messages (which rank's value comes first depends on arrival order at its coordinator)
+    mismatch = {"shape": ("Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape ", "[17, 1311]",
+                          "[17, 23, 57]"),
+                "dims": ("Mismatched ALLREDUCE tensor shapes", "[17, 17, 17]", "[18, 18, 18]"),
+                "dtype_int_vs_float": ("Mismatched data types: One rank had type ", "int32", "float32"),
+                "op_sum_vs_average": ("Mismatched reduction operation",),
+                "prescale": ("Mismatched prescale and/or postscale factors", "(1, 1)", "(2, 1)")}
+    for r in range(2):
+        c = res[r]["cases"]
+        for name, msg in mismatch.items():
+            assert not c[name]["ok"], f"rank {r} {name}: no error"
+            assert "HorovodInternalError" in c[name]["types"] and "RuntimeError" in c[name]["types"], c[name]
+            assert all(part in c[name]["message"] for part in msg), (name, c[name]["message"])
+            assert c[name]["seconds"] < CONTRACT_BOUND, (name, c[name]["seconds"])
+        assert (c["non_contiguous"]["type"], c["non_contiguous"]["message"]) == (
+            "ValueError", "Tensor is required to be contiguous.")
+        assert (c["cpu_bfloat16"]["type"], c["cpu_bfloat16"]["message"]) == (
+            "ValueError", "Tensor type torch.BFloat16Tensor is not supported.")
+        dup = c["duplicate_name"]["result"]
+        assert dup["second"].startswith("ValueError: Requested to allreduce, allgather, or broadcast a tensor with "
+                                        "the same name"), dup
+        assert dup["first"] == [2.0] * 5 and dup["again"] is None
+        # after each kind of error, an allreduce goes through the switch again with the right sum
+        want = (torch.arange(12, dtype=torch.float32) * 3 - 6).tolist()
+        for after in ("after_mismatches", "after_checks", "after_nonfinite", "reinit", "after_join"):
+            assert c[after]["ok"], c[after]
+            assert c[after]["result"]["through_switch"] == 1 and c[after]["result"]["sum"] == want, (after, c[after])
+        # NaN/Inf: Gloo's exact result on every rank (NaN where NaN or -Inf + Inf met, Inf where Inf met)
+        gloo = ts[0]["nf.in"] + ts[1]["nf.in"]
+        torch.testing.assert_close(ts[r]["nf.x"], gloo, rtol=0, atol=0, equal_nan=True)
+        assert torch.isnan(ts[r]["nf.x"][[3, 7]]).all() and torch.isinf(ts[r]["nf.x"][[5, 2500]]).all()
+        assert torch.equal(ts[r]["nf.y"], torch.full((100,), 3.0))
+        reasons = c["nonfinite"]["result"]["reasons"]
+        assert reasons.get("allreduce: NaN/Inf on some rank (Gloo propagates them)", 0) >= 1, reasons
+    # join: rank 1 joined, rank 0's allreduces got zeros from it (Average divides by the world size)
+    assert torch.equal(ts[0]["join.a"], ts[0]["join.a_in"] / 2) and torch.equal(ts[0]["join.b"], ts[0]["join.b_in"])
+    assert res[0]["cases"]["join"]["result"]["ret"] == res[1]["cases"]["join"]["result"]["ret"]
+
+
 def test_horovod_wrapper_starts_a_switch(horovod_ready, tmp_path):
     port = free_port()
     env = ina_env(None, None)
@@ -308,6 +363,34 @@ def test_horovod_wrapper_starts_a_switch(horovod_ready, tmp_path):
     assert f"INA_SWITCH=127.0.0.1:{port}" in p.stderr
     with pytest.raises(OSError):   # the wrapper stopped its switch
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+# ---- Horovod's own test suite ----------------------------------------------------------------------------
+SUITE = ROOT.parent / "shared" / "horovod-tests"
+SUITE_TIMEOUT = 900
+# Tests whose tolerance is below bfp32's rounding (docs/frameworks.md lists the error measured): with the
+# INA backend on and bfp32 they fail only in their value check, everything else passes as with Gloo.
+BFP32_BELOW_ROUNDING = {"test_horovod_allreduce_prescale"}
+GLOO_SKIPS = 10      # GPU, MPI and timeline tests Horovod skips on 2 CPU ranks with Gloo (the suite's README)
+
+
+def test_horovod_own_suite_with_bfp32(switch, horovod_ready, tmp_path):
+    """Horovod 0.28.1's test_torch.py in ONE horovodrun -np 2 with INA on (bfp32): every test plain Gloo
+    passes passes, except BFP32_BELOW_ROUNDING, which fail only in their value comparison. About 2.5 min."""
+    if not (SUITE / "test_torch.py").exists():
+        pytest.fail(f"Horovod's suite not found at {SUITE} (expected ../shared/horovod-tests beside the repo)")
+    run([PY, "-m", "gloo_patch.rendezvous_fix", "-np", "2", "-H", "localhost:2", "--gloo", PY,
+         str(TESTS / "_fw_hvd_suite.py"), str(SUITE), str(tmp_path)], ina_env(switch, "bfp32"),
+        "horovodrun -np 2 test_torch.py with INA (bfp32)", timeout=SUITE_TIMEOUT)
+    for r in range(2):
+        res = json.loads((tmp_path / f"suite{r}.json").read_text())
+        out = res["outcomes"]
+        failed = {k for k, v in out.items() if v == "failed"}
+        assert failed <= BFP32_BELOW_ROUNDING, {k: res["messages"][k][-800:] for k in failed - BFP32_BELOW_ROUNDING}
+        for k in failed:
+            assert "hvd.allreduce produces incorrect results" in res["messages"][k], res["messages"][k][-800:]
+        assert sum(v == "skipped" for v in out.values()) == GLOO_SKIPS, out
+        assert sum(v == "passed" for v in out.values()) >= 105 - len(BFP32_BELOW_ROUNDING), out
 
 
 # ---- torch.distributed -------------------------------------------------------------------------------------
@@ -411,6 +494,34 @@ def test_ddp_collectives_offloaded_and_delegated(switch, tmp_path):
     assert "falls back" not in (tmp_path / "err1.txt").read_text()
 
 
+def test_ddp_contract(switch, tmp_path):
+    """Backend 'ina' and the DDP hook: a mismatch (shape, int32 vs float32, SUM vs AVG) raises a RuntimeError
+    naming every rank's tensor on every rank at once; NaN/Inf propagate exactly as with Gloo; the group keeps
+    going through the switch afterwards."""
+    procs = launch_ranks(2, [PY, str(TESTS / "_fw_ddp_contract.py"), str(tmp_path)], ina_env(switch, "bfp32"), tmp_path)
+    codes = wait_all(procs, RUN_TIMEOUT, "ddp contract script")
+    assert codes == [0, 0], [(tmp_path / f"err{r}.txt").read_text()[-3000:] for r in range(2)]
+    res = [json.loads((tmp_path / f"contract{r}.json").read_text())["cases"] for r in range(2)]
+    ts = [torch.load(tmp_path / f"contract{r}.pt") for r in range(2)]
+    want = (torch.arange(12, dtype=torch.float32) * 3 - 6).tolist()
+    for r, c in enumerate(res):
+        for name, detail in [("shape", "rank 0: float32 [17, 1311], 22287 elements, SUM; rank 1: float32 [17, 23, 57]"),
+                             ("dtype_int_vs_float", "rank 0: int32 [17, 17], 289 elements, SUM; rank 1: float32"),
+                             ("op_sum_vs_avg", "rank 0: float32 [8], 8 elements, SUM; rank 1: float32 [8], 8 elements, AVG")]:
+            assert not c[name]["ok"] and c[name]["type"] == "RuntimeError", (r, name, c[name])
+            assert f"[ina rank {r}] allreduce: ranks disagree on this allreduce: {detail}" in c[name]["message"], c[name]
+            assert c[name]["seconds"] < CONTRACT_BOUND
+        for after in ("after_mismatches", "after_nonfinite"):
+            assert c[after]["ok"] and c[after]["result"] == {"through_switch": 1, "sum": want}, (r, after, c[after])
+        torch.testing.assert_close(ts[r]["nf.x"], ts[0]["nf.in"] + ts[1]["nf.in"], rtol=0, atol=0, equal_nan=True)
+        assert torch.isnan(ts[r]["nf.x"][[3, 7]]).all() and torch.isinf(ts[r]["nf.x"][5])
+        hook = c["hook"]["result"]
+        assert hook["offloaded_calls"] == 1 and hook["fallback_reasons"] == {
+            "DDP bucket: NaN/Inf on some rank (Gloo propagates them)": 1}, hook
+        assert torch.isfinite(ts[r]["hook.finite"]).all() and torch.isinf(ts[r]["hook.inf"]).all()
+    assert torch.equal(ts[0]["hook.inf"], ts[1]["hook.inf"]) and torch.equal(ts[0]["hook.finite"], ts[1]["hook.finite"])
+
+
 # ---- the switch dies mid-training ---------------------------------------------------------------------------
 def _reader(stream, q: queue.Queue) -> None:
     for line in iter(stream.readline, ""):
@@ -505,7 +616,7 @@ def test_horovod_ranks_in_emulated_hosts(horovod_ready, tmp_path):
         sw_host = topo.host("sw")
         port = 9999
         sw = start_test_switch(tmp_path / "switch.log", port=port, popen=functools.partial(topo.popen, "sw"),
-                               control_host=sw_host.ip, timeout=30)
+                               host="0.0.0.0", control_host=sw_host.ip, timeout=30)
         try:
             before = topo.counters()
             env = ina_env(None, None, INA_SWITCH=f"{sw_host.ip}:{port}", INA_CODEC="bfp32", INA_SEED=7,

@@ -244,6 +244,8 @@ def test_same_seed_on_two_ranks_is_refused(service):
 @pytest.mark.parametrize("field,value,reason,text", [
     ("magic", b"XXXX", "bad_magic", "bad magic b'XXXX'"),
     ("version", 9, "bad_version", "frame version 9"),
+    # a declared body beyond the limit is refused from the header, before anything is allocated
+    ("body_len", 2**32 - 1, "frame_too_large", "frame body of 4294967295 bytes exceeds the limit"),
 ])
 def test_bad_frame_is_refused_and_counted(service, field, value, reason, text):
     before = agg_stats(service)["errors"][reason]

@@ -24,9 +24,10 @@ from numba import njit
 sys.path.insert(0, os.path.dirname(__file__))
 from sw_fuzz import PARSE_REASONS, PROTOCOL_REASONS, JobSpec, ProtocolModel, bad_packets, header  # noqa: E402
 from sw_harness import (PY, ROOT, SwitchProc, Workers, bfp_reference, control, expected_inputs,  # noqa: E402
-                        free_port, wait_until)
+                        free_port, join_all, wait_until)
 
 from ina.client import AllreduceError, Client  # noqa: E402
+from switch_model.dataplane import source_key  # noqa: E402
 from ina.wire import HEADER_DTYPE, HEADER_SIZE, Flag, MsgType  # noqa: E402
 
 INA_SWITCH = str(Path(PY).parent / "ina-switch")
@@ -37,30 +38,6 @@ def switch(tmp_path_factory):
     sw = SwitchProc("--slots", "64", "--elements", "64", log_path=tmp_path_factory.mktemp("sw") / "switch.log")
     yield sw
     assert sw.terminate() == 0, sw.log()
-
-
-def join_all(port: int, job: int, n: int, **kw) -> list[Client]:
-    """n Clients of one job joined from threads of this process (the join is a rendezvous)."""
-    out, errs = [None] * n, [None] * n
-
-    def one(r):
-        try:
-            out[r] = Client(("127.0.0.1", port), rank=r, world_size=n, job=job, **kw)
-        except Exception as e:  # noqa: BLE001
-            errs[r] = e
-
-    ts = [threading.Thread(target=one, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=kw.get("timeout", 30) + 10)
-    assert not any(t.is_alive() for t in ts), "join did not return"
-    if any(errs):
-        for c in out:
-            if c:
-                c.close()
-        raise next(e for e in errs if e)
-    return out
 
 
 _RESULT_DTYPE = {5: "i1"}      # INT8_NARROW results are int8; everything else here is read as int32
@@ -355,8 +332,8 @@ def test_fuzz_bad_packets_counted_by_reason_while_allreduce_runs(switch, tmp_pat
             for kind, pool, shadow, seed in scen:
                 if (pool, shadow) in outstanding:     # self-clocking: the set's last result first
                     results.wait_for(outstanding[(pool, shadow)])
-                for pkt in model.scenario(kind, pool, shadow, seed):
-                    out.sendto(pkt, dst)
+                for pkt in model.scenario(kind, pool, shadow, seed):     # from the rank's joined socket
+                    fakes[int(hdr(pkt)["rank"])].sock.sendto(pkt, dst)
                 outstanding[(pool, shadow)] = model.last
 
         outstanding = {}
@@ -436,6 +413,7 @@ def test_new_round_in_the_burst_that_completed_its_set_waits_for_the_harvest():
     sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=8, elements=16))
     try:
         sw.install_job(11, 2, 4, 16, False, [("127.0.0.1", 9), ("127.0.0.1", 9)])
+        sw.state.src[:] = source_key(0x7F000001, 9)                  # every packet from the joined address
         model = ProtocolModel(JobSpec(11, 2, 4, 16))
         first = model.scenario("complete", 0, 0, 1)
         c0 = model.last
@@ -495,7 +473,6 @@ def test_register_overflow_saturates_and_is_flagged(switch, switch32, bits):
     fakes = join_all(sw.port, 40, 2, elements=8, slots=4, raw=True, timeout=20)
     try:
         ovf0 = sw.stats()["counters"]["overflow"]
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         dst = ("127.0.0.1", sw.port)
         big = 2 ** (bits - 2)                     # big + big = 2**(bits-1): one past the register's max
         rounds = {   # chunk: (payload type, rank 0 values, rank 1 values, expected result, overflow?)
@@ -516,9 +493,8 @@ def test_register_overflow_saturates_and_is_flagged(switch, switch32, bits):
             7: (4, [100, -100, 3], [100, -100, -5], [200, -200, -2], False),
         }
         for chunk, (pt, a, b, _, _) in rounds.items():
-            s.sendto(_data(40, 0, chunk, 4, pt, a, 8, exponent=3), dst)
-            s.sendto(_data(40, 1, chunk, 4, pt, b, 8, exponent=-2), dst)
-        s.close()
+            fakes[0].sock.sendto(_data(40, 0, chunk, 4, pt, a, 8, exponent=3), dst)    # from the joined sockets
+            fakes[1].sock.sendto(_data(40, 1, chunk, 4, pt, b, 8, exponent=-2), dst)
         got = ResultCollector(fakes[0].sock)
         for chunk in rounds:
             got.wait_for(chunk)
@@ -548,12 +524,11 @@ def test_client_raises_on_overflow(switch32, tmp_path):
                 client={"elements": 8, "slots": 8, "timeout": 10.0}, name="ovf")
     rogue = Client(("127.0.0.1", switch32.port), rank=1, world_size=2, job=41, elements=8, slots=8, timeout=30)
     try:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s = rogue.sock                 # the rogue sends from the address it joined from
         dst = ("127.0.0.1", switch32.port)
         s.sendto(header(job=41, rank=1, slot=0, ptype=0, count=0, exponent=0, chunk=0), dst)   # exponent round
         for chunk in range(1, 6):     # 40 elements = 5 chunks of 8
             s.sendto(_data(41, 1, chunk, 8, 2, [2**31 - 1] * 8, 8), dst)
-        s.close()
         out = w.wait(timeout=30, check=False)
         got = ResultCollector(rogue.sock)
         for chunk in range(6):

@@ -1,0 +1,204 @@
+"""Training-step time through the framework integrations: a 56-tensor conv net, 2 ranks.
+
+    python -m experiments.bench_frameworks --json                    # loopback
+    python -m experiments.bench_frameworks --rate 100mbit --json     # each rank in its own emulated host
+
+Horovod (``hvd.DistributedOptimizer``, through ``horovodrun``) and DDP (two env:// processes, the INA
+comm hook on the ``gloo`` backend), each with plain Gloo, then with INA ``nc`` and ``bfp32``, against one
+switch. The model: 18 conv3x3+BatchNorm blocks (32/48/64 channels) and a linear head, 56 parameter
+tensors, about 380k parameters, on a generated 3x16x16 batch of 16 per rank (about 40 ms of compute on one
+core: the communication is a large share of the step, as in the issue's measurement). Reported: the median step
+time (forward, backward, optimizer step with its allreduces) and its ratio to Gloo's in the same run.
+With ``--rate`` every rank runs in its own network namespace (``ina.net.Topology``,
+``gloo_patch.netns_rank``) behind a shaped link, the switch in host ``sw``: Gloo's traffic and the INA
+traffic both cross those links (emulated with tbf/htb; loopback has no shaping).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from switch_model.launch import free_port, start_switch
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+# ---- the workload ------------------------------------------------------------------------------------------
+def make_net(seed: int = 0):
+    import torch  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    layers, c_in = [], 3
+    for i, c in enumerate([32] * 6 + [48] * 6 + [64] * 6):
+        stride = 2 if i in (6, 12) else 1
+        layers += [nn.Conv2d(c_in, c, 3, stride, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU()]
+        c_in = c
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, 10)]
+    return nn.Sequential(*layers)
+
+
+def batch(rank: int, n: int = 16, side: int = 16):
+    import torch  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(n, 3, side, side, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def timed_steps(model, opt, x, y, warmup: int, steps: int) -> list[float]:
+    import torch  # noqa: PLC0415
+
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(kind: str, out: str, warmup: int, steps: int) -> None:
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    model = make_net()
+    if kind == "horovod":
+        import horovod.torch as hvd  # noqa: PLC0415
+
+        hvd.init()
+        rank = hvd.rank()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters())
+    else:
+        import torch.distributed as dist  # noqa: PLC0415
+        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = DDP(model)
+        if kind == "ddp-ina":
+            from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook  # noqa: PLC0415
+            model.register_comm_hook(InaHookState(), ina_allreduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batch(rank)
+    times = timed_steps(model, opt, x, y, warmup, steps)
+    if rank == 0:
+        n_tensors = sum(1 for _ in model.parameters())
+        n_params = sum(p.numel() for p in model.parameters())
+        Path(out).write_text(json.dumps({"median_s": statistics.median(times), "mean_s": statistics.mean(times),
+                                         "steps": steps, "tensors": n_tensors, "params": n_params}))
+
+
+def compute_only(warmup: int, steps: int) -> float:
+    """The same step on one process without any allreduce: the compute floor."""
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    model = make_net()
+    x, y = batch(0)
+    return statistics.median(timed_steps(model, torch.optim.SGD(model.parameters(), lr=0.01), x, y, warmup, steps))
+
+
+# ---- the launcher ---------------------------------------------------------------------------------------------
+def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dict:
+    prefix = topo.prefix if topo else None
+    out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    if codec is not None:
+        env.update(INA_SWITCH=switch, INA_CODEC=codec, INA_SEED="7", INA_TIMEOUT="30")
+    me = [PY, "-m", "experiments.bench_frameworks", "--worker", kind, "--out", str(out), "--warmup", str(a.warmup),
+          "--steps", str(a.steps)]
+    shim = [PY, "-m", "gloo_patch.netns_rank", "--prefix", prefix, "--"] if prefix else []
+    t0 = time.monotonic()
+    if kind == "horovod":
+        cmd = [PY, "-m", "gloo_patch.rendezvous_fix", "-np", "2", "-H", "localhost:2", "--gloo", *shim, *me]
+        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
+        codes, err = [p.returncode], p.stdout[-2000:] + p.stderr[-2000:]
+    else:
+        port, procs = free_port(), []
+        for r in range(2):
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                     MASTER_ADDR=topo.host("w0").ip if topo else "127.0.0.1", MASTER_PORT=str(port))  # rank 0 serves
+            procs.append(subprocess.Popen([*shim, *me], env=e, cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
+        codes, err = [p.returncode for p in procs], "".join(o[-2000:] for o in outs)
+    if any(codes) or not out.exists():
+        raise RuntimeError(f"{kind} {codec or 'gloo'} failed ({codes}):\n{err}")
+    res = json.loads(out.read_text())
+    res["wall_s"] = time.monotonic() - t0
+    return res
+
+
+def switch_for(topo):
+    """The switch (switch_model.launch): on loopback, or in host ``sw`` of the topology."""
+    if topo is None:
+        return start_switch(None, "--stats-interval", "0")
+    return start_switch(9999, "--stats-interval", "0", popen=functools.partial(topo.popen, "sw"),
+                        control_host=topo.host("sw").ip, timeout=30)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    ap.add_argument("--rate", help="emulated link rate per host, e.g. 100mbit (default: loopback, no shaping)")
+    ap.add_argument("--codecs", default="nc,bfp32")
+    ap.add_argument("--frameworks", default="horovod,ddp")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--worker", choices=("horovod", "ddp", "ddp-ina"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a.worker, a.out, a.warmup, a.steps)
+        return 0
+    topo = None
+    if a.rate:
+        from ina.net import Topology  # noqa: PLC0415
+        topo = Topology(workers=2, rate=a.rate).__enter__()
+    results = {"emulated": f"2 ranks, each in its own network namespace behind a {a.rate} link (tbf/htb), "
+                           "switch in host sw" if a.rate else "2 ranks on loopback (no shaping)",
+               "compute_only_s": compute_only(a.warmup, a.steps), "runs": []}
+    if not a.json:
+        print(f"{results['emulated']}; compute only {results['compute_only_s'] * 1e3:.1f} ms/step", flush=True)
+    try:
+        sw = switch_for(topo)
+        addr = f"{topo.host('sw').ip if topo else '127.0.0.1'}:{sw.port}"
+        try:
+            for fw in a.frameworks.split(","):
+                base = run_config(fw, None, None, topo, a)
+                results["runs"].append({"framework": fw, "codec": "gloo", **base, "ratio_to_gloo": 1.0})
+                for codec in a.codecs.split(","):
+                    r = run_config("ddp-ina" if fw == "ddp" else fw, codec, addr, topo, a)
+                    results["runs"].append({"framework": fw, "codec": codec, **r,
+                                            "ratio_to_gloo": r["median_s"] / base["median_s"]})
+                    if not a.json:
+                        print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step  "
+                              f"{r['median_s'] / base['median_s']:.2f}x Gloo ({base['median_s'] * 1e3:.1f} ms)",
+                              flush=True)
+        finally:
+            sw.stop(timeout=10)
+    finally:
+        if topo is not None:
+            topo.__exit__(None, None, None)
+    if a.json:
+        print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""What the ranks agree on before an allreduce goes through the switch, in one small Gloo round.
+
+The switch only adds what arrives in the same slot: it cannot tell a float32 tensor of shape (17, 23*57)
+on one rank from a (17, 23, 57) one on another, or an Average from a Sum, and a rank whose tensor is not
+offloadable (int32 where the other sends float32) would wait in Gloo while the other waits at the
+switch. So before a batch of allreduces goes to the switch, every rank contributes a fixed-size int64
+vector to one Gloo Sum allreduce:
+
+====================  ==============================================================================
+``present``           1: the number of ranks taking part (Horovod's joined ranks contribute zeros)
+``h1, h1², h2, h2²``  two independent 20-bit digests of the batch's description (names, shapes,
+                      dtypes, devices, op, prescale/postscale): the ranks agree iff
+                      ``k * sum(h²) == sum(h)²`` for both (Cauchy-Schwarz: equality iff all equal)
+``unusable``          1 if this rank's switch client failed earlier (then everyone uses Gloo)
+``nonfinite[64]``     per name bucket: 1 if a tensor of that name holds NaN or Inf on this rank
+====================  ==============================================================================
+
+After the sum every rank reads the same vector, so every rank takes the same decision: the batch goes
+through the switch, or (a rank has NaN/Inf, a rank's client failed, a rank joined, the ranks disagree)
+through plain Gloo, where Gloo's own semantics apply (non-finite values propagate, a mismatch raises
+the framework's own error on every rank). A bucket shared by two names only sends both to Gloo.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+BUCKETS = 64
+HASH_BITS = 20
+_HEAD = 6          # present, h1, h1², h2, h2², unusable
+LENGTH = _HEAD + BUCKETS
+
+
+def _hash(text: str, salt: bytes) -> int:
+    d = hashlib.blake2b(text.encode(), digest_size=8, key=salt).digest()
+    return int.from_bytes(d, "little") & ((1 << HASH_BITS) - 1)
+
+
+def bucket(name: str) -> int:
+    return _hash(name, b"bucket") % BUCKETS
+
+
+def describe_tensors(tensors) -> str:
+    """Shape, dtype and device of each tensor: what must match across ranks for one name."""
+    return ";".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}@{t.device.type}" for t in tensors)
+
+
+def nonfinite(tensors) -> bool:
+    """True if a floating-point tensor holds NaN or Inf (integers are always finite)."""
+    return any(t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def local_vector(entries, unusable: bool = False) -> torch.Tensor:
+    """``entries``: (name, description, has_nonfinite) per allreduce of the batch, in the batch's order."""
+    text = "\n".join(f"{name}|{desc}" for name, desc, _ in entries)
+    v = torch.zeros(LENGTH, dtype=torch.int64)
+    h1, h2 = _hash(text, b"one"), _hash(text, b"two")
+    v[0], v[1], v[2], v[3], v[4], v[5] = 1, h1, h1 * h1, h2, h2 * h2, int(unusable)
+    for name, _, bad in entries:
+        if bad:
+            v[_HEAD + bucket(name)] = 1
+    return v
+
+
+@dataclass
+class Agreement:
+    """The summed vector, read the same way on every rank."""
+    present: int
+    agree: bool
+    unusable: bool
+    nonfinite_buckets: frozenset
+
+    def has_nonfinite(self, name: str) -> bool:
+        return bucket(name) in self.nonfinite_buckets
+
+
+def read(total: torch.Tensor) -> Agreement:
+    t = [int(x) for x in total.tolist()]
+    k = t[0]
+    agree = k > 0 and k * t[2] == t[1] * t[1] and k * t[4] == t[3] * t[3]
+    return Agreement(present=k, agree=agree, unusable=t[5] > 0,
+                     nonfinite_buckets=frozenset(i for i in range(BUCKETS) if t[_HEAD + i] > 0))
+
+
+# ---- one collective at a time (torch.distributed): a fixed-size row per rank, gathered ------------------
+# torch.distributed matches collectives by issue order, not by name, so the ``ina`` process group and the
+# DDP hook agree on each allreduce as it is issued: one Gloo all_gather of a row per rank. Every rank
+# sees every row, so every rank raises the same error, or takes the same path.
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
+           "complex64", "complex128")
+
+
+def _dtype_code(dtype) -> int:
+    name = str(dtype).replace("torch.", "")
+    return _DTYPES.index(name) if name in _DTYPES else len(_DTYPES)
+
+
+def row(tensors, op: int, unusable: bool = False) -> torch.Tensor:
+    """This rank's row for an allreduce of ``tensors`` with reduce op code ``op``: tensor count, elements,
+    dtype, op, digest of every tensor's dtype/shape/device, NaN/Inf, failed client, ndim, first 4 dims."""
+    t0 = tensors[0] if tensors else torch.zeros(0)
+    dims = list(t0.shape)[:4]
+    v = [len(tensors), sum(t.numel() for t in tensors), _dtype_code(t0.dtype), op,
+         _hash(describe_tensors(tensors), b"row"), int(nonfinite(tensors)), int(unusable), t0.dim()]
+    return torch.tensor(v + dims + [0] * (4 - len(dims)), dtype=torch.int64)
+
+
+def _describe_row(r: list[int], op_names: dict) -> str:
+    dtype = _DTYPES[r[2]] if r[2] < len(_DTYPES) else "other"
+    shape = r[8:8 + min(r[7], 4)] + (["..."] if r[7] > 4 else [])
+    more = f" (first of {r[0]})" if r[0] > 1 else ""
+    return f"{dtype} {shape}{more}, {r[1]} elements, {op_names.get(r[3], r[3])}"
+
+
+def judge(rows, op_names: dict) -> tuple[str | None, bool, bool]:
+    """(error message if the ranks disagree, any rank has NaN/Inf, any rank's client failed)."""
+    rs = [[int(x) for x in r.tolist()] for r in rows]
+    key = [r[:5] + r[7:] for r in rs]
+    err = None
+    if any(k != key[0] for k in key[1:]):
+        err = ("ranks disagree on this allreduce: " + "; ".join(
+            f"rank {i}: {_describe_row(r, op_names)}" for i, r in enumerate(rs)))
+    return err, any(r[5] for r in rs), any(r[6] for r in rs)

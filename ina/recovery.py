@@ -1,0 +1,93 @@
+"""Loss detection for the streaming client: which chunks to resend, and why.
+
+A chunk's result comes back once every worker's packet of it reached the switch. Results come back
+in a self-clocked window, so a chunk whose result is missing while results of chunks sent *after*
+it keep arriving was lost on the way (a worker's packet to the switch, or the result on the way
+back); it is resent at once, as TCP's fast retransmit does, instead of waiting for a timeout. The
+switch makes a resend safe in either case: a worker whose bit is already set only reads (a replay
+of the stored result if the round completed, a drop if it did not).
+
+Three rules, in the order a lost chunk meets them:
+
+1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived;
+2. **reordering window** (RACK-style): results of at least one chunk sent after it arrived, and it
+   has been out for longer than ``1.25 x srtt + REO_FLOOR``: a late chunk, not a reordered one;
+3. **tail probe** (nothing sent after it arrived, or everything after it was lost too): no result
+   at all arrived for a probe timeout ``PTO = 2 x rtt_min + 4 x spacing`` (at least ``min_rto``),
+   where ``rtt_min`` is the fastest round trip a chunk took (no queue ahead of it) and ``spacing``
+   the time between results while they flow: a silence that long means the results are not
+   coming. Only the oldest such chunk is resent (one probe, as TCP's tail loss probe: its result
+   restarts the flow, and any further lost chunk then meets rule 2 or another probe), and ``PTO``
+   doubles with every resend of that chunk (exponential backoff);
+4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
+   ``rto``, 20 ms by default), doubled per resend, at most ``max_rto``.
+
+The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart.
+A waiting peer (a rank that has not sent its packet yet) looks like a loss to rule 3; the resend is
+then only read by the switch, and the backoff keeps such resends to a handful per chunk.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+DUPTHRESH = 3          # later results that mark a chunk lost (TCP's three duplicate ACKs)
+REO_FLOOR = 5e-4       # seconds a chunk may trail a later one before it counts as lost (reordering)
+
+
+class LossDetector:
+    """Per-chunk send bookkeeping of one stream of ``n`` chunks (``n`` at most a few thousand)."""
+
+    def __init__(self, n: int):
+        self.sent_at = np.zeros(n)                 # monotonic time of the chunk's last send (0: not yet)
+        self.seq = np.zeros(n, np.int64)           # send order of the chunk's last send
+        self.later = np.zeros(n, np.int64)         # results of chunks sent after it, since its last send
+        self.tries = np.zeros(n, np.int64)         # resends so far (Karn: no RTT sample from these)
+        self._next_seq = 1
+        self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
+
+    def sent(self, chunks: np.ndarray, now: float) -> None:
+        """``chunks`` went out (first time or again) at ``now``, in this order."""
+        k = len(chunks)
+        if self._next_seq == 1:
+            self.last_arrival = now
+        self.sent_at[chunks] = now
+        self.seq[chunks] = np.arange(self._next_seq, self._next_seq + k)
+        self.later[chunks] = 0
+        self._next_seq += k
+
+    def pending(self, low: int, high: int, done: np.ndarray) -> np.ndarray:
+        """Chunks in ``low..high`` that were sent and have no result yet. A chunk of the window can be
+        unsent while a later one went out: chunk c + S is sent once c is done, in any order."""
+        w = slice(low, high + 1)
+        return low + np.flatnonzero(~done[w] & (self.seq[w] > 0))
+
+    def delivered(self, chunks: np.ndarray, pending: np.ndarray, now: float) -> None:
+        """Results of ``chunks`` arrived; count them against every still ``pending`` chunk sent before."""
+        self.last_arrival = now
+        chunks = chunks[self.tries[chunks] == 0]   # a resent chunk's result may answer its first send:
+        if not (len(chunks) and len(pending)):      # it says nothing of the order (Karn's ambiguity)
+            return
+        arrived = np.sort(self.seq[chunks])
+        self.later[pending] += arrived.size - np.searchsorted(arrived, self.seq[pending], side="right")
+
+    def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
+             pto: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(fast, probe, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule
+        (1 and 2, 3, 4). ``pto``: the tail probe timeout (None before any round trip was measured)."""
+        if not len(pending):
+            return pending, pending, pending
+        age = now - self.sent_at[pending]
+        later = self.later[pending]
+        backoff = 2.0 ** self.tries[pending]
+        fast = later >= DUPTHRESH
+        if srtt is not None:
+            fast |= (later > 0) & (age > 1.25 * srtt + REO_FLOOR)
+        timed_out = ~fast & (age > np.minimum(rto * backoff, max_rto))
+        probe = np.zeros_like(fast)
+        if pto is not None and now - self.last_arrival > pto:
+            probe[np.flatnonzero(~fast & ~timed_out & (age > np.minimum(pto * backoff, max_rto)))[:1]] = True
+        return pending[fast], pending[probe], pending[timed_out]
+
+    def resent(self, chunks: np.ndarray, now: float) -> None:
+        self.tries[chunks] += 1
+        self.sent(chunks, now)

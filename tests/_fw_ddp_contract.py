@@ -1,0 +1,86 @@
+"""Run by tests/test_frameworks.py in 2 real processes (env:// rendezvous), backend 'ina' and the DDP hook
+on a Gloo group: mismatches raise on every rank, NaN/Inf propagate like Gloo, the group keeps working.
+Records per rank to argv[1]/contract<r>.json and .pt."""
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook
+
+out_dir = sys.argv[1]
+dist.init_process_group("ina")
+r, n = dist.get_rank(), dist.get_world_size()
+pg = dist.distributed_c10d._get_default_group()
+cases, tensors = {}, {}
+
+
+def case(name, fn):
+    t0 = time.monotonic()
+    try:
+        cases[name] = {"ok": True, "seconds": time.monotonic() - t0, "result": fn()}
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+        cases[name] = {"ok": False, "seconds": time.monotonic() - t0, "type": type(e).__name__, "message": str(e)}
+    cases[name]["seconds"] = time.monotonic() - t0
+
+
+def allreduce(t, op=dist.ReduceOp.SUM):
+    dist.all_reduce(t, op=op)
+    return t.sum().item()
+
+
+def ok_allreduce():
+    before = pg.stats()["offloaded_tensors"]
+    t = torch.arange(12, dtype=torch.float32) * (r + 1) - 3
+    dist.all_reduce(t)
+    return {"through_switch": pg.stats()["offloaded_tensors"] - before, "sum": t.tolist()}
+
+
+case("shape", lambda: allreduce(torch.ones([17, 23 * 57] if r == 0 else [17, 23, 57])))
+case("dtype_int_vs_float", lambda: allreduce(torch.ones(17, 17, dtype=torch.int32 if r == 0 else torch.float32)))
+case("op_sum_vs_avg", lambda: allreduce(torch.ones(8), dist.ReduceOp.SUM if r == 0 else dist.ReduceOp.AVG))
+case("after_mismatches", ok_allreduce)
+
+
+def nonfinite():
+    x = torch.linspace(-1, 1, 3000)
+    if r == 0:
+        x[3], x[7] = float("nan"), float("-inf")
+    else:
+        x[5], x[7] = float("inf"), float("inf")
+    tensors["nf.in"] = x.clone()
+    dist.all_reduce(x)
+    tensors["nf.x"] = x
+    return pg.stats()["fallback_reasons"]
+
+
+case("nonfinite", nonfinite)
+case("after_nonfinite", ok_allreduce)
+
+
+# the DDP hook on a Gloo group: a gradient with Inf on one rank reaches both ranks as with Gloo
+def hook():
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 3), process_group=gloo)
+    state = InaHookState(process_group=gloo)
+    model.register_comm_hook(state, ina_allreduce_hook)
+    x = torch.ones(2, 4) * (r + 1)
+    model(x).sum().backward()
+    finite = model.module.weight.grad.clone()
+    model.zero_grad()
+    model(x * (float("inf") if r == 1 else 1.0)).sum().backward()
+    tensors["hook.finite"], tensors["hook.inf"] = finite, model.module.weight.grad.clone()
+    st = state.stats()
+    state.close()
+    return st
+
+
+case("hook", hook)
+json.dump({"cases": cases, "stats": pg.stats()}, open(f"{out_dir}/contract{r}.json", "w"), indent=1, default=str)
+torch.save(tensors, f"{out_dir}/contract{r}.pt")
+dist.destroy_process_group()
+print(f"rank {r} contract done", flush=True)

@@ -1,0 +1,124 @@
+"""Run by tests/test_frameworks.py under real horovodrun -np 2 with INA on: Horovod's contract.
+Each case records, per rank, what happened (result, exception type and message, seconds taken) to
+argv[1]/contract<r>.json; tensors go to argv[1]/contract<r>.pt."""
+import json
+import sys
+import time
+
+import torch
+import horovod.torch as hvd
+
+import gloo_patch.horovod as ina_hvd
+
+out_dir = sys.argv[1]
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2, "this script is written for 2 ranks"
+cases, tensors = {}, {}
+
+
+def case(name, fn):
+    t0 = time.monotonic()
+    try:
+        res = fn()
+        cases[name] = {"ok": True, "seconds": time.monotonic() - t0, "result": res}
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+        cases[name] = {"ok": False, "seconds": time.monotonic() - t0, "type": type(e).__name__,
+                       "types": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+
+
+def offloaded():
+    return ina_hvd.stats()["offloaded_tensors"]
+
+
+def ok_allreduce(tag):
+    """An allreduce that must go through the switch: returns what the test checks."""
+    before = offloaded()
+    x = torch.arange(12, dtype=torch.float32) * (r + 1) - 3
+    y = hvd.allreduce(x, name=f"ok.{tag}", op=hvd.Sum)
+    tensors[f"ok.{tag}"] = y
+    return {"through_switch": offloaded() - before, "sum": y.tolist()}
+
+
+# 1. mismatches: same number of elements, different shape; different dims; dtype; op; prescale
+case("shape", lambda: hvd.allreduce(torch.ones([17, 23 * 57] if r == 0 else [17, 23, 57]), name="shape").sum().item())
+case("dims", lambda: hvd.allreduce(torch.ones([17 + r] * 3), name="dims").sum().item())
+case("dtype_int_vs_float", lambda: hvd.allreduce(torch.ones(17, 17, dtype=torch.int32 if r == 0 else torch.float32),
+                                                 name="dtype", op=hvd.Sum).sum().item())
+case("op_sum_vs_average", lambda: hvd.allreduce(torch.ones(8), name="op", op=hvd.Sum if r == 0 else hvd.Average)
+     .sum().item())
+case("prescale", lambda: hvd.allreduce(torch.ones(8), name="prescale", op=hvd.Sum, prescale_factor=1.0 + r)
+     .sum().item())
+case("after_mismatches", lambda: ok_allreduce("a"))
+
+
+# 2. argument checks Horovod makes
+case("non_contiguous", lambda: hvd.allreduce(torch.ones(4, 6).t(), name="nc"))
+case("cpu_bfloat16", lambda: hvd.allreduce(torch.ones(4, dtype=torch.bfloat16), name="bf16"))
+
+
+def duplicate():
+    h = hvd.allreduce_async(torch.ones(5), name="dup", op=hvd.Sum)
+    try:
+        hvd.allreduce_async(torch.ones(5), name="dup", op=hvd.Sum)
+        second = "accepted"
+    except ValueError as e:
+        second = f"ValueError: {e}"
+    first = hvd.synchronize(h).tolist()
+    again = hvd.synchronize(h)            # Horovod: None for a handle already synchronized
+    return {"second": second, "first": first, "again": again}
+
+
+case("duplicate_name", duplicate)
+case("after_checks", lambda: ok_allreduce("b"))
+
+
+# 3. NaN/Inf on one rank reach every rank, as with Gloo
+def nonfinite():
+    x = torch.linspace(-1, 1, 3000)
+    if r == 0:
+        x[3], x[7], x[2500] = float("nan"), float("-inf"), float("inf")
+    else:
+        x[5], x[7] = float("inf"), float("inf")
+    tensors["nf.in"] = x.clone()
+    h1 = hvd.allreduce_async(x, name="nf.x", op=hvd.Sum)
+    h2 = hvd.allreduce_async(torch.full((100,), 1.0 + r), name="nf.y", op=hvd.Sum)   # finite, same batch
+    tensors["nf.x"], tensors["nf.y"] = hvd.synchronize(h1), hvd.synchronize(h2)
+    return {"reasons": ina_hvd.stats()["fallback_reasons"]}
+
+
+case("nonfinite", nonfinite)
+case("after_nonfinite", lambda: ok_allreduce("c"))
+
+
+# 4. shutdown/init: a fresh start, the switch again
+def reinit():
+    job = ina_hvd.stats()["job"]
+    hvd.shutdown()
+    hvd.init()
+    return {"old_job": job, "new_job": ina_hvd.stats()["job"], **ok_allreduce("d")}
+
+
+case("reinit", reinit)
+
+
+# 5. join: rank 1 joins at once; rank 0's allreduces get zeros from it (Horovod's semantics)
+def join():
+    if r == 1:
+        return {"ret": hvd.join()}
+    a = torch.arange(10, dtype=torch.float32) + 1
+    b = torch.arange(7, dtype=torch.float32) * 3
+    ha = hvd.allreduce_async(a, name="join.a", op=hvd.Average)
+    hb = hvd.allreduce_async(b, name="join.b", op=hvd.Sum)
+    tensors["join.a"], tensors["join.b"] = hvd.synchronize(ha), hvd.synchronize(hb)
+    tensors["join.a_in"], tensors["join.b_in"] = a, b
+    return {"ret": hvd.join()}
+
+
+case("join", join)
+case("after_join", lambda: ok_allreduce("e"))
+
+st = ina_hvd.stats()
+json.dump({"cases": cases, "stats": st}, open(f"{out_dir}/contract{r}.json", "w"), indent=1, default=str)
+torch.save(tensors, f"{out_dir}/contract{r}.pt")
+print(f"rank {r} contract done", flush=True)

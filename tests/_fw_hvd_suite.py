@@ -1,0 +1,37 @@
+"""Run by tests/test_frameworks.py under one real `horovodrun -np 2`: Horovod 0.28.1's own test_torch.py
+(argv[1]: its directory) in every rank, each rank writing its pytest outcomes to argv[2]/suite<rank>.json.
+Extra arguments go to pytest (e.g. -k)."""
+import json
+import os
+import sys
+
+import pytest
+
+suite, out = sys.argv[1], sys.argv[2]
+rank = int(os.environ.get("HOROVOD_RANK", "0"))
+outcomes: dict[str, str] = {}
+messages: dict[str, str] = {}
+
+
+class Recorder:
+    def pytest_runtest_logreport(self, report):
+        name = report.nodeid.split("::")[-1]
+        if report.when == "call" or report.outcome != "passed":
+            if report.skipped:
+                outcomes.setdefault(name, "skipped")
+            else:
+                outcomes[name] = report.outcome
+                if report.failed:
+                    messages[name] = str(report.longrepr)[-1500:]
+
+
+os.chdir(suite)
+sys.path.insert(0, suite)
+code = pytest.main(["-q", "-p", "no:cacheprovider", "-x" if os.environ.get("SUITE_EXITFIRST") else "-rN",
+                    "test_torch.py", *sys.argv[3:]], plugins=[Recorder()])
+with open(os.path.join(out, f"suite{rank}.json"), "w") as f:
+    json.dump({"exit": int(code), "outcomes": outcomes, "messages": messages}, f, indent=1)
+print(f"[suite] rank {rank}: {sum(v == 'passed' for v in outcomes.values())} passed, "
+      f"{sum(v == 'failed' for v in outcomes.values())} failed, {sum(v == 'skipped' for v in outcomes.values())} "
+      "skipped", flush=True)
+sys.exit(0)

@@ -1,0 +1,168 @@
+"""Loss recovery: fast retransmission where the stream shows a loss, a short timeout for the tail.
+
+The rules are unit-tested on :class:`ina.recovery.LossDetector` (no sockets); the end-to-end tests
+run a real switch with user-space impairments in one direction at a time and read the clients'
+counters: a lost data packet (worker -> switch) and a lost result (switch -> worker) are both
+recovered by fast retransmission while the timeout is set far above the test's duration, and the
+results stay bit-identical to the numpy reference (a resend never adds twice).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from ina.recovery import DUPTHRESH, LossDetector
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sw_harness import SwitchProc, Workers, bfp_reference, expected_inputs  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# the rules, without sockets
+# ------------------------------------------------------------------------------------------------
+def test_duplicate_threshold_marks_the_gap_lost_and_nothing_else():
+    ld = LossDetector(10)
+    ld.sent(np.arange(10), now=0.0)
+    pending = np.arange(10)
+    arrived = np.array([1, 2])                 # chunk 0's result is missing, two later ones arrived
+    ld.delivered(arrived, np.setdiff1d(pending, arrived), now=1e-4)
+    pending = np.setdiff1d(pending, arrived)
+    fast, _, late = ld.lost(pending, now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.size == 0 and late.size == 0   # below the threshold: could be reordering
+    ld.delivered(np.array([3]), np.setdiff1d(pending, [3]), now=1e-4)
+    pending = np.setdiff1d(pending, [3])
+    fast, _, late = ld.lost(pending, now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.tolist() == [0] and late.size == 0
+    assert ld.later[0] == DUPTHRESH
+    ld.resent(fast, now=2e-4)                  # a resend starts the count again
+    assert ld.later[0] == 0 and ld.tries[0] == 1
+    fast, _, late = ld.lost(pending, now=3e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.size == 0 and late.size == 0
+
+
+def test_a_chunk_resent_later_is_not_counted_against_by_older_results():
+    ld = LossDetector(6)
+    ld.sent(np.arange(6), now=0.0)
+    ld.resent(np.array([0]), now=0.01)         # chunk 0 went out again after chunks 1..5
+    ld.delivered(np.array([1, 2, 3, 4, 5]), np.array([0]), now=0.02)
+    assert ld.later[0] == 0                    # their sends are older than chunk 0's resend
+
+
+def test_reordering_window_needs_a_later_result_and_an_age_above_srtt():
+    ld = LossDetector(4)
+    ld.sent(np.arange(4), now=0.0)
+    ld.delivered(np.array([3]), np.array([0, 1, 2]), now=0.002)
+    pending = np.array([0, 1, 2])
+    srtt = 0.010
+    fast, _, _ = ld.lost(pending, now=0.005, srtt=srtt, rto=1.0, max_rto=1.0)
+    assert fast.size == 0                      # younger than 1.25 srtt: may still be reordered
+    fast, _, late = ld.lost(pending, now=0.020, srtt=srtt, rto=1.0, max_rto=1.0)
+    assert fast.tolist() == [0, 1, 2] and late.size == 0
+
+
+def test_tail_timeout_backs_off_per_chunk():
+    ld = LossDetector(2)
+    ld.sent(np.arange(2), now=0.0)
+    pending = np.arange(2)
+    _, _, late = ld.lost(pending, now=0.009, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.size == 0
+    _, _, late = ld.lost(pending, now=0.011, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [0, 1]             # nothing sent after them: only the timeout sees it
+    ld.resent(np.array([0]), now=0.011)
+    _, _, late = ld.lost(pending, now=0.030, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [1]                # chunk 0 waits 2 x rto after its first resend
+    _, _, late = ld.lost(pending, now=0.032, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [0, 1]
+    _, _, late = ld.lost(pending, now=0.011 + 0.015, srtt=0.001, rto=0.01, max_rto=0.012)
+    assert 0 in late.tolist()                  # the backoff never exceeds max_rto
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end: one direction impaired at a time, the timeout far above the test's duration
+# ------------------------------------------------------------------------------------------------
+OPS = [{"codec": "bfp32", "shape": [64 * 60 + 17 * i], "seed": 900 + i} for i in range(12)]
+N = 4
+# a timeout of 0.3 s, a hundred loopback round trips: a fast retransmission comes long before it.
+# Only tail losses need it (the negotiation packet, the last chunks of a stream: about 4 of the
+# 62 packets a rank sends per allreduce), so timeouts stay a small share of the resends
+SLOW_TIMEOUT = {"elements": 64, "slots": 16, "timeout": 60.0, "rto": 0.3, "min_rto": 0.3, "max_rto": 0.6}
+
+
+def _check_exact(out, ops, n):
+    for i, op in enumerate(ops):
+        ref = bfp_reference(expected_inputs(op, n))
+        for r in range(n):
+            assert np.array_equal(out[r]["results"][i].view(np.uint32), ref.view(np.uint32)), (i, r)
+
+
+@pytest.mark.parametrize("direction", ["ingress", "egress"])
+def test_lost_packets_are_recovered_by_fast_retransmission(tmp_path, direction):
+    """2% loss worker -> switch (lost data packets) or switch -> worker (lost results): losses are
+    recovered by fast retransmission, the timeout only sees the tail, and every result is exact."""
+    seed = {"ingress": 3, "egress": 8}[direction]
+    sw = SwitchProc("--slots", "64", "--elements", "64", f"--{direction}-loss", "0.02", "--seed", str(seed),
+                    log_path=tmp_path / "switch.log")
+    try:
+        # the first allreduce is a warm-up (code loading, numba caches): ranks wait for each other then
+        out = Workers(tmp_path, sw.port, N, job=3, ops=OPS, client=SLOW_TIMEOUT, warmup_ops=1).wait(timeout=100)
+        dropped = sw.stats()["impairments"][direction]["dropped"]
+    finally:
+        sw.terminate()
+    assert dropped >= 5, f"the impairment dropped only {dropped} packets: the test shows nothing"
+    def after_warmup(key):
+        return sum(m["stats"][key] - m["stats_after_warmup"][key] for m in out.values())
+    fast = after_warmup("fast_retransmissions")
+    timeouts = after_warmup("probe_retransmissions") + after_warmup("timeout_retransmissions")
+    assert fast >= dropped                      # every loss was seen by at least the rank that lost it
+    assert timeouts < fast / 3, (timeouts, fast)
+    _check_exact(out, OPS, N)
+
+
+def test_tail_loss_is_recovered_by_the_probe_not_the_timeout(tmp_path):
+    """Allreduces of one chunk each (nothing is sent after it, so the stream cannot show its loss)
+    under 10% loss: they complete and are exact, and after the first allreduce every loss was
+    recovered by the tail probe (a few loopback round trips), none by the 1 s safety-net timeout."""
+    sw = SwitchProc("--slots", "64", "--elements", "64", "--loss", "0.1", "--seed", "5",
+                    log_path=tmp_path / "switch.log")
+    try:
+        ops = [{"codec": "bfp32", "shape": [50], "seed": 40 + i} for i in range(60)]
+        client = {"elements": 64, "slots": 4, "timeout": 60.0, "rto": 1.0, "min_rto": 0.002, "max_rto": 2.0}
+        out = Workers(tmp_path, sw.port, N, job=4, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
+        dropped = sum(sw.stats()["impairments"][d]["dropped"] for d in ("ingress", "egress"))
+    finally:
+        sw.terminate()
+    assert dropped >= 10, f"the impairment dropped only {dropped} packets: the test shows nothing"
+
+    def after_warmup(key):
+        return sum(m["stats"][key] - m["stats_after_warmup"][key] for m in out.values())
+    assert after_warmup("probe_retransmissions") > 0
+    assert after_warmup("timeout_retransmissions") == 0
+    for m in out.values():
+        assert m["probe_timeout_s"] < 0.25, m["probe_timeout_s"]   # measured, far below the safety net
+    _check_exact(out, ops, N)
+
+
+def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
+    ld = LossDetector(5)
+    ld.sent(np.arange(5), now=0.0)
+    ld.delivered(np.array([0, 1]), np.array([2, 3, 4]), now=0.001)
+    pending = np.array([2, 3, 4])
+    pto = 0.002
+    _, late, _ = ld.lost(pending, now=0.0025, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    assert late.size == 0                      # silent for 1.5 ms only
+    _, late, _ = ld.lost(pending, now=0.0035, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    assert late.tolist() == [2]                # one probe: the oldest chunk
+    ld.resent(late, now=0.0035)
+    _, late, _ = ld.lost(pending, now=0.0040, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
+    assert late.tolist() == [3]                # still silent: the next oldest (chunk 2 backs off)
+
+
+def test_a_resent_chunks_result_is_no_evidence_against_others():
+    ld = LossDetector(4)
+    ld.sent(np.arange(4), now=0.0)
+    ld.resent(np.array([0]), now=0.001)        # a probe; then chunk 0's (first) result arrives
+    ld.delivered(np.array([0]), np.array([1, 2, 3]), now=0.002)
+    assert ld.later[1:].tolist() == [0, 0, 0]
