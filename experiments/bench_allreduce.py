@@ -39,10 +39,9 @@ def switch_timing(port: int) -> dict:
 
 
 def timing_per_allreduce(a: dict, b: dict, count: int) -> dict:
-    """The switch's stage clock between two readings, in ms per allreduce; mean packets per burst."""
+    """The switch's stage clock between two readings, in ms per allreduce (stages, busy, busy_cpu, wait)."""
     d = {name: (b["stage_ns"][name] - a["stage_ns"][name]) / count / 1e6 for name in b["stage_ns"]}
-    d.update(busy=(b["busy_ns"] - a["busy_ns"]) / count / 1e6, busy_cpu=(b["busy_cpu_ns"] - a["busy_cpu_ns"]) / count / 1e6,
-             wait=(b["wait_ns"] - a["wait_ns"]) / count / 1e6)
+    d.update({key[:-3]: (b[key] - a[key]) / count / 1e6 for key in ("busy_ns", "busy_cpu_ns", "wait_ns")})
     return {k: round(v, 3) for k, v in d.items()}
 
 
