@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                     help="dtype of the model (and so of the gradient buckets)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i] (CUDA tensors are staged through host memory)")
     ap.add_argument("--progress-every", type=int, default=20)
     ap.add_argument("--out-dir", help="write rank<r>.json (losses) and grads_rank<r>.pt (step-1 gradients)")
     args = ap.parse_args()
@@ -53,10 +54,11 @@ def main() -> int:
     torch.set_num_threads(1)
     rank, size = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, args.dtype)
+    dev = torch.device(args.device)
     x, y = load_digits_tensors()
-    x = x.to(dtype)
+    x, y = x.to(dev, dtype), y.to(dev)
     shard = Shard(x, y, rank, size, args.batch, args.seed)
-    module = make_model(args.seed).to(dtype)
+    module = make_model(args.seed).to(dev, dtype)
     model = DDP(module)
     hook_state = None
     if args.ina_hook:

@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                     help="dtype of the gradients on the wire (fp16 uses hvd.Compression.fp16)")
     ap.add_argument("--groups", type=int, default=0, help="DistributedOptimizer groups (0: one allreduce per tensor)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i] (CUDA tensors are staged through host memory)")
     ap.add_argument("--progress-every", type=int, default=20)
     ap.add_argument("--out-dir", help="write rank<r>.json (losses) and grads_rank<r>.pt (step-1 gradients)")
     args = ap.parse_args()
@@ -38,9 +39,11 @@ def main() -> int:
     hvd.init()
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
+    dev = torch.device(args.device)
     x, y = load_digits_tensors()
+    x, y = x.to(dev), y.to(dev)
     shard = Shard(x, y, rank, size, args.batch, args.seed)
-    model = make_model(args.seed)
+    model = make_model(args.seed).to(dev)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}.get(args.dtype)
     if args.dtype == "bfloat16":

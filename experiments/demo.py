@@ -16,6 +16,8 @@ import numpy as np
 
 from switch_model.launch import SwitchStartError, start_switch
 
+from .explain import demo_notes
+
 
 def _worker(rank, n, port, N, codecs, q):
     from ina import Client
@@ -60,10 +62,12 @@ def main(argv=None) -> int:
                     .astype(np.float64) for r in range(a.workers))
         fp32_bytes = 4 * a.elements
         print(f"{'codec':<10} {'time ms':>9} {'bytes sent/worker':>18} {'vs fp32':>8} {'rel. error':>11}")
+        errors = {}
         for _ in codecs:
             codec, dt, sent, y = q.get(timeout=600)
-            err = float(np.linalg.norm(y - exact) / np.linalg.norm(exact))
+            errors[codec] = err = float(np.linalg.norm(y - exact) / np.linalg.norm(exact))
             print(f"{codec:<10} {dt * 1e3:>9.1f} {sent:>18,d} {sent / fp32_bytes:>8.3f} {err:>11.2e}", flush=True)
+        print("\n".join(demo_notes(errors, a.elements)), flush=True)
         for p in ps:
             p.join(60)
         c = sw.stats()["counters"]

@@ -532,10 +532,11 @@ def main(argv=None) -> int:
     meta["elapsed"] = time.monotonic() - t_start
     final = derive(records, names)
     save_results(out, meta, final)
-    from .sweep_report import write_report
+    from .sweep_report import print_headline, write_report
     write_report(out, meta, final, plots=not args.no_plots)
     print(f"ina-sweep: {len(plan)} configuration(s) run in {meta['elapsed']:.0f}s; results in {out}/ "
           f"(results.json, results.csv, report.md{', *.png' if not args.no_plots else ''})", file=sys.stderr)
+    print_headline(out, meta, final)
     return 0
 
 

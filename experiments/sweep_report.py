@@ -126,146 +126,195 @@ def targets(records, meta) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------
-def plots(out: Path, records) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
+# Plots: every method keeps one look (experiments.plot_style: hue = family, marker = method, line
+# style = switch / host-aggregated / baseline); the legend sits outside the axes, on the right.
+DPI = 100
+
+
+def _figure(ncols: int = 1, width: float = 6.4, height: float = 4.8):
     import matplotlib.pyplot as plt
-    made = []
-    ar = [r for r in records if r["workload"] == "allreduce"]
-    methods = _methods(ar)
-    rates = sorted({r["rate"] for r in ar}, key=_rk)
-    sizes = sorted({r["elements"] for r in ar})
-    n = _pick_n(ar)
-    if ar:
-        # the size measured in the most configurations (the other sizes are in the report's tables)
-        big = max(sizes, key=lambda el: (sum(1 for r in ar if r["elements"] == el), el))
-        made += [_plot_speedup(plt, out, ar, methods, rates, n, big), _plot_bytes(plt, out, ar, methods, rates, n, big)]
-        made += _plot_scaling(plt, out, ar, methods, rates, big)
-    tp = [r for r in records if r["workload"] == "throughput"]
-    if tp:
-        made.append(_plot_throughput(plt, out, tp, methods, rates, n))
-    acc = [r for r in records if r["workload"] == "accuracy"]
-    if acc:
-        made.append(_plot_accuracy(plt, out, acc))
-    return made
+    return plt.subplots(1, ncols, figsize=(width * ncols + 3.6, height), squeeze=False, layout="constrained")
 
 
-def _plot_speedup(plt, out: Path, ar, methods, rates, n, big) -> str:
-    """Speedup vs bandwidth."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = list(range(len(rates)))
-    for m in methods:
-        ys = []
-        for rate in rates:
-            r = _rec(ar, m, n, rate, big)
-            ys.append(r.get("speedup_vs_gloo") if r else None)
-        if any(y is not None for y in ys):
-            ax.plot([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None], "o-",
-                    label=_label(m))
-    ax.set_xticks(xs, [RATE_LABEL.get(r, r) for r in rates])
+def _finish(fig, out: Path, name: str, methods, made: list[str], note: str = "") -> None:
+    """Legend (one entry per method, grouped by family) outside the axes, then save and close."""
+    from matplotlib.lines import Line2D
+    from .plot_style import legend_label, legend_order, style
+    order = legend_order(methods)
+    handles = [Line2D([], [], **style(m).kw()) for m in order]
+    labels = [legend_label(m) for m in order]
+    if note:
+        handles.append(Line2D([], [], linestyle="none"))
+        labels.append(note)
+    fig.legend(handles, labels, loc="outside right upper", fontsize=9, frameon=False,
+               title="solid: switch-summable INA\ndashed: host-aggregated (NOT switch-feasible)\ndotted: baseline",
+               title_fontsize=9, alignment="left")
+    _save(fig, out / name)
+    made.append(name)
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def _dodge(i: int, count: int, width: float = 0.4) -> float:
+    """Horizontal offset of the i-th of ``count`` methods on a categorical axis, so markers do not hide each other."""
+    return (i - (count - 1) / 2) * width / max(count - 1, 1)
+
+
+def _log_y(ax) -> None:
+    """Log y axis with plain tick labels (0.5, 2, 10; not 5 x 10^-1)."""
+    from matplotlib.ticker import FuncFormatter
     ax.set_yscale("log")
+    fmt = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_minor_formatter(FuncFormatter(
+        lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
+
+
+def _plot_speedup(out, ar, methods, rates, n, big, made):
+    from .plot_style import style
+    fig, axs = _figure()
+    ax = axs[0][0]
+    shown = []
+    for i, m in enumerate(methods):
+        pts = [(k + _dodge(i, len(methods)), r["speedup_vs_gloo"]) for k, rate in enumerate(rates)
+               if (r := _rec(ar, m, n, rate, big)) and r.get("speedup_vs_gloo") is not None]
+        if pts:
+            ax.plot(*zip(*pts), **style(m).kw())
+            shown.append(m)
+    ax.set_xticks(range(len(rates)), [RATE_LABEL.get(r, r) for r in rates])
+    _log_y(ax)
     ax.axhline(1, color="grey", lw=0.8)
-    ax.set_xlabel("per-worker link rate")
+    ax.set_xlabel("per-worker link rate (methods side by side at each rate)")
     ax.set_ylabel("allreduce speedup vs Gloo ring fp32")
     ax.set_title(f"{n} workers, {big:,} elements")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "speedup_vs_bandwidth.png", dpi=110)
-    plt.close(fig)
-    return "speedup_vs_bandwidth.png"
+    ax.grid(True, which="major", alpha=0.3)
+    _finish(fig, out, "speedup_vs_bandwidth.png", shown, made)
 
 
-def _plot_bytes(plt, out: Path, ar, methods, rates, n, big) -> str:
-    """Bytes vs time."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    marks = "os^Dv<>"
-    for i, m in enumerate(methods):
-        for j, rate in enumerate(rates):
-            pts = [x for x in ar if x["method"] == m and x["rate"] == rate and x["workers"] == n
-                   and x["elements"] == big]
-            if pts:
-                ax.scatter([p["time_median"] for p in pts], [p["wire_up_bytes_per_worker"] / 1e6 for p in pts],
-                           marker=marks[j % len(marks)], color=f"C{i % 10}",
-                           label=_label(m) if j == 0 else None)
+def _plot_bytes_time(out, ar, methods, rates, n, big, made):
+    from .plot_style import style
+    fig, axs = _figure(height=4.6)
+    ax = axs[0][0]
+    shown = []
+    for m in methods:
+        pts = [(r["time_median"], r["wire_up_bytes_per_worker"] / 1e6) for rate in rates
+               if (r := _rec(ar, m, n, rate, big))]
+        if pts:
+            ax.plot(*zip(*pts), **style(m).kw())
+            shown.append(m)
+    for rate in rates:                    # the rate of each point: the ring's time at that rate
+        g = _rec(ar, "gloo", n, rate, big)
+        if g:
+            ax.axvline(g["time_median"], color="grey", lw=0.6, alpha=0.6)
+            ax.annotate(RATE_LABEL.get(rate, rate), (g["time_median"], 1), xycoords=("data", "axes fraction"),
+                        xytext=(2, -2), textcoords="offset points", ha="left", va="top", fontsize=7, color="grey")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("allreduce time (s, median)")
+    ax.set_xlabel("allreduce time (s, median); one point per link rate, grey lines: the ring's time")
     ax.set_ylabel("bytes sent per worker (MB, link counters)")
-    ax.set_title(f"{n} workers, {big:,} elements; marker = rate: "
-                 + ", ".join(f"{marks[j]} {RATE_LABEL.get(r, r)}" for j, r in enumerate(rates)), fontsize=8)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "bytes_vs_time.png", dpi=110)
-    plt.close(fig)
-    return "bytes_vs_time.png"
+    ax.set_title(f"{n} workers, {big:,} elements")
+    ax.grid(True, which="major", alpha=0.3)
+    _finish(fig, out, "bytes_vs_time.png", shown, made)
 
 
-def _plot_scaling(plt, out: Path, ar, methods, rates, big) -> list[str]:
-    """Scaling with workers (needs two worker counts or more)."""
+def _plot_scaling(out, ar, methods, rates, big, made):
+    from .plot_style import style
     ns = sorted({r["workers"] for r in ar})
-    if len(ns) < 2:
-        return []
     srates = [r for r in ("10mbit", "100mbit") if r in rates] or rates[:1]
-    fig, axs = plt.subplots(1, len(srates), figsize=(6.5 * len(srates), 4.5), squeeze=False)
+    fig, axs = _figure(len(srates), width=5.0)
     core = [m for m in methods if m in ("gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd")] or methods
+    shown = []
     for ax, rate in zip(axs[0], srates):
-        for i, m in enumerate(core):          # the seed codecs' scaling is in the tables
+        for m in core:          # the seed codecs' scaling is in the tables
             pts = sorted((x["workers"], x["time_median"], x["ideal_time"]) for x in ar
                          if x["method"] == m and x["rate"] == rate and x["elements"] == big)
             if len(pts) >= 2:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{i % 10}", label=_label(m))
+                st = style(m)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], **st.kw())
+                shown.append(m)
                 if pts[0][2] is not None and m in ("gloo", "ina:nc", "ina:bfp32"):
-                    ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=f"C{i % 10}")
+                    ax.plot([p[0] for p in pts], [p[2] for p in pts], "-.", color=st.colour, lw=0.9, alpha=0.7)
         ax.set_xticks(ns)
-        ax.set_yscale("log")
+        _log_y(ax)
         ax.set_xlabel("workers")
-        ax.set_ylabel("allreduce time (s); dotted: link-bound ideal")
-        ax.set_title(f"{RATE_LABEL.get(rate, rate)} per link, {big:,} elements")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "scaling_workers.png", dpi=110)
-    plt.close(fig)
-    return ["scaling_workers.png"]
+        ax.set_ylabel("allreduce time (s)")
+        ax.set_title(f"{RATE_LABEL.get(rate, rate)} per link, {big:,} elements", fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+    _finish(fig, out, "scaling_workers.png", list(dict.fromkeys(shown)), made,
+            note="thin dash-dot: link-bound ideal")
 
 
-def _plot_throughput(plt, out: Path, tp, methods, rates, n) -> str:
+def _plot_throughput(out, tp, methods, rates, n, made):
+    from .plot_style import style
     models = sorted({(r["elements"], r.get("model") or str(r["elements"])) for r in tp})
-    fig, axs = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
+    fig, axs = _figure(len(models), width=4.6)
+    shown = []
     for ax, (el, name) in zip(axs[0], models):
-        for i, m in enumerate(methods):
+        here = [m for m in methods if any(x["method"] == m and x["elements"] == el and x["workers"] == n for x in tp)]
+        for i, m in enumerate(here):
             ys = [next((x["samples_per_s"] for x in tp if x["method"] == m and x["elements"] == el
                         and x["workers"] == n and x["rate"] == rate), None) for rate in rates]
             xs = [k for k, y in enumerate(ys) if y is not None]
-            if xs:
-                ax.plot(xs, [ys[k] for k in xs], "o-", color=f"C{i % 10}", label=_label(m))
-        ax.set_xticks(range(len(rates)), [RATE_LABEL.get(r, r) for r in rates], fontsize=7)
-        ax.set_yscale("log")
-        ax.set_title(f"{name} ({el:,} params), {n} workers", fontsize=9)
+            ax.plot([k + _dodge(i, len(here)) for k in xs], [ys[k] for k in xs], **style(m).kw())
+            shown.append(m)
+        ax.set_xticks(range(len(rates)), [RATE_LABEL.get(r, r) for r in rates], fontsize=8)
+        _log_y(ax)
+        ax.set_title(f"{name} ({el:,} params), {n} workers", fontsize=10)
         ax.set_ylabel("samples/s (measured, synthetic data)")
-    axs[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
-    plt.close(fig)
-    return "throughput.png"
+        ax.grid(True, which="major", alpha=0.3)
+    _finish(fig, out, "throughput.png", list(dict.fromkeys(shown)), made)
 
 
-def _plot_accuracy(plt, out: Path, acc) -> str:
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    for i, r in enumerate(sorted(acc, key=lambda r: (r["method"] != "gloo", r["method"]))):
-        c = r["curve"]
-        a1.plot([p["step"] for p in c], [p["accuracy"] * 100 for p in c], "-", color=f"C{i % 10}",
-                label=_label(r["method"]))
-        a2.plot([p["time"] for p in c], [p["accuracy"] * 100 for p in c], "-", color=f"C{i % 10}")
-    a1.set_xlabel("SGD step")
-    a2.set_xlabel("wall time (s)")
-    a1.set_ylabel("test accuracy (%), digits")
-    a1.legend(fontsize=7)
-    a1.set_title(f"{acc[0]['workers']} workers, {RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=110)
-    plt.close(fig)
-    return "accuracy.png"
+def _plot_accuracy(out, acc, made):
+    """Test accuracy against steps and wall time; y from 80 % (where the codecs differ), markers staggered."""
+    from .plot_style import style
+    fig, (axs,) = _figure(2, width=4.6)
+    a1, a2 = axs
+    for i, r in enumerate(acc):
+        c, kw = r["curve"], style(r["method"]).kw()
+        every = max(1, len(c) // 4)
+        kw["markevery"] = (1 + i % every, every)
+        a1.plot([p["step"] for p in c], [p["accuracy"] * 100 for p in c], **kw)
+        a2.plot([p["time"] for p in c], [p["accuracy"] * 100 for p in c], **kw)
+    lo = min(80.0, min(r["final_accuracy"] * 100 for r in acc) - 2) if all("final_accuracy" in r for r in acc) else 80.0
+    where = f"{acc[0]['workers']} workers, {RATE_LABEL.get(acc[0]['rate'], acc[0]['rate'])}"
+    for ax, xl in ((a1, "SGD step"), (a2, "wall time (s)")):
+        ax.set_ylim(lo, 100)
+        ax.set_xlabel(xl)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"{where}: accuracy vs {xl.split(' (')[0]}", fontsize=10)
+    a1.set_ylabel(f"test accuracy (%), digits (axis from {lo:g} %)")
+    _finish(fig, out, "accuracy.png", [r["method"] for r in acc], made)
+
+
+def plots(out: Path, records) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    made: list[str] = []
+    ar = [r for r in records if r["workload"] == "allreduce"]
+    methods = _methods(ar)
+    rates = sorted({r["rate"] for r in ar}, key=_rk)
+    n = _pick_n(ar)
+    if ar:
+        sizes = sorted({r["elements"] for r in ar})
+        # the size measured in the most configurations (the other sizes are in the report's tables)
+        big = max(sizes, key=lambda el: (sum(1 for r in ar if r["elements"] == el), el))
+        _plot_speedup(out, ar, methods, rates, n, big, made)
+        _plot_bytes_time(out, ar, methods, rates, n, big, made)
+        if len({r["workers"] for r in ar}) >= 2:
+            _plot_scaling(out, ar, methods, rates, big, made)
+    tp = [r for r in records if r["workload"] == "throughput"]
+    if tp:
+        _plot_throughput(out, tp, _methods(tp), rates or sorted({r["rate"] for r in tp}, key=_rk), n or _pick_n(tp),
+                         made)
+    acc = [r for r in records if r["workload"] == "accuracy"]
+    if acc:
+        _plot_accuracy(out, acc, made)
+    return made
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,7 +333,8 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
     if acc:
         L += _md_accuracy(acc)
     if images:
-        L += ["## Figures", ""]
+        L += ["## Figures", "", "Colour hue: codec family; marker: method; line: solid switch-summable INA, dashed "
+              "host-aggregated (NOT switch-feasible), dotted Gloo ring baseline.", ""]
         for im in images:
             L.append(f"![{im}]({img_prefix}{im})")
             L.append("")
@@ -424,11 +474,14 @@ def write_report(out: Path, meta, records, plots: bool = True) -> None:
 
 
 def write_docs(out: Path, docs: Path, intro: str) -> None:
-    """docs/results.md from a results folder: the figures copied to docs/img/sweep-*.png."""
+    """docs/results.md from a results folder: the figures copied to docs/img/sweep-*.png, the raw results
+    to docs/data/sweep-results.json."""
     import json
     import shutil
     data = json.loads((out / "results.json").read_text())
     (docs / "img").mkdir(parents=True, exist_ok=True)
+    (docs / "data").mkdir(parents=True, exist_ok=True)
+    shutil.copy(out / "results.json", docs / "data" / "sweep-results.json")     # to redraw the figures later
     images = []
     for png in sorted(out.glob("*.png")):
         shutil.copy(png, docs / "img" / f"sweep-{png.name}")
@@ -436,3 +489,59 @@ def write_docs(out: Path, docs: Path, intro: str) -> None:
     body = report_md(data["meta"], data["records"], images, img_prefix="img/sweep-")
     body = body.replace("# ina-sweep report\n", "", 1)
     (docs / "results.md").write_text(intro.rstrip() + "\n\n" + body)
+
+
+# ------------------------------------------------------------------------------------------------
+# The terminal summary at the end of ina-sweep: the headline table and what its numbers mean.
+HEADLINE_NOTES = [
+    "speedup: Gloo ring fp32's allreduce time / the method's (same workers, size and link rate); > 1 is faster.",
+    "(x.xx): time vs ideal = measured time / link-bound ideal: the ring 2(n-1)/n x 4 bytes x N / rate, INA",
+    "  N x its widest payload width / rate, headers excluded; 1.00 = the link is the only cost; unshaped: no ideal.",
+    "At 1 Gbit/s and unshaped the 2-core CPU is measured, not the link (Gloo's C++ ring wins there).",
+    "host-aggregated rows are NOT switch-feasible: variable-length messages summed on a CPU by the switch service;",
+    "  their ideal is the link time of the bytes they actually sent.",
+]
+
+
+def headline(meta, records) -> list[str]:
+    """Speed-up over the ring per rate with time vs ideal, and accuracy, as terminal lines."""
+    ar = [r for r in records if r["workload"] == "allreduce"]
+    acc = {r["method"]: r for r in records if r["workload"] == "accuracy"}
+    if not ar and not acc:
+        return ["ina-sweep: no measurements"]
+    n = _pick_n(ar) if ar else None
+    el = max({r["elements"] for r in ar}, key=lambda e: (sum(1 for r in ar if r["elements"] == e), e)) if ar else None
+    rates = sorted({r["rate"] for r in ar}, key=_rk)
+    methods = _methods(ar or list(acc.values()))
+    base = acc.get("gloo")
+    acc_head = ""
+    if acc:
+        a0 = next(iter(acc.values()))
+        acc_head = f"accuracy ({a0['workers']} workers, {RATE_LABEL.get(a0['rate'], a0['rate'])}, {a0['steps']} steps)"
+    w = max(len(_label(m)) for m in methods)
+    head = f"{'method':<{w}}" + "".join(f"  {RATE_LABEL.get(r, r):>14}" for r in rates) + (f"  {acc_head}" if acc else "")
+    L = ["", f"ina-sweep headline: speedup over the Gloo ring (time vs ideal)"
+             + (f", {n} workers, {el:,} elements" if ar else ""), head, "-" * len(head)]
+    for m in methods:
+        cells = []
+        for rate in rates:
+            r = _rec(ar, m, n, rate, el)
+            sp = r.get("speedup_vs_gloo") if r else None
+            cells.append(f"{_fmt(sp, '.2f')}x ({_fmt(r['bound_ratio'], '.2f', '-')})" if sp is not None else "-")
+        a = acc.get(m)
+        at = (f"{a['final_accuracy'] * 100:.2f}% ({(a['final_accuracy'] - base['final_accuracy']) * 100:+.2f})"
+              if a and base else (f"{a['final_accuracy'] * 100:.2f}%" if a else "-"))
+        L.append(f"{_label(m):<{w}}" + "".join(f"  {c:>14}" for c in cells) + (f"  {at}" if acc else ""))
+    L += ["", "How to read it:"] + ["  " + s for s in HEADLINE_NOTES]
+    if acc:
+        L.append("  accuracy: final test accuracy on scikit-learn digits, in parentheses the difference to Gloo in "
+                 "points (one test image = 0.185 points).")
+    return L
+
+
+def print_headline(out: Path, meta, records, file=None) -> None:
+    """The headline table and its notes on the terminal, then where the full report is."""
+    import sys
+    lines = headline(meta, records) + [f"  Full report: {out / 'report.md'} (every size and worker count, bytes, "
+                                       f"errors, throughput); raw data: {out / 'results.json'}"]
+    print("\n".join(lines), file=file or sys.stdout, flush=True)

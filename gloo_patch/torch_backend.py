@@ -34,6 +34,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ina import staging
+
 from . import agreement
 from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
@@ -111,8 +113,8 @@ class _Lane:
     def submit(self, tensors: list[torch.Tensor], average: bool, result, key=None) -> torch.futures.Future:
         """Queue an allreduce of ``tensors``; ``key`` names them for codecs with error feedback (a
         residual per (key, i)); without one such codecs are stateless."""
-        fut: torch.futures.Future = torch.futures.Future()
-        self._q.put((tensors, average, result, fut, key))
+        fut, ready = staging.handoff(tensors)     # CUDA: a CUDA-aware future, events of the caller's streams
+        self._q.put((tensors, average, result, fut, key, ready))
         return fut
 
     def _run(self) -> None:
@@ -120,11 +122,12 @@ class _Lane:
             item = self._q.get()
             if item is None:
                 return
-            tensors, average, result, fut, key = item
+            tensors, average, result, fut, key, ready = item
             if self._error is not None:
                 fut.set_exception(self._error)
                 continue
             try:
+                staging.wait_ready(ready)
                 with torch.no_grad():
                     for i, t in enumerate(tensors):
                         self.client.allreduce(t, codec=self.config.codec, average=average,
@@ -170,7 +173,8 @@ class InaProcessGroup(dist.ProcessGroup):
         # The inner Gloo group, registered as our CPU backend: every collective this class does not
         # override reaches it through PyTorch's dispatch. GLOO_SOCKET_IFNAME applies as usual.
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("ina-gloo/", store), rank, size, timeout)
-        self._register_backend(torch.device("cpu"), _BT.GLOO, self.gloo)
+        for dev in ("cpu", "cuda"):     # CUDA tensors: Gloo's CUDA paths; the switch stages them through host memory
+            self._register_backend(torch.device(dev), _BT.GLOO, self.gloo)
         self._set_default_backend(_BT.GLOO)
         self.job = _agree_job_via_store(store, rank, self.config)
         self.fallbacks = FallbackLog(f"[ina rank {rank}] process group:", announce=rank == 0)
@@ -288,7 +292,7 @@ def _create(store, rank: int, size: int, timeout) -> InaProcessGroup:
 def register() -> None:
     """Register backend ``ina`` with torch.distributed (idempotent; done on import)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
 
 register()

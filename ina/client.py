@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import burst as B
-from . import compression
-from .compression.base import ScaleContext, native, to_numpy_f32
+from . import compression, lifetime, staging
+from .compression.base import ScaleContext, native
 from .control import ControlChannel, ControlError
 from .recovery import LossDetector
 from .errors import AllreduceError
@@ -120,6 +120,7 @@ class Client(Worker):
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
+        self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
                  self.slots, self.elements)
 
@@ -136,7 +137,7 @@ class Client(Worker):
         c = self.codec(codec)
         if not c.switch_summable:
             return self._host_allreduce(tensor, c, key, average)
-        x32 = to_numpy_f32(tensor)
+        x32 = staging.to_host(tensor)        # CUDA tensors: through a pinned host buffer
         n = x32.size
         if n == 0:
             return tensor
@@ -290,7 +291,9 @@ class Client(Worker):
         except ControlError as e:
             return msg + f"; the switch does not answer either: {e}"
         if not st.get("active"):
-            return msg + f"; the switch no longer knows job {self.job} (it was torn down)"
+            return msg + f"; the switch no longer knows job {self.job} (it was torn down: {st.get('ended', '?')})"
+        for key, how in (("left", "left the job cleanly"), ("disconnected", "disconnected without leaving")):
+            msg += f"; rank(s) {st[key]} {how}" if st.get(key) else ""
         missing = sorted({r for w in st.get("waiting", []) for r in w["missing_ranks"]})
         if missing:
             return msg + f"; the switch is waiting for rank(s) {missing} in {st['incomplete_slots']} slot(s)"
@@ -301,6 +304,7 @@ class Client(Worker):
         """Leave the job (the switch frees its slots once every worker left)."""
         if self.ctl is None:
             return
+        self._leave_at_exit.detach()
         if self._host is not None:
             self._host.close()
             self._host = None
@@ -429,8 +433,9 @@ class _Transfer:
         if (mt == int(MsgType.ABORT)).any():
             ab = h[(mt == int(MsgType.ABORT)) & (h["job"] == cl.job)]
             if ab.size:
-                raise AllreduceError(f"job {cl.job} was aborted by the switch: rank {int(ab['rank'][0])} left the "
-                                     f"job; {n_chunks - self.n_done} of {n_chunks} chunks incomplete")
+                why = lifetime.abort_reason(cl.ctl, cl.job, int(ab["rank"][0]))
+                raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
+                                     f"{n_chunks - self.n_done} of {n_chunks} chunks incomplete")
         ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (cl.rx.lens[:k] == self.res_len)
         j = (h["chunk"].astype(np.int64) - self.c0) % cl.chunk_modulus
         ok &= j < n_chunks

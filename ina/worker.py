@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import compression
-from .compression.base import write_back
+from . import compression, staging
 from .errors import AllreduceError
 
 
@@ -93,5 +92,5 @@ class Worker:
             out = out / np.float32(self.world_size)
         self.stats.allreduces += 1
         self.stats.elements += out.size
-        write_back(tensor, out)
+        staging.write_back(tensor, out)      # CUDA tensors: on their device and current stream
         return tensor

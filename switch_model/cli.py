@@ -13,6 +13,8 @@ from pathlib import Path
 
 from ina.wire import DEFAULT_PORT
 
+from .control import DISCONNECT_GRACE
+
 
 def _impair_args(p, prefix: str, help_dir: str) -> None:
     p.add_argument(f"--{prefix}loss", type=float, help=f"{help_dir}: packet loss probability")
@@ -57,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host-agg-port", type=int, default=None,
                    help="TCP port of the host aggregator for variable-length codecs (3lc, eaq, wgt; NOT "
                         "switch-feasible): default PORT+100 (a free port if that is taken), 0: a free port, -1: off")
+    s.add_argument("--disconnect-grace", type=float, default=DISCONNECT_GRACE,
+                   help="seconds a job keeps answering replays after a rank disconnects without leaving, before "
+                        "the other ranks are aborted")
     s.add_argument("--stats-interval", type=float, default=10.0, help="seconds between rate log lines (0: off)")
     s.add_argument("--log-level", default="INFO", help="logging level")
     st = sub.add_parser("stats", help="print the counters of a running switch (JSON)")
@@ -175,7 +180,7 @@ def _serve(args) -> int:
              else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}"
           + (f"; host aggregator (NOT switch-feasible) on tcp {cfg.host}:{hagg.port}" if hagg is not None else ""),
           file=sys.stderr, flush=True)
-    cp = ControlPlane(group, args.host, host_agg=hagg, token=token)
+    cp = ControlPlane(group, args.host, host_agg=hagg, token=token, grace=args.disconnect_grace)
     logging.getLogger("ina.switch").info("control plane on tcp %s:%d; shared token %s", args.host, sw.port,
                                          "required for join and impair" if token else "off (loopback only)")
     cp.start()

@@ -1,9 +1,12 @@
 """The switch's control plane: job registration (a rendezvous of the job's workers), liveness,
 stats and impairment settings, as JSON lines over TCP on the data plane's port number.
 
-Each worker keeps its join connection open for the life of the job: if it closes without a
-"leave" (the worker died), the job is torn down, its slots freed and the other workers get an
-ABORT packet naming the rank that left.
+Each worker keeps its join connection open for the life of the job. If it closes without a
+"leave" (the worker died, or exited without closing its client), the switch keeps the job for a
+grace period (``grace`` seconds): a peer whose last result was lost can still get it replayed.
+Then the job is torn down, its slots freed and the other workers get an ABORT packet naming the
+rank; ``status`` of the job then says why (``ended``), and for a live job which ranks left cleanly
+(``left``) and which disconnected (``disconnected``).
 
 Limits (docs/switch.md, "Control plane"): with a shared token, "join" and "impair" must carry it
 ("token"); a request line is at most ``max_line`` bytes; at most ``max_connections`` connections are
@@ -25,6 +28,8 @@ from collections import Counter
 from ina.wire import MAX_WORKERS
 
 log = logging.getLogger("ina.switch.control")
+DISCONNECT_GRACE = 2.0     # seconds a job outlives a member's disconnect (replays of its last round)
+ENDED_KEPT = 256           # why the last this many jobs ended, for the ranks' error messages
 
 
 class _Pending:
@@ -53,8 +58,12 @@ class Refused(ValueError):
 
 class ControlPlane:
     def __init__(self, switch, host: str = "127.0.0.1", host_agg=None, token: str | None = None,
-                 max_line: int = MAX_LINE, max_connections: int = MAX_CONNECTIONS, idle_s: float = IDLE_S):
+                 max_line: int = MAX_LINE, max_connections: int = MAX_CONNECTIONS, idle_s: float = IDLE_S,
+                 grace: float = DISCONNECT_GRACE):
         self.switch = switch
+        self.grace = float(grace)
+        self._gone: dict[int, set] = {}      # job -> ranks that disconnected without leaving
+        self._ended: dict[int, str] = {}     # job -> why it was torn down
         self.host_agg = host_agg      # switch_model.host_agg.HostAggregatorProcess, or None
         self.token = token or None
         self.max_line, self.max_connections, self.idle_s = int(max_line), int(max_connections), float(idle_s)
@@ -168,7 +177,7 @@ class ControlPlane:
                         if self.host_agg is not None:
                             reply["stats"]["host_aggregator"] = self._host_agg_stats()
                     elif op == "status":
-                        reply = {"status": self.switch.dp("job_status", int(msg["job"]))}
+                        reply = {"status": self._status(int(msg["job"]))}
                     elif op == "impair":
                         reply = {"impairments": self.switch.dp("set_impairments", msg.get("ingress"),
                                                                msg.get("egress"))}
@@ -233,6 +242,7 @@ class ControlPlane:
                     if self.host_agg is not None:
                         p.result["host_aggregator"] = self.host_agg.info()
                     self._left[job] = set()
+                    self._ended.pop(job, None)
                 except (ValueError, TimeoutError) as e:
                     p.error = str(e)
                 with p.cond:
@@ -261,27 +271,68 @@ class ControlPlane:
         except (RuntimeError, TimeoutError) as e:
             return {**self.host_agg.info(), "error": str(e)}
 
+    def _status(self, job: int) -> dict:
+        st = self.switch.dp("job_status", job)
+        with self._lock:
+            if st.get("active"):
+                st["left"] = sorted(self._left.get(job, ()))
+                st["disconnected"] = sorted(self._gone.get(job, ()))
+            elif job in self._ended:
+                st["ended"] = self._ended[job]
+        return st
+
+    def _end(self, job: int, reason: str, notify_rank: int | None = None, incarnation: float | None = None) -> None:
+        """Tear the job down (ABORT to the others with ``notify_rank``), keeping the reason for ``status``."""
+        with self._lock:
+            self._ended[job] = reason           # before the ABORT: an aborted rank asks for it at once
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.pop(next(iter(self._ended)))
+            self._left.pop(job, None)
+            self._gone.pop(job, None)
+        try:
+            self.switch.dp("remove_job", job, reason, notify_rank=notify_rank, incarnation=incarnation)
+        except TimeoutError as e:
+            log.error("could not tear down job %d: %s", job, e)
+
+    def _departed(self, job: int) -> tuple[list, list, bool]:
+        """(ranks that left, ranks that disconnected, whether that is every rank). Holds the lock."""
+        info = self.switch.job_info.get(job)
+        left, gone = self._left.setdefault(job, set()), self._gone.setdefault(job, set())
+        return sorted(left), sorted(gone), info is not None and len(left | gone) >= info.n_workers
+
     def _leave(self, job: int, rank: int) -> None:
         with self._lock:
-            left = self._left.setdefault(job, set())
-            left.add(rank)
-            info = self.switch.job_info.get(job)
-            done = info is not None and len(left) >= info.n_workers
+            self._left.setdefault(job, set()).add(rank)
+            _, gone, done = self._departed(job)
         log.info("job %d: rank %d left", job, rank)
         if done:
-            self.switch.dp("remove_job", job, "all workers left")
-            with self._lock:
-                self._left.pop(job, None)
+            self._end(job, "all workers left" + (f" (rank(s) {gone} disconnected without leaving)" if gone else ""))
 
     def _worker_gone(self, job: int, rank: int, incarnation: float) -> None:
         info = self.switch.job_info.get(job)
         if info is None or info.created != incarnation:
             return   # that job is already gone (another rank's departure tore it down)
-        log.warning("job %d: rank %d closed its control connection without leaving; tearing the job down", job, rank)
-        try:
-            self.switch.dp("remove_job", job, f"rank {rank} disconnected", notify_rank=rank,
-                           incarnation=incarnation)
-        except TimeoutError as e:
-            log.error("could not tear down job %d: %s", job, e)
         with self._lock:
-            self._left.pop(job, None)
+            self._gone.setdefault(job, set()).add(rank)
+            left, _, done = self._departed(job)
+        if done:
+            self._end(job, f"every worker left or disconnected (rank {rank} disconnected without leaving)",
+                      incarnation=incarnation)
+            return
+        log.warning("job %d: rank %d closed its control connection without leaving; the job answers replays for "
+                    "%g s, then the other ranks are aborted", job, rank, self.grace)
+        t = threading.Timer(self.grace, self._abort_after_grace, (job, rank, incarnation))
+        t.daemon = True
+        t.start()
+
+    def _abort_after_grace(self, job: int, rank: int, incarnation: float) -> None:
+        info = self.switch.job_info.get(job)
+        if info is None or info.created != incarnation:
+            return   # every other rank left meanwhile, or another departure already tore it down
+        with self._lock:
+            left = sorted(self._left.get(job, ()))
+        reason = (f"rank {rank} disconnected without leaving the job (its control connection closed: it crashed, "
+                  f"was killed or exited without closing its client); the switch answered replays for {self.grace:g} "
+                  f"s, then aborted the job" + (f"; rank(s) {left} had left cleanly" if left else ""))
+        log.warning("job %d: %s", job, reason)
+        self._end(job, reason, notify_rank=rank, incarnation=incarnation)

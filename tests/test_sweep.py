@@ -54,6 +54,12 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     png = out / "speedup_vs_bandwidth.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "accuracy.png").exists()
+    # the run ends with its headline table on the terminal: speedup per rate (time vs ideal) and accuracy
+    head = p.stdout[p.stdout.index("ina-sweep headline"):]
+    nc_row = next(ln for ln in head.splitlines() if ln.startswith("INA nc "))
+    assert f"{ar['ina:nc']['speedup_vs_gloo']:.2f}x ({ar['ina:nc']['bound_ratio']:.2f})" in nc_row
+    assert f"{acc['ina:nc']['final_accuracy'] * 100:.2f}%" in nc_row
+    assert "How to read it" in head and "time vs ideal" in head and str(out / "report.md") in head
     report = (out / "report.md").read_text()
     assert "Speedup over Gloo ring fp32" in report and "INA nc" in report and "](speedup_vs_bandwidth.png)" in report
 
