@@ -53,6 +53,37 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _operations(names, x: np.ndarray, seed: int) -> list[tuple[str, str, object]]:
+    """The timed operations, as (codec, op, callable); encoders leave their output for the decoders."""
+    import ina.compression as C
+    from ina.compression.base import ScaleContext
+    ops: list[tuple[str, str, object]] = []
+    state: dict = {}
+    for name in names:
+        codec = C.get(name, seed=seed)
+        ops.append((name, "encode", lambda c=codec, k=name: state.__setitem__(k, c.compress(x))))
+        ops.append((name, "decode", lambda c=codec, k=name: c.decompress(state[k])))
+        if codec.switch_summable:
+            ctx = ScaleContext(codec.scale_exponent(x), n_workers=8, register_bits=64, seed=seed)
+            key = name + "/shared"
+            ops.append((name, "encode_shared", lambda c=codec, k=key, ctx=ctx: state.__setitem__(k, c.encode_shared(x, ctx))))
+            ops.append((name, "decode_sum", lambda c=codec, k=key, ctx=ctx: c.decode_sum(state[k], ctx, False)))
+    ops.append(("C_nat", "operator", lambda: C.natural_compression(x, seed=seed)))
+    ops.append(("C_nat-det", "operator", lambda: C.natural_compression(x, deterministic=True, seed=seed)))
+    return ops
+
+
+def _print_table(doc: dict) -> None:
+    nbytes = doc["input"]["bytes"]
+    print(f"memcpy (np.copyto, {nbytes / 2**20:.0f} MiB): {doc['memcpy']['gb_per_s']:.2f} GB/s")
+    print(f"{'codec':<11} {'op':<14} {'GB/s':>7} {'x memcpy':>9}  goal")
+    for row in doc["results"]:
+        goal = ""
+        if "goal_ratio" in row:
+            goal = f">= {row['goal_ratio']}x {'ok' if row['meets_goal'] else 'MISSED'}"
+        print(f"{row['codec']:<11} {row['op']:<14} {row['gb_per_s']:>7.2f} {row['ratio_to_memcpy']:>9.3f}  {goal}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -70,7 +101,6 @@ def main(argv=None) -> int:
     import numba
     numba.set_num_threads(1)
     import ina.compression as C
-    from ina.compression.base import ScaleContext
 
     names = [n for n in args.codecs.split(",") if n] or C.available()
     for n in names:
@@ -84,20 +114,7 @@ def main(argv=None) -> int:
     dst = np.empty_like(x)
     nbytes = x.nbytes
 
-    # the operations: name -> (codec, op, callable)
-    ops: list[tuple[str, str, object]] = []
-    state: dict = {}
-    for name in names:
-        codec = C.get(name, seed=args.seed)
-        ops.append((name, "encode", lambda c=codec, k=name: state.__setitem__(k, c.compress(x))))
-        ops.append((name, "decode", lambda c=codec, k=name: c.decompress(state[k])))
-        if codec.switch_summable:
-            ctx = ScaleContext(codec.scale_exponent(x), n_workers=8, register_bits=64, seed=args.seed)
-            key = name + "/shared"
-            ops.append((name, "encode_shared", lambda c=codec, k=key, ctx=ctx: state.__setitem__(k, c.encode_shared(x, ctx))))
-            ops.append((name, "decode_sum", lambda c=codec, k=key, ctx=ctx: c.decode_sum(state[k], ctx, False)))
-    ops.append(("C_nat", "operator", lambda: C.natural_compression(x, seed=args.seed)))
-    ops.append(("C_nat-det", "operator", lambda: C.natural_compression(x, deterministic=True, seed=args.seed)))
+    ops = _operations(names, x, args.seed)
 
     log("warming up (JIT compilation on first use, cached afterwards)")
     np.copyto(dst, x)
@@ -137,13 +154,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(f"memcpy (np.copyto, {nbytes / 2**20:.0f} MiB): {doc['memcpy']['gb_per_s']:.2f} GB/s")
-        print(f"{'codec':<11} {'op':<14} {'GB/s':>7} {'x memcpy':>9}  goal")
-        for row in results:
-            goal = ""
-            if "goal_ratio" in row:
-                goal = f">= {row['goal_ratio']}x {'ok' if row['meets_goal'] else 'MISSED'}"
-            print(f"{row['codec']:<11} {row['op']:<14} {row['gb_per_s']:>7.2f} {row['ratio_to_memcpy']:>9.3f}  {goal}")
+        _print_table(doc)
     return 0
 
 

@@ -118,7 +118,7 @@ class WorkerGroup:
                                "--slots", str(args.slots), "--timeout", str(args.timeout)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, cwd=str(Path(__file__).parent.parent),
                            text=True, bufsize=1)
-            p._errf = errf
+            errf.close()                     # the worker has its own descriptor
             os.set_blocking(p.stdout.fileno(), False)
             self.sel.register(p.stdout, selectors.EVENT_READ, r)
             self.bufs[r] = ""
@@ -174,7 +174,6 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
-            p._errf.close()
 
 
 def _link_bytes(topo, n: int, rate: str) -> dict:

@@ -291,7 +291,7 @@ def _create(store, rank: int, size: int, timeout) -> InaProcessGroup:
 
 def register() -> None:
     """Register backend ``ina`` with torch.distributed (idempotent; done on import)."""
-    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+    if BACKEND_NAME.lower() not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
 

@@ -236,6 +236,11 @@ class Client(Worker):
         return out[:n]
 
     # ----------------------------------------------------------------------------------------------
+    @property
+    def next_chunk(self) -> int:
+        """The chunk id the next packet stream starts at (ids wrap to 0 at ``chunk_modulus``)."""
+        return self._next_chunk
+
     def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
                 count: int = 0, encode_block=None, block: int = 1, decode=None):
         """Send ``n_chunks`` chunks through the job's slots and collect their results.

@@ -50,6 +50,9 @@ class FrameType(enum.IntEnum):
     BYE = 6       # worker -> aggregator: leaving the job (then the aggregator closes)
 
 
+FRAME_TYPES = frozenset(t.value for t in FrameType)   # the valid values of the header's type field
+
+
 class FrameFlag(enum.IntFlag):
     KEYED = 0x0001      # a tensor key is present
     ENVELOPE = 0x0002   # the body is the codes' bytes; meta holds their dtype and Encoded.meta
@@ -163,7 +166,7 @@ def _check_header(head: bytearray, max_body: int) -> tuple:
     if version != VERSION:
         raise FrameError("bad_version", f"frame version {version}; this side speaks version {VERSION} "
                          "of the ina host-aggregator protocol")
-    if ftype not in FrameType._value2member_map_:
+    if ftype not in FRAME_TYPES:
         raise FrameError("bad_frame", f"unknown frame type {ftype} (valid: 1..{len(FrameType)})")
     if key_len > MAX_KEY or meta_len > MAX_META:
         raise FrameError("bad_frame", f"key of {key_len} bytes (max {MAX_KEY}) or meta of {meta_len} bytes "

@@ -14,7 +14,7 @@ from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook
 out_dir = sys.argv[1]
 dist.init_process_group("ina")
 r, n = dist.get_rank(), dist.get_world_size()
-pg = dist.distributed_c10d._get_default_group()
+pg = dist.group.WORLD
 cases, tensors = {}, {}
 
 

@@ -53,7 +53,7 @@ t = torch.zeros(1)
 dist.reduce_scatter_tensor(t, torch.arange(n, dtype=torch.float32) * (r + 1))
 outputs["reduce_scatter"] = t
 dist.barrier()
-stats = dist.distributed_c10d._get_default_group().stats()
+stats = dist.group.WORLD.stats()
 torch.save({"inputs": inputs, "outputs": outputs, "stats": stats, "backend": dist.get_backend()}, f"{out_dir}/rank{r}.pt")
 dist.destroy_process_group()
 print(f"rank {r} ops done", flush=True)

@@ -78,7 +78,7 @@ def test_a_job_continues_across_the_chunk_id_wrap(switch, slots):
             allreduce_all(clients, xs)
             for r, x in enumerate(xs):
                 assert np.array_equal(x.view(np.uint32), ref.view(np.uint32)), f"allreduce {k} rank {r} differs"
-        assert clients[0]._next_chunk < first                # the ids did wrap
+        assert clients[0].next_chunk < first                # the ids did wrap
         after = switch.stats()["drops"]
         assert after["stale"] == before["stale"] and after["slot_chunk_mismatch"] == before["slot_chunk_mismatch"]
     finally:

@@ -8,8 +8,9 @@ See docs/links.md. The API used by experiments and launchers::
 """
 from .nsexec import PrivilegeError, missing_caps, require_privileges
 from .shaping import RateError, TbfParams, format_rate, parse_rate, tbf_params
-from .topology import (HOST_IFNAME, Host, LinkCounters, NetemProbe, NetemUnavailable, Topology,
-                       TopologyError, list_topologies, netem_available, probe_netem, teardown)
+from .kernel import (HOST_IFNAME, LinkCounters, NetemProbe, NetemUnavailable, TopologyError, list_topologies,
+                     netem_available, probe_netem, teardown)
+from .topology import Host, Topology
 
 __all__ = ["Topology", "Host", "LinkCounters", "TopologyError", "NetemUnavailable", "PrivilegeError",
            "RateError", "TbfParams", "parse_rate", "format_rate", "tbf_params", "list_topologies",

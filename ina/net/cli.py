@@ -24,8 +24,8 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from .nsexec import PrivilegeError, enter_netns, require_privileges
 from .shaping import RateError, format_rate
-from .topology import (MAX_WORKERS, Topology, TopologyError, host_key, list_topologies, probe_netem,
-                       teardown)
+from .kernel import MAX_WORKERS, TopologyError, list_topologies, probe_netem, teardown
+from .topology import Topology, host_key
 
 DEFAULT_PREFIX = "ina"
 log = logging.getLogger("ina.net")

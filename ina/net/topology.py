@@ -20,88 +20,31 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import ipaddress
 import logging
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import time
-import zlib
 from dataclasses import asdict, dataclass
 
 from pyroute2 import IPRoute
 from pyroute2 import netns as pr_netns
-from pyroute2.netlink.exceptions import NetlinkError
 
 from . import nsexec
+from .kernel import (ALIAS_TAG, DIRECTIONS, FABRIC, HOST_IFNAME, LinkCounters, MAX_WORKERS, NETEM_HANDLE,
+                    NS_RE, NetemUnavailable, SWITCH, SWITCH_OFFSET, TBF_HANDLE, TC_H_ROOT,
+                    TERM_GRACE, TopologyError, WORKER_OFFSET, bridge_name, build_lock, check_prefix,
+                    choose_subnet, disable_ipv6, ensure_addr, ensure_veth, ignoring, kill_pids, link_index,
+                    list_topologies, ns_name, ns_pids, open_rtnl, port_name, probe_netem,
+                    qdisc_stats, root_ifname, root_peer_name, root_qdisc, tbf_of, teardown)
 from .nsexec import require_privileges
 from .shaping import (BURST_TIME, DOWN_QUEUE_FRAMES, QUEUE_TIME, UP_QUEUE_FRAMES, TbfParams, format_rate,
                       parse_rate, tbf_params)
 
 log = logging.getLogger("ina.net")
-
-NS_PREFIX = "inanet-"            # every namespace this module creates starts with this
-HOST_IFNAME = "ina0"             # host side of each link: the same name in every host namespace
-FABRIC = "fabric"
-SWITCH = "sw"
-MAX_WORKERS = 200
-PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")
-NS_RE = re.compile(r"^inanet-([a-z][a-z0-9]{0,7})-(fabric|sw|w(\d{1,3}))$")
-ROOT_LINK_RE = re.compile(r"^([a-z][a-z0-9]{0,7})-root$")
-ALIAS_TAG = "inanet"             # ifalias of the root-namespace link: "inanet prefix=P"
-SUBNET_POOL = ipaddress.ip_network("10.213.0.0/16")
-SWITCH_OFFSET = 1                # switch host: .1
-WORKER_OFFSET = 10               # worker i: .10+i
-LOCK_PATH = "/run/ina-net.lock"
-LOCK_TIMEOUT = 30.0
-TC_H_ROOT = 0xFFFFFFFF
-TBF_HANDLE = 0x10000             # 1:
-NETEM_HANDLE = 0x100000          # 10:
-TERM_GRACE = 3.0                 # seconds between SIGTERM and SIGKILL for processes in our hosts
-DIRECTIONS = ("up", "down", "both")
-
-
-class TopologyError(RuntimeError):
-    """A topology cannot be built, found or changed as asked."""
-
-
-class NetemUnavailable(TopologyError):
-    """Delay/loss were asked of the kernel, but it has no netem qdisc."""
-
-
-# ----------------------------------------------------------------------------------------------
-# names
-
-def check_prefix(prefix: str) -> str:
-    if not isinstance(prefix, str) or not PREFIX_RE.match(prefix):
-        raise TopologyError(
-            f"prefix {prefix!r}: must be 1-8 characters, a lowercase letter then letters/digits "
-            f"(it goes into interface names, which the kernel limits to 15 characters)")
-    return prefix
-
-
-def ns_name(prefix: str, host: str) -> str:
-    return f"{NS_PREFIX}{prefix}-{host}"
-
-
-def port_name(prefix: str, host: str) -> str:
-    return f"{prefix}-{host}p"
-
-
-def bridge_name(prefix: str) -> str:
-    return f"{prefix}-br"
-
-
-def root_ifname(prefix: str) -> str:
-    return f"{prefix}-root"
-
-
-def root_peer_name(prefix: str) -> str:
-    return f"{prefix}-rootp"
 
 
 def host_key(name) -> str:
@@ -137,304 +80,6 @@ class Host:
         return {"GLOO_SOCKET_IFNAME": self.ifname, "HOROVOD_GLOO_IFACE": self.ifname,
                 "TP_SOCKET_IFNAME": self.ifname}
 
-
-@dataclass(frozen=True)
-class LinkCounters:
-    """Kernel counters of one host's link.
-
-    ``tx_*``/``rx_*``: the device counters of the host side of the veth (tx = upload, rx =
-    download). A GSO super-frame counts its headers once there, so they undercount bytes on the
-    wire by a few percent under TCP. ``up_*``/``down_*``: the counters of the shaping queues
-    (zero when that direction is unshaped): bytes/packets as the token bucket charged them (every
-    frame with its own headers: the numbers to compare with the rate), frames dropped because the
-    queue was full, times the bucket ran out of tokens (overlimits: the shaper was the
-    bottleneck), and bytes waiting now (backlog).
-    """
-    host: str
-    tx_bytes: int
-    tx_packets: int
-    rx_bytes: int
-    rx_packets: int
-    up_bytes: int
-    up_packets: int
-    up_drops: int
-    up_overlimits: int
-    up_backlog: int
-    down_bytes: int
-    down_packets: int
-    down_drops: int
-    down_overlimits: int
-    down_backlog: int
-
-
-@dataclass(frozen=True)
-class NetemProbe:
-    available: bool
-    detail: str
-
-
-# ----------------------------------------------------------------------------------------------
-# netlink helpers
-
-def _open(netns: str | None) -> IPRoute:
-    """An RTNL socket in the root namespace (None) or in an existing named namespace."""
-    if netns is None:
-        return IPRoute()
-    if netns not in pr_netns.listnetns():
-        raise TopologyError(f"network namespace {netns!r} does not exist")
-    return IPRoute(netns=netns, flags=0)
-
-
-def _lookup(ipr: IPRoute, ifname: str) -> int | None:
-    found = ipr.link_lookup(ifname=ifname)
-    return found[0] if found else None
-
-
-@contextlib.contextmanager
-def _ignoring(*codes):
-    try:
-        yield
-    except NetlinkError as e:
-        if e.code not in codes:
-            raise
-
-
-def _no_ipv6(ipr: IPRoute, index: int) -> None:
-    """No link-local address on our links: no router/neighbour solicitations in the counters."""
-    ipr.link("set", index=index, IFLA_AF_SPEC={
-        "attrs": [["AF_INET6", {"attrs": [["IFLA_INET6_ADDR_GEN_MODE", 1]]}]]})
-
-
-def _ensure_addr(ipr: IPRoute, index: int, ip: str, plen: int) -> None:
-    have = [(a.get_attr("IFA_ADDRESS"), a["prefixlen"]) for a in ipr.get_addr(family=socket.AF_INET, index=index)]
-    for addr, p in have:
-        if (addr, p) != (ip, plen):
-            ipr.addr("del", index=index, address=addr, prefixlen=p)
-    if (ip, plen) not in have:
-        ipr.addr("add", index=index, address=ip, prefixlen=plen)
-
-
-def _root_qdisc(ipr: IPRoute, index: int):
-    for q in ipr.get_qdiscs(index=index):
-        if q["index"] == index and q["parent"] == TC_H_ROOT:
-            return q
-    return None
-
-
-def _qdisc_stats(q) -> dict:
-    st = q.get_attr("TCA_STATS2") if q is not None else None
-    out = {"drops": 0, "backlog": 0, "bytes": 0, "packets": 0, "overlimits": 0}
-    if st is None:
-        return out
-    basic = st.get_attr("TCA_STATS_BASIC")
-    queue = st.get_attr("TCA_STATS_QUEUE")
-    if basic:
-        out["bytes"], out["packets"] = basic["bytes"], basic["packets"]
-    if queue:
-        out["drops"], out["backlog"], out["overlimits"] = queue["drops"], queue["backlog"], queue["overlimits"]
-    return out
-
-
-def _tbf_of(q) -> TbfParams | None:
-    """The shaping a root tbf applies, as read back from the kernel."""
-    if q is None or q.get_attr("TCA_KIND") != "tbf":
-        return None
-    parms = q.get_attr("TCA_OPTIONS").get_attr("TCA_TBF_PARMS")
-    rate = parms["rate"]
-    # buffer is the bucket in psched ticks (64 ns); burst in bytes = rate * time
-    burst = int(round(rate * parms["buffer"] * 64e-9))
-    return TbfParams(rate_bps=rate * 8, burst=burst, limit=parms["limit"])
-
-
-def _ns_pids(names) -> dict[int, str]:
-    """pid -> namespace name, for every process living in one of the named namespaces."""
-    inodes = {}
-    for name in names:
-        with contextlib.suppress(OSError):
-            st = os.stat(nsexec.netns_path(name))
-            inodes[(st.st_dev, st.st_ino)] = name
-    found = {}
-    if not inodes:
-        return found
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            st = os.stat(f"/proc/{entry}/ns/net")
-        except OSError:
-            continue
-        name = inodes.get((st.st_dev, st.st_ino))
-        if name is not None and int(entry) != os.getpid():
-            found[int(entry)] = name
-    return found
-
-
-def _kill_pids(pids, grace: float = TERM_GRACE) -> list[int]:
-    """SIGTERM, then SIGKILL after ``grace`` seconds; returns the pids signalled."""
-    pids = list(pids)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    alive = set(pids)
-    while alive and time.monotonic() < deadline:
-        alive = {p for p in alive if _alive(p)}
-        if alive:
-            time.sleep(0.02)
-    for pid in alive:
-        log.warning("process %d ignored SIGTERM for %.1fs: sending SIGKILL", pid, grace)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + grace
-    while alive and time.monotonic() < deadline:
-        alive = {p for p in alive if _alive(p)}
-        if alive:
-            time.sleep(0.02)
-    if alive:
-        raise TopologyError(f"processes {sorted(alive)} survived SIGKILL for {grace}s")
-    return pids
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie no longer holds its namespace: not alive)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-@contextlib.contextmanager
-def _build_lock(timeout: float = LOCK_TIMEOUT):
-    """Serialise bring-ups on this machine (subnet choice must not race)."""
-    fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TopologyError(f"waited {timeout:.0f}s for {LOCK_PATH}, held by another "
-                                        f"ina-net bring-up") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)
-
-
-# ----------------------------------------------------------------------------------------------
-# discovery and teardown (work from kernel state only)
-
-def list_topologies() -> list[str]:
-    """Prefixes of every topology present on this machine (namespaces or root links)."""
-    prefixes = set()
-    for name in pr_netns.listnetns():
-        m = NS_RE.match(name)
-        if m:
-            prefixes.add(m.group(1))
-    with IPRoute() as ipr:
-        for link in ipr.get_links():
-            m = ROOT_LINK_RE.match(link.get_attr("IFLA_IFNAME") or "")
-            alias = link.get_attr("IFLA_IFALIAS") or ""
-            if m and alias.startswith(ALIAS_TAG):
-                prefixes.add(m.group(1))
-    return sorted(prefixes)
-
-
-def teardown(prefix: str, *, grace: float = TERM_GRACE) -> dict:
-    """Remove every namespace, link and qdisc of topology ``prefix``; returns what was removed.
-
-    Works from kernel state alone, so it also cleans up after a builder that was killed.
-    Processes still running inside the topology's hosts are terminated first (a namespace lives
-    as long as one process is inside it, and with it the links and qdiscs).
-    """
-    check_prefix(prefix)
-    require_privileges("tear down emulated links")
-    names = sorted(n for n in pr_netns.listnetns() if (m := NS_RE.match(n)) and m.group(1) == prefix)
-    report = {"prefix": prefix, "namespaces": [], "links": [], "killed": []}
-    pids = _ns_pids(names)
-    if pids:
-        log.info("%s: terminating %d process(es) still inside its hosts: %s", prefix, len(pids),
-                 ", ".join(f"{p} ({n})" for p, n in sorted(pids.items())))
-        report["killed"] = _kill_pids(pids, grace)
-    with IPRoute() as ipr:
-        idx = _lookup(ipr, root_ifname(prefix))
-        if idx is not None:
-            with _ignoring(errno.ENODEV):
-                ipr.link("del", index=idx)
-            report["links"].append(root_ifname(prefix))
-    fab = ns_name(prefix, FABRIC)
-    if fab in names:
-        # delete the links explicitly (synchronously) rather than leaving it to namespace cleanup
-        with contextlib.suppress(TopologyError, OSError), _open(fab) as ipr:
-            for link in ipr.get_links():
-                ifname = link.get_attr("IFLA_IFNAME")
-                if ifname and ifname.startswith(f"{prefix}-"):
-                    with _ignoring(errno.ENODEV):
-                        ipr.link("del", index=link["index"])
-                    report["links"].append(ifname)
-    for name in names:
-        path = nsexec.netns_path(name)
-        with contextlib.suppress(OSError):
-            pr_netns.remove(name)
-        if os.path.exists(path):  # a bare mount point left by a crash during creation
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        if os.path.exists(path):
-            raise TopologyError(f"could not remove network namespace {name} ({path})")
-        report["namespaces"].append(name)
-    if names or report["links"]:
-        log.info("%s: removed %d namespace(s), %d link(s)", prefix, len(report["namespaces"]),
-                 len(report["links"]))
-    return report
-
-
-_netem_probe: NetemProbe | None = None
-
-
-def probe_netem(refresh: bool = False) -> NetemProbe:
-    """Try to create a netem qdisc on a dummy link in a scratch namespace; cached per process."""
-    global _netem_probe
-    if _netem_probe is not None and not refresh:
-        return _netem_probe
-    require_privileges("probe for the netem qdisc")
-    scratch = f"{NS_PREFIX}probe{os.getpid()}"
-    try:
-        pr_netns.create(scratch)
-        with IPRoute(netns=scratch, flags=0) as ipr:
-            try:
-                ipr.link("add", ifname="probe0", kind="dummy")
-                where = "a dummy link in a scratch namespace"
-                idx = _lookup(ipr, "probe0")
-            except NetlinkError:   # kernel without CONFIG_DUMMY: the scratch namespace's loopback
-                where = "the loopback of a scratch namespace"
-                idx = _lookup(ipr, "lo")
-            ipr.link("set", index=idx, state="up")
-            try:
-                ipr.tc("add", "netem", idx, handle=NETEM_HANDLE, parent=TC_H_ROOT, delay=1000)
-                result = NetemProbe(True, f"netem qdisc available (probed on {where}): delay/loss "
-                                          f"can be emulated by the kernel")
-            except NetlinkError as e:
-                result = NetemProbe(False, (
-                    f"netem qdisc not available in this kernel (adding one to {where} failed: "
-                    f"{os.strerror(e.code)}; the kernel lacks CONFIG_NET_SCH_NETEM): delay and loss "
-                    f"are emulated by the switch's user-space impairment stage (ina-switch --loss/"
-                    f"--delay-ms); links only shape rate"))
-    finally:
-        with contextlib.suppress(OSError):
-            pr_netns.remove(scratch)
-    _netem_probe = result
-    return result
-
-
-def netem_available(refresh: bool = False) -> bool:
-    return probe_netem(refresh).available
-
-
-# ----------------------------------------------------------------------------------------------
 
 class Topology:
     """A switch host and ``workers`` worker hosts, each in its own network namespace.
@@ -541,7 +186,7 @@ class Topology:
     def _h(self, netns: str | None) -> IPRoute:
         ipr = self._handles.get(netns)
         if ipr is None:
-            ipr = self._handles[netns] = _open(netns)
+            ipr = self._handles[netns] = open_rtnl(netns)
         return ipr
 
     def _index(self, netns: str, ifname: str) -> int | None:
@@ -549,7 +194,7 @@ class Topology:
         key = (netns, ifname)
         idx = self._indices.get(key)
         if idx is None:
-            idx = _lookup(self._h(netns), ifname)
+            idx = link_index(self._h(netns), ifname)
             if idx is not None:
                 self._indices[key] = idx
         return idx
@@ -593,7 +238,7 @@ class Topology:
                     f"on a running switch).")
         t0 = time.monotonic()
         self._indices.clear()
-        with _build_lock():
+        with build_lock():
             self.subnet = self._choose_subnet()
             self._make_hosts()
             log.info("%s: bringing up switch + %d workers on %s (root %s on %s)", self.prefix,
@@ -613,41 +258,7 @@ class Topology:
         return f"up {format_rate(self.rate)} / down {format_rate(self.rate_down)}"
 
     def _choose_subnet(self) -> ipaddress.IPv4Network:
-        root = self._h(None)
-        idx = _lookup(root, self.root_ifname)
-        if idx is not None:  # adopting an existing topology: keep its addresses
-            addrs = root.get_addr(family=socket.AF_INET, index=idx)
-            if addrs:
-                a = addrs[0]
-                net = ipaddress.ip_interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}").network
-                if self._requested_subnet is not None and net != self._requested_subnet:
-                    raise TopologyError(f"topology {self.prefix} already exists on {net}, not "
-                                        f"{self._requested_subnet}: `ina-net down --prefix {self.prefix}` first")
-                return net
-        used = []
-        for a in root.get_addr(family=socket.AF_INET):
-            if a.get_attr("IFA_LABEL") == self.root_ifname:
-                continue
-            used.append((ipaddress.ip_interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}").network,
-                         f"address {a.get_attr('IFA_ADDRESS')}/{a['prefixlen']} on {a.get_attr('IFA_LABEL')}"))
-        for r in root.get_routes(family=socket.AF_INET, table=254):
-            if r["dst_len"] > 0 and r.get_attr("RTA_DST"):
-                used.append((ipaddress.ip_network(f"{r.get_attr('RTA_DST')}/{r['dst_len']}", strict=False),
-                             f"route {r.get_attr('RTA_DST')}/{r['dst_len']}"))
-        def conflict(net):
-            return next((why for u, why in used if u.overlaps(net)), None)
-        if self._requested_subnet is not None:
-            why = conflict(self._requested_subnet)
-            if why:
-                raise TopologyError(f"subnet {self._requested_subnet} overlaps {why} in the root namespace")
-            return self._requested_subnet
-        subnets = list(SUBNET_POOL.subnets(new_prefix=24))
-        start = zlib.crc32(self.prefix.encode()) % len(subnets)
-        for k in range(len(subnets)):
-            net = subnets[(start + k) % len(subnets)]
-            if not conflict(net):
-                return net
-        raise TopologyError(f"every /24 of {SUBNET_POOL} is in use in the root namespace")
+        return choose_subnet(self._h(None), self.root_ifname, self.prefix, self._requested_subnet)
 
     def _ensure_netns(self, name: str) -> None:
         if name in pr_netns.listnetns():
@@ -663,7 +274,7 @@ class Topology:
             log.info("%s: creating namespace %s", self.prefix, name)
             pr_netns.create(name)
         ipr = self._h(name)
-        lo = _lookup(ipr, "lo")
+        lo = link_index(ipr, "lo")
         ipr.link("set", index=lo, state="up")
 
     def _build_fabric(self) -> None:
@@ -671,57 +282,35 @@ class Topology:
         self._ensure_netns(fab_ns)
         fab = self._h(fab_ns)
         br = bridge_name(self.prefix)
-        if _lookup(fab, br) is None:
+        if link_index(fab, br) is None:
             log.info("%s: creating bridge %s in %s", self.prefix, br, fab_ns)
             # no STP (ports forward at once); no multicast snooping: multicast floods every port
             fab.link("add", ifname=br, kind="bridge", br_stp_state=0, br_mcast_snooping=0)
-        bi = _lookup(fab, br)
-        _no_ipv6(fab, bi)
+        bi = link_index(fab, br)
+        disable_ipv6(fab, bi)
         fab.link("set", index=bi, mtu=self.mtu, state="up")
         root = self._h(None)
         rif, rpeer = self.root_ifname, root_peer_name(self.prefix)
-        ri, pi = _lookup(root, rif), _lookup(fab, rpeer)
-        if ri is None or pi is None:
-            if ri is not None:
-                root.link("del", index=ri)
-            if pi is not None:
-                fab.link("del", index=pi)
-            log.info("%s: creating root link %s <-> %s", self.prefix, rif, rpeer)
-            fd = os.open(nsexec.netns_path(fab_ns), os.O_RDONLY)
-            try:
-                root.link("add", ifname=rif, kind="veth", peer={"ifname": rpeer, "net_ns_fd": fd})
-            finally:
-                os.close(fd)
-            ri, pi = _lookup(root, rif), _lookup(fab, rpeer)
+        ri, pi = ensure_veth(root, rif, fab, rpeer, fab_ns,
+                             f"{self.prefix}: creating root link {rif} <-> {rpeer}")
         root.link("set", index=ri, ifalias=f"{ALIAS_TAG} prefix={self.prefix}")
-        _no_ipv6(root, ri)
-        _no_ipv6(fab, pi)
+        disable_ipv6(root, ri)
+        disable_ipv6(fab, pi)
         fab.link("set", index=pi, master=bi, mtu=self.mtu, state="up")
         root.link("set", index=ri, mtu=self.mtu)
-        _ensure_addr(root, ri, self.root_ip, self.subnet.prefixlen)
+        ensure_addr(root, ri, self.root_ip, self.subnet.prefixlen)
         root.link("set", index=ri, state="up")
 
     def _build_host(self, h: Host) -> None:
         self._ensure_netns(h.netns)
         fab, hh = self._h(self.fabric_netns), self._h(h.netns)
-        pi, hi = _lookup(fab, h.port), _lookup(hh, h.ifname)
-        if pi is None or hi is None:
-            if pi is not None:
-                fab.link("del", index=pi)
-            if hi is not None:
-                hh.link("del", index=hi)
-            log.info("%s: creating link %s (%s) <-> %s", self.prefix, h.port, self.fabric_netns, h.name)
-            fd = os.open(nsexec.netns_path(h.netns), os.O_RDONLY)
-            try:
-                fab.link("add", ifname=h.port, kind="veth", peer={"ifname": h.ifname, "net_ns_fd": fd})
-            finally:
-                os.close(fd)
-            pi, hi = _lookup(fab, h.port), _lookup(hh, h.ifname)
-        _no_ipv6(fab, pi)
-        _no_ipv6(hh, hi)
-        fab.link("set", index=pi, master=_lookup(fab, bridge_name(self.prefix)), mtu=self.mtu, state="up")
+        pi, hi = ensure_veth(fab, h.port, hh, h.ifname, h.netns,
+                             f"{self.prefix}: creating link {h.port} ({self.fabric_netns}) <-> {h.name}")
+        disable_ipv6(fab, pi)
+        disable_ipv6(hh, hi)
+        fab.link("set", index=pi, master=link_index(fab, bridge_name(self.prefix)), mtu=self.mtu, state="up")
         hh.link("set", index=hi, mtu=self.mtu)
-        _ensure_addr(hh, hi, h.ip, self.subnet.prefixlen)
+        ensure_addr(hh, hi, h.ip, self.subnet.prefixlen)
         hh.link("set", index=hi, state="up")
 
     def _remove_extra_workers(self) -> None:
@@ -731,13 +320,13 @@ class Topology:
         if not extra:
             return
         log.info("%s: removing hosts no longer in the spec: %s", self.prefix, ", ".join(extra))
-        pids = _ns_pids(extra)
+        pids = ns_pids(extra)
         if pids:
-            _kill_pids(pids)
+            kill_pids(pids)
         fab = self._h(self.fabric_netns)
         for n in extra:
             host = NS_RE.match(n).group(2)
-            idx = _lookup(fab, port_name(self.prefix, host))
+            idx = link_index(fab, port_name(self.prefix, host))
             if idx is not None:
                 fab.link("del", index=idx)
             h = self._handles.pop(n, None)
@@ -773,11 +362,11 @@ class Topology:
 
     def _shape(self, ipr: IPRoute, idx: int, label: str, rate_bps: int | None, direction: str,
                netem: bool = False) -> None:
-        current = _root_qdisc(ipr, idx)
+        current = root_qdisc(ipr, idx)
         kind = current.get_attr("TCA_KIND") if current is not None else None
         if rate_bps is None:
             if kind in ("tbf", "netem"):
-                with _ignoring(errno.ENOENT, errno.EINVAL):
+                with ignoring(errno.ENOENT, errno.EINVAL):
                     ipr.tc("del", index=idx, parent=TC_H_ROOT, handle=current["handle"])
             if netem:
                 ipr.tc("add", "netem", idx, handle=TBF_HANDLE, parent=TC_H_ROOT, **self._netem_args())
@@ -830,7 +419,7 @@ class Topology:
         out = {}
         for h in self.hosts:
             (hi, hidx, _), (fi, fidx, _) = self._targets(h, "both")
-            up, down = _tbf_of(_root_qdisc(hi, hidx)), _tbf_of(_root_qdisc(fi, fidx))
+            up, down = tbf_of(root_qdisc(hi, hidx)), tbf_of(root_qdisc(fi, fidx))
             out[h.name] = (up.rate_bps if up else None, down.rate_bps if down else None)
         return out
 
@@ -840,7 +429,7 @@ class Topology:
         out = {}
         for h in self.hosts:
             (hi, hidx, _), (fi, fidx, _) = self._targets(h, "both")
-            out[h.name] = {"up": _tbf_of(_root_qdisc(hi, hidx)), "down": _tbf_of(_root_qdisc(fi, fidx))}
+            out[h.name] = {"up": tbf_of(root_qdisc(hi, hidx)), "down": tbf_of(root_qdisc(fi, fidx))}
         return out
 
     def counters(self, *hosts) -> dict[str, LinkCounters]:
@@ -852,7 +441,7 @@ class Topology:
             (hi, hidx, _), (fi, fidx, _) = self._targets(h, "both")
             link = hi.link("get", index=hidx)[0]
             s = link.get_attr("IFLA_STATS64")
-            upq, downq = _qdisc_stats(_root_qdisc(hi, hidx)), _qdisc_stats(_root_qdisc(fi, fidx))
+            upq, downq = qdisc_stats(root_qdisc(hi, hidx)), qdisc_stats(root_qdisc(fi, fidx))
             out[h.name] = LinkCounters(
                 host=h.name, tx_bytes=s["tx_bytes"], tx_packets=s["tx_packets"], rx_bytes=s["rx_bytes"],
                 rx_packets=s["rx_packets"],
@@ -958,7 +547,7 @@ class Topology:
                                 f"`ina-net down --prefix {prefix}` and bring it up again")
         topo = cls(workers=len(ranks), rate=None, prefix=prefix, keep=True)
         root = topo._h(None)
-        ri = _lookup(root, topo.root_ifname)
+        ri = link_index(root, topo.root_ifname)
         addrs = root.get_addr(family=socket.AF_INET, index=ri) if ri is not None else []
         if not addrs:
             raise TopologyError(f"topology {prefix} has no root link {topo.root_ifname} with an "
@@ -969,7 +558,7 @@ class Topology:
         topo.mtu = root.link("get", index=ri)[0].get_attr("IFLA_MTU")
         topo._is_up = True
         for h in topo.hosts:
-            idx = _lookup(topo._h(h.netns), h.ifname)
+            idx = link_index(topo._h(h.netns), h.ifname)
             addr = topo._h(h.netns).get_addr(family=socket.AF_INET, index=idx) if idx else []
             if not addr or addr[0].get_attr("IFA_ADDRESS") != h.ip:
                 raise TopologyError(f"topology {prefix}: host {h.name} has no link {h.ifname} with "
