@@ -83,7 +83,7 @@ class Worker:
             host, port = self.a.switch.rsplit(":", 1)
             self.clients[key] = Client(switch=(host, int(port)), rank=self.a.rank, world_size=self.a.world,
                                        job=job, elements=ina_elements(codec, self.a.mtu, self.a.world), slots=self.a.slots,
-                                       timeout=self.a.timeout, seed=1234)
+                                       timeout=self.a.timeout, seed=1234, timeline=self.a.rank == 0)
         return self.clients[key]
 
     def reducer(self, method: str, job: int, rto: float | None = None, shapes=None):
@@ -146,6 +146,7 @@ class Worker:
         if cl:
             s1 = cl.stats.as_dict()
             res["client"] = {k: s1[k] - s0[k] for k in s1}
+            res["timeline"] = cl.last_timeline
         _out(res)
 
     # ----------------------------------------------------------------------------------------------
