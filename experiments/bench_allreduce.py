@@ -8,7 +8,10 @@ Every configuration is measured in the same run against Gloo's allreduce of the 
 (the ring that Horovod and torch.distributed use today), so the figures that matter are ratios.
 "Payload into the switch" is the codes all workers send per second (the issue's 2 Gbit/s goal is
 for natural compression with 4 workers): it says whether the emulator, not the links, sets the pace.
-Progress goes to stderr.
+Progress goes to stderr. Per codec, rank 0's timeline of its last allreduce (``<codec>_timeline``:
+negotiation, first send, window sent, first/last result, done; encode/decode CPU) and the switch's
+stage clock per allreduce (``<codec>_switch``: ms per stage, busy and waiting; mean burst) say where
+the time goes (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import time
 
 import numpy as np
 
+from ina.control import request
 from switch_model.launch import free_port, start_switch
 
 CODE_BYTES = {"nc": 1, "nc-det": 1, "bfp32": 4, "nd": 1, "rd": 1}
@@ -28,6 +32,17 @@ CODE_BYTES = {"nc": 1, "nc-det": 1, "bfp32": 4, "nd": 1, "rd": 1}
 
 def log(msg: str) -> None:
     print(f"[bench_allreduce] {msg}", file=sys.stderr, flush=True)
+
+
+def switch_timing(port: int) -> dict:
+    return request("127.0.0.1", port, {"op": "stats"})["stats"]["timing"]
+
+
+def timing_per_allreduce(a: dict, b: dict, count: int) -> dict:
+    """The switch's stage clock between two readings, in ms per allreduce (stages, busy, busy_cpu, wait)."""
+    d = {name: (b["stage_ns"][name] - a["stage_ns"][name]) / count / 1e6 for name in b["stage_ns"]}
+    d.update({key[:-3]: (b[key] - a[key]) / count / 1e6 for key in ("busy_ns", "busy_cpu_ns", "wait_ns")})
+    return {k: round(v, 3) for k, v in d.items()}
 
 
 def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q):
@@ -39,7 +54,7 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=n)
     cl = Client(("127.0.0.1", sw_port), rank=rank, world_size=n, job=100 + n, timeout=60, elements=elements,
-                slots=slots)
+                slots=slots, timeline=rank == 0)
     rng = np.random.default_rng(rank)
     for nbytes in sizes:
         N = nbytes // 4
@@ -47,6 +62,7 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
         row = {"workers": n, "bytes": nbytes, "elements": N}
         for method in ["gloo"] + codecs:
             times = []
+            t0 = switch_timing(sw_port) if rank == 0 and method != "gloo" else None
             for r in range(reps + 1):
                 y = x.clone()
                 dist.barrier()
@@ -61,6 +77,9 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
             tt = torch.tensor([float(np.median(times))])
             dist.all_reduce(tt, op=dist.ReduceOp.MAX)      # the slowest worker's time
             row[method] = float(tt)
+            if t0 is not None:
+                row[f"{method}_switch"] = timing_per_allreduce(t0, switch_timing(sw_port), reps + 1)
+                row[f"{method}_timeline"] = cl.last_timeline
         if rank == 0:
             q.put(row)
     cl.close()

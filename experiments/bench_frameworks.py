@@ -2,6 +2,7 @@
 
     python -m experiments.bench_frameworks --json                    # loopback
     python -m experiments.bench_frameworks --rate 100mbit --json     # each rank in its own emulated host
+    python -m experiments.bench_frameworks --frameworks horovod --codecs nc@0,nc   # Horovod without/with overlap
 
 Horovod (``hvd.DistributedOptimizer``, through ``horovodrun``) and DDP (two env:// processes, the INA
 comm hook on the ``gloo`` backend), each with plain Gloo, then with INA ``nc`` and ``bfp32``, against one
@@ -117,8 +118,11 @@ def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dic
     out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("INA_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    if codec is not None:
+    if codec is not None:   # "nc" or "nc@<bucket bytes>" (Horovod's INA_BUCKET_BYTES; 0: no overlap)
+        codec, _, bucket = codec.partition("@")
         env.update(INA_SWITCH=switch, INA_CODEC=codec, INA_SEED="7", INA_TIMEOUT="30")
+        if bucket:
+            env["INA_BUCKET_BYTES"] = bucket if int(bucket) > 0 else str(1 << 40)
     me = [PY, "-m", "experiments.bench_frameworks", "--worker", kind, "--out", str(out), "--warmup", str(a.warmup),
           "--steps", str(a.steps)]
     shim = [PY, "-m", "gloo_patch.netns_rank", "--prefix", prefix, "--"] if prefix else []
@@ -148,14 +152,15 @@ def switch_for(topo):
     if topo is None:
         return start_switch(None, "--stats-interval", "0")
     return start_switch(9999, "--stats-interval", "0", popen=functools.partial(topo.popen, "sw"),
-                        control_host=topo.host("sw").ip, timeout=30)
+                        host="0.0.0.0", control_host=topo.host("sw").ip, timeout=30)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--rate", help="emulated link rate per host, e.g. 100mbit (default: loopback, no shaping)")
-    ap.add_argument("--codecs", default="nc,bfp32")
+    ap.add_argument("--codecs", default="nc,bfp32",
+                    help="codecs; codec@N runs Horovod with INA_BUCKET_BYTES=N (codec@0: no overlap with backward)")
     ap.add_argument("--frameworks", default="horovod,ddp")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)

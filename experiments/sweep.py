@@ -207,7 +207,10 @@ def _switch_counters(topo) -> dict:
     except ControlError as e:
         log.warning("switch stats unavailable: %s", e)
         return {}
-    return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()}}
+    tm = st.get("timing", {})         # the stage clock: where the switch's time went (docs/performance.md)
+    return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()},
+            **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()},
+            **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "wait_ns", "bursts") if k in tm}}
 
 
 def ina_rto(method: str, rate: str, slots: int, mtu: int, n: int = 4, base: float = 0.02,
@@ -273,6 +276,7 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     if "client" in res[0]:
         rec["client_bytes_sent_per_worker"] = sum(r["client"]["bytes_sent"] for r in res) / (n * reps)
         rec["client_retransmissions"] = sum(r["client"]["retransmissions"] for r in res)
+        rec["timeline_rank0"] = next((r["timeline"] for r in res if r.get("timeline")), None)   # its last timed one
     if (is_host_method(method) or method == "powersgd") and bps:
         # variable-length messages: the link-bound time of the bytes actually sent (TCP/IP headers included)
         rec["ideal_time"] = max(rec["wire_up_bytes_per_worker"], rec["wire_down_bytes_per_worker"]) * 8 / bps

@@ -86,7 +86,8 @@ class Worker:
             self.clients[key] = Client(switch=(host, int(port)), rank=self.a.rank, world_size=self.a.world,
                                        job=job, elements=min(ina_elements(codec, self.a.mtu, self.a.world),
                                                              self.a.max_elements),
-                                       slots=self.a.slots, timeout=self.a.timeout, seed=1234, codecs=(codec,))
+                                       slots=self.a.slots, timeout=self.a.timeout, seed=1234, codecs=(codec,),
+                                       timeline=self.a.rank == 0)
         return self.clients[key]
 
     def reducer(self, method: str, job: int, rto: float | None = None, shapes=None, max_rto: float | None = None,
@@ -155,6 +156,7 @@ class Worker:
         if cl:
             s1 = cl.stats.as_dict()
             res["client"] = {k: s1[k] - s0[k] for k in s1}
+            res["timeline"] = cl.last_timeline
         _out(res)
 
     # ----------------------------------------------------------------------------------------------

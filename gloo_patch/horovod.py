@@ -21,9 +21,13 @@ What is patched (see docs/frameworks.md):
 
 Horovod's contract. Every allreduce of the global process set is queued, whatever its op and dtype,
 after Horovod's own argument checks (``_check_function``: supported tensor type, contiguity; a name
-already in flight raises Horovod's duplicate-name ``ValueError``). When a rank first waits for one
-(``synchronize``/``poll``), the queued batch goes through one agreement round (``gloo_patch.agreement``:
-a small Gloo allreduce of a digest of names, shapes, dtypes, ops, prescale/postscale, and flags).
+already in flight raises Horovod's duplicate-name ``ValueError``). Queued allreduces form buckets: a bucket
+is sealed when ``INA_BUCKET_BYTES`` (default 512 KiB) are queued, so streaming starts while backward still
+runs, and whatever is queued when a rank waits for one (``synchronize``/``poll``). Every rank of the same
+model queues the same gradients in the same order, so every rank seals the same buckets. A worker thread
+runs each bucket through one agreement round (``gloo_patch.agreement``: a small Gloo allreduce of a digest
+of names, shapes, dtypes, ops, prescale/postscale, and flags), in sealing order; names the ranks did not
+all have in the bucket stay for the next round.
 If all ranks agree, the offloadable allreduces (op Sum/Average, float32/float16/bfloat16, no NaN/Inf on
 any rank) go through the switch, fused into buffers of at most ``HOROVOD_FUSION_THRESHOLD`` bytes in
 name order; the others go to Horovod's own allreduce. If the ranks disagree, each name queued on every
@@ -54,7 +58,21 @@ _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.opt
 DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
                   "is currently being processed.  If you want to request another tensor, use a different tensor name.")
 DEFAULT_FUSION_BYTES = 128 * 1024 * 1024     # Horovod's default HOROVOD_FUSION_THRESHOLD
+DEFAULT_BUCKET_BYTES = 512 * 1024
 AGREE_NAME, DETAIL_NAME = "ina.agree", "ina.agree.detail"
+
+
+def bucket_bytes() -> int:
+    """INA_BUCKET_BYTES: queued allreduces start (one agreement round, then the switch) as soon as this many
+    bytes are queued, while backward goes on; the rest start at synchronize."""
+    v = os.environ.get("INA_BUCKET_BYTES", "")
+    try:
+        n = int(v) if v else DEFAULT_BUCKET_BYTES
+    except ValueError:
+        raise ValueError(f"INA_BUCKET_BYTES={v!r}: expected a number of bytes") from None
+    if n <= 0:
+        raise ValueError(f"INA_BUCKET_BYTES={v!r}: expected a positive number of bytes")
+    return n
 
 
 def fusion_threshold() -> int:
@@ -69,12 +87,12 @@ class InaHandle:
     """Handle of an allreduce queued by the INA backend (Horovod's own handles are ints)."""
 
     __slots__ = ("name", "tensors", "outputs", "op", "prescale", "postscale", "grouped", "done", "error", "seq",
-                 "consumed", "desc", "polled")
+                 "consumed", "desc", "sealed")
 
     def __init__(self, name, tensors, outputs, op, prescale, postscale, grouped, seq, desc):
         self.name, self.tensors, self.outputs, self.op = name, tensors, outputs, op
         self.prescale, self.postscale, self.grouped, self.seq = prescale, postscale, grouped, seq
-        self.done, self.error, self.consumed, self.desc, self.polled = False, None, False, desc, False
+        self.done, self.error, self.consumed, self.desc, self.sealed = False, None, False, desc, 0.0
 
     def result(self):
         return tuple(self.outputs) if self.grouped else self.outputs[0]
@@ -96,9 +114,16 @@ class _HorovodIna:
         self.client = None
         self.job: int | None = None
         self.rank = -1
-        self.pending: list[InaHandle] = []
+        self.active: dict[str, InaHandle] = {}   # queued and not finished, by name
+        self.open: list[InaHandle] = []           # queued, not yet in a bucket
+        self.open_bytes = 0
+        self.buckets: list[list[InaHandle]] = []  # sealed, waiting for the worker
+        self.bucket_bytes = bucket_bytes()
         self.seq = itertools.count()
         self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.worker: threading.Thread | None = None
+        self.stopping = False
         self.stale = None          # an agreement round that timed out, completed before the next one
         self.fallbacks = FallbackLog("[ina horovod rank ?]")
         self.rounds = 0
@@ -131,9 +156,17 @@ class _HorovodIna:
     def disconnect(self) -> None:
         c, self.client, self.switch_failed = self.client, None, False
         with self.lock:
-            for h in self.pending:
+            self.stopping = True
+            self.cond.notify_all()
+            w, self.worker = self.worker, None
+        if w is not None and w is not threading.current_thread():
+            w.join(self.config.timeout + 5)
+        with self.lock:
+            for h in self.active.values():
                 h.error = RuntimeError(f"allreduce {h.name!r} was still queued when Horovod was shut down")
-            self.pending, self.stale = [], None
+            self.active, self.open, self.open_bytes, self.buckets, self.stale = {}, [], 0, [], None
+            self.stopping = False
+            self.cond.notify_all()
         if c is not None:
             try:
                 c.close()
@@ -180,32 +213,87 @@ class _HorovodIna:
         if not self.M.is_initialized():
             raise ValueError("Horovod has not been initialized; use hvd.init().")
         with self.lock:
-            if name is not None and any(h.name == name for h in self.pending):
+            if name is not None and name in self.active:
                 raise ValueError(DUPLICATE_NAME)
             seq = next(self.seq)
             name = name if name is not None else f"ina.noname.{seq:012d}"
             desc = (f"op={self.op_names.get(op, op)}|pre={float(prescale)!r}|post={float(postscale)!r}|"
                     f"{'grouped' if grouped else 'single'}|{agreement.describe_tensors(tensors)}")
             h = InaHandle(name, tensors, outputs, op, float(prescale), float(postscale), grouped, seq, desc)
-            self.pending.append(h)
+            self.active[name] = h
+            self.open.append(h)
+            self.open_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            if self.open_bytes >= self.bucket_bytes:    # a full bucket starts now, while backward goes on
+                self._seal()
         return h
 
-    # -- running the queue -----------------------------------------------------------------------------
-    def complete(self, target: InaHandle) -> None:
-        """Run agreement rounds (and what they decide) until ``target`` is done or failed."""
-        deadline = time.monotonic() + self.config.timeout
-        with self.lock:
-            while not target.done and target.error is None:
-                if target not in self.pending:
-                    raise RuntimeError(f"allreduce {target.name!r} is not queued (Horovod was shut down?)")
-                if time.monotonic() > deadline:   # rounds complete, but no other rank queued this name
-                    raise self.M.HorovodInternalError(
-                        f"INA backend: allreduce {target.name!r} was not queued on every rank within "
-                        f"{self.config.timeout:g} s (INA_TIMEOUT); names differ across ranks?")
-                self._round()
+    # -- running the queue: buckets, one agreement round each, in a worker thread ------------------------
+    def _seal(self) -> None:
+        """The open handles become a bucket for the worker (lock held). Every rank queues the same tensors
+        in the same order (the same model's backward), so every rank seals the same buckets."""
+        if self.open:
+            now = time.monotonic()
+            for h in self.open:
+                h.sealed = now
+            self.buckets.append(self.open)
+            self.open, self.open_bytes = [], 0
+            if self.worker is None or not self.worker.is_alive():
+                self.worker = threading.Thread(target=self._work, name="ina-horovod", daemon=True)
+                self.worker.start()
+            self.cond.notify_all()
 
-    def _round(self) -> None:
-        batch = sorted(self.pending, key=lambda h: (h.name, h.seq))
+    def complete(self, target: InaHandle) -> None:
+        """Seal what is queued and wait until the worker has run ``target`` (bounded)."""
+        deadline = time.monotonic() + 2 * self.config.timeout
+        with self.lock:
+            if target.name in self.open_names():
+                self._seal()
+            while not target.done and target.error is None:
+                if self.active.get(target.name) is not target:
+                    raise RuntimeError(f"allreduce {target.name!r} is not queued (Horovod was shut down?)")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self.M.HorovodInternalError(
+                        f"INA backend: allreduce {target.name!r} did not complete within {2 * self.config.timeout:g} s "
+                        "(2 x INA_TIMEOUT); names differ across ranks?")
+                self.cond.wait(min(left, 1.0))
+
+    def open_names(self) -> set:
+        return {h.name for h in self.open}
+
+    def _work(self) -> None:
+        """The worker: one agreement round per bucket, in sealing order; names a round leaves undecided (the
+        ranks' buckets differ) go into the next round."""
+        carry: list[InaHandle] = []
+        while True:
+            with self.lock:
+                while not self.buckets and not carry and not self.stopping:
+                    self.cond.wait(1.0)
+                if self.stopping:
+                    return
+                batch = carry + (self.buckets.pop(0) if self.buckets else [])
+            try:
+                done = self._round(batch)
+            except Exception as e:  # noqa: BLE001 - each handle raises it from its synchronize
+                for h in batch:
+                    h.error = h.error or e
+                done = batch
+            with self.lock:
+                carry, now = [h for h in batch if h not in done], time.monotonic()
+                for h in carry:
+                    if now - h.sealed > self.config.timeout:   # the other ranks never queued this name
+                        h.error = self.M.HorovodInternalError(
+                            f"INA backend: allreduce {h.name!r} was not queued on every rank within "
+                            f"{self.config.timeout:g} s (INA_TIMEOUT); names differ across ranks?")
+                        done.append(h)
+                carry = [h for h in carry if h.error is None]
+                for h in done:
+                    if self.active.get(h.name) is h:
+                        del self.active[h.name]
+                self.cond.notify_all()
+
+    def _round(self, batch) -> list[InaHandle]:
+        batch = sorted(batch, key=lambda h: (h.name, h.seq))
         entries = [(h.name, h.desc, agreement.nonfinite(h.tensors)) for h in batch]
         total = self._native_wait(self._native_allreduce(agreement.local_vector(entries, self.client_unusable()),
                                                          AGREE_NAME), "the agreement round")
@@ -226,10 +314,9 @@ class _HorovodIna:
                 why = "NaN/Inf on some rank (Gloo propagates them)"
             if why is not None:
                 native[h.name] = why
-        ready_set = set(map(id, ready))
-        self.pending = [h for h in self.pending if id(h) not in ready_set]
         self._run_native([h for h in ready if h.name in native], native)
         self._run_switch([h for h in ready if h.name not in native])
+        return ready
 
     def _reconcile(self, batch):
         """The ranks' batches differ: exchange the descriptions. Names queued on every rank run now (through
@@ -266,7 +353,7 @@ class _HorovodIna:
                 self.stale = handle
                 raise self.M.HorovodInternalError(
                     f"INA backend: {what} did not complete within {self.config.timeout:g} s (INA_TIMEOUT): a rank "
-                    "did not reach it; queued here: " + ", ".join(h.name for h in self.pending[:10]))
+                    "did not reach it; queued here: " + ", ".join(list(self.active)[:10]))
             time.sleep(0.0002)
         return self.orig["synchronize"](handle)
 
@@ -369,15 +456,13 @@ class _HorovodIna:
         return self.orig["synchronize"](handle)
 
     def poll(self, handle) -> bool:
-        """Nothing runs in the background: the first poll of a queued allreduce says it is not done
-        (Horovod's poll of an op in progress), the next one runs the queue and says it is."""
+        """The allreduce runs in the background: a poll starts it if it was not in a bucket yet (Horovod's
+        next cycle) and says whether it has finished."""
         if isinstance(handle, InaHandle):
-            if not handle.done and handle.error is None and not handle.consumed:
-                if not handle.polled:
-                    handle.polled = True
-                    return False
-                self.complete(handle)
-            return True
+            with self.lock:
+                if handle.name in self.open_names() and self.active.get(handle.name) is handle:
+                    self._seal()
+            return handle.done or handle.error is not None or handle.consumed
         return self.orig["poll"](handle)
 
     def init(self, *args, **kwargs):

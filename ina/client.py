@@ -34,6 +34,7 @@ from .control import ControlChannel, ControlError
 from .recovery import LossDetector
 from .errors import AllreduceError
 from .host_client import HostAggClient
+from .timeline import Timeline
 from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, chunk_modulus, header_view,
                    payload_view, slot_of_chunk)
 from .worker import Worker, WorkerStats
@@ -75,13 +76,16 @@ class Client(Worker):
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
                  codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
-                 token: str | None = None, codecs: tuple = ()):
+                 token: str | None = None, timeline: bool = False, codecs: tuple = ()):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
         self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
+        self.record_timeline = bool(timeline)  # keep the last allreduce's Timeline in last_timeline
+        self.last_timeline: dict | None = None
+        self._timeline: Timeline | None = None
         self.sock = B.udp_socket("0.0.0.0", 0)
         self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0), token=token)   # token: INA_TOKEN
         local_ip = self.ctl.sock.getsockname()[0]
@@ -140,6 +144,7 @@ class Client(Worker):
             return tensor
         kw = {"key": key} if c.keeps_residuals else {}
         chunk0 = self._next_chunk
+        tl = self._timeline = Timeline() if self.record_timeline else None
         try:
             exponent = c.scale_exponent(x32, **kw)     # raises ValueError on NaN/Inf before anything is sent
             proposals = np.array([exponent, *c.negotiated()], np.int64)
@@ -149,6 +154,8 @@ class Client(Worker):
                                  "exponent field")
             # one payload-less packet per value: the switch's max register returns the max over workers
             maxima = self._stream(proposals.size, PayloadType.NONE, c.wire_id, proposals)
+            if tl:
+                tl.mark("negotiated")
             ctx = ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=c.next_seed(),
                                agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
             out = self._reduce(c, x32, ctx, kw)
@@ -160,7 +167,13 @@ class Client(Worker):
                 self._break(f"{type(e).__name__} during an allreduce of job {self.job} (chunk ids from "
                             f"{chunk0}): {e}")
             raise
-        return self._deliver(tensor, out, average)
+        finally:
+            self._timeline = None
+        out = self._deliver(tensor, out, average)
+        if tl:
+            tl.mark("done")
+            self.last_timeline = tl.to_dict()
+        return out
 
     def _host_allreduce(self, tensor, c, key, average):
         """A codec an integer switch cannot sum (variable-length messages: 3lc, eaq, wgt) goes through
@@ -198,17 +211,26 @@ class Client(Worker):
         raw = self.raw or res_type != c.payload_type       # results are register sums, not codes
         out = np.empty(n_chunks * E, np.float32)
         out2d = out.reshape(n_chunks, E)
+        tl = self._timeline
 
         def encode_block(b: int) -> np.ndarray:
+            t = time.perf_counter()
             lo, hi = b * block * E, min(n, (b + 1) * block * E)
             codes = c.encode_shared(x32[lo:hi], ctx.from_element(lo), **kw)
             rows = math.ceil((hi - lo) / E)
             if codes.size != rows * E:                     # the last chunk is zero-padded
                 codes = np.concatenate([codes, np.zeros(rows * E - codes.size, codes.dtype)])
+            if tl:
+                tl.encode_s += time.perf_counter() - t
             return codes.reshape(rows, E)
 
         def decode(chunks: np.ndarray, payload: np.ndarray) -> None:
+            t = time.perf_counter()
             out2d[chunks] = c.decode_sum(payload.reshape(-1), ctx, raw=raw).reshape(chunks.size, E)
+            if tl:
+                tl.decode_s += time.perf_counter() - t
+                tl.rx_bursts += 1
+                tl.results += chunks.size
 
         self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n,
                      encode_block=encode_block, block=block, decode=decode)
@@ -341,6 +363,7 @@ class _Transfer:
         self.n_done = self.n_sent = 0
         self.max_sent = -1
         self.last_rx, self.per_pkt = None, 0.0     # arrival spacing (EWMA, seconds per packet) for coalescing
+        self.tl = cl._timeline if self.E else None  # marks of the data stream (not of the negotiation)
 
     def load(self, chunks: np.ndarray) -> np.ndarray:
         """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
@@ -374,6 +397,12 @@ class _Transfer:
         self.ld.sent(chunks, time.monotonic())
         self.n_sent += chunks.size
         self.max_sent = max(self.max_sent, int(chunks[-1]))
+        if self.tl:
+            self.tl.mark("first_send")
+            if self.n_sent >= min(self.S, self.n_chunks):
+                self.tl.mark("window_sent")
+            if self.n_sent == self.n_chunks:
+                self.tl.mark("last_send")
 
     def run(self) -> np.ndarray:
         cl, n_chunks = self.cl, self.n_chunks
@@ -432,6 +461,8 @@ class _Transfer:
     def complete(self, buf: np.ndarray, h: np.ndarray, idx: np.ndarray, jj: np.ndarray, now: float) -> None:
         """Results ``buf[idx]`` of chunks ``jj`` (fresh, distinct): decode, account, send the next chunks."""
         E = self.E
+        if self.tl:
+            self.tl.mark("first_result")
         if E:
             self.decode(jj, native(payload_view(buf[idx], self.result_type, E)))
         ld = self.ld
@@ -449,6 +480,8 @@ class _Transfer:
         ld.delivered(jj, ld.pending(self.low, self.max_sent, self.done), now)
         self.n_done += jj.size
         self.last_progress = now
+        if self.tl and self.n_done == self.n_chunks:
+            self.tl.mark("last_result")
         nxt = jj + self.S                         # self-clocking: each result frees its slot
         nxt = nxt[nxt < self.n_chunks]
         if nxt.size:

@@ -5,9 +5,12 @@ control plane answers a stats request, stop it.
     with start_switch(None, "--slots", "64", log_path="switch.log") as sw:    # a free port of 127.0.0.1
         ... sw.port, sw.addr, sw.stats(), sw.log()
 
-Inside an emulated host (``ina.net``), start it through the topology and ask it at the host's address:
+Inside an emulated host (``ina.net``), start it through the topology, bound beyond loopback (which
+needs a shared token: one is made and exported as INA_TOKEN when none is set), and ask it at the
+host's address:
 
-    start_switch(9999, popen=functools.partial(topo.popen, topo.switch), control_host=topo.switch.ip)
+    start_switch(9999, popen=functools.partial(topo.popen, topo.switch), host="0.0.0.0",
+                 control_host=topo.switch.ip)
 
 Used by the Horovod wrapper, the sweep, the demo, the benchmarks and the tests.
 """

@@ -31,6 +31,48 @@ log = logging.getLogger("ina.switch")
 COUNTERS, C = D.COUNTERS, D.C
 STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
 MAX_ACTIVE_JOBS = 64
+# burst-size histogram buckets: bucket b counts bursts of 2**b .. 2**(b+1) - 1 packets
+BURST_BUCKETS = 12
+
+
+class StageClock:
+    """Where a poll loop's time goes: nanoseconds per stage, and a histogram of burst sizes.
+
+    ``poll_once`` reads the clock once before the first stage and once after each stage, so the
+    stages partition each busy poll exactly: ``sum(stage_ns) == busy_ns``. Waiting for the first
+    packet of a burst (the blocking receive of an idle switch) is ``wait_ns``, not a stage's time.
+    Stage times are wall-clock times; ``busy_cpu_ns`` is the CPU time the data-plane thread got during
+    the busy polls, so ``busy_ns - busy_cpu_ns`` is the time it was runnable but preempted (on a
+    shared machine) or blocked in a system call.
+    """
+
+    def __init__(self):
+        self.stage_ns = np.zeros(len(STAGES), np.int64)
+        self.busy_ns = 0
+        self.busy_cpu_ns = 0
+        self.wait_ns = 0
+        self.bursts = 0
+        self.burst_hist = np.zeros(BURST_BUCKETS, np.int64)
+
+    def burst(self, n: int) -> None:
+        self.bursts += 1
+        self.burst_hist[min(n.bit_length() - 1, BURST_BUCKETS - 1)] += 1
+
+    def to_dict(self) -> dict:
+        hist = {(f"{1 << b}" if b == 0 else f"{1 << b}-{(1 << (b + 1)) - 1}"): int(v)
+                for b, v in enumerate(self.burst_hist) if v}
+        return {"stage_ns": {name: int(v) for name, v in zip(STAGES, self.stage_ns)}, "busy_ns": int(self.busy_ns),
+                "busy_cpu_ns": int(self.busy_cpu_ns), "wait_ns": int(self.wait_ns), "bursts": int(self.bursts),
+                "burst_sizes": hist}
+
+
+def add_timing(into: dict, other: dict) -> None:
+    """Add one shard's ``StageClock.to_dict()`` into another's (the stats of a sharded switch)."""
+    for group in ("stage_ns", "burst_sizes"):
+        for key, v in other[group].items():
+            into[group][key] = into[group].get(key, 0) + v
+    for key in ("busy_ns", "busy_cpu_ns", "wait_ns", "bursts"):
+        into[key] += other[key]
 
 
 @dataclass
@@ -114,6 +156,8 @@ class Switch:
         self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, cfg.burst, stride, cfg.register_bits, cfg.seed,
                                           MAX_ACTIVE_JOBS * MAX_WORKERS)
         self.counters = self.state.counters
+        self.clock = StageClock()
+        self._waited = 0
         self.slot_owner = np.full(cfg.slots, -1, np.int64)
         self.addrs = np.zeros(MAX_ACTIVE_JOBS * MAX_WORKERS, B.SOCKADDR_IN)     # worker addresses, by job block
         self._free_blocks = list(range(MAX_ACTIVE_JOBS))
@@ -137,20 +181,55 @@ class Switch:
     # the pipeline
     # ------------------------------------------------------------------------------------------
     def poll_once(self) -> int:
-        """Run one burst through every stage. Returns the number of packets received."""
+        """Run one burst through every stage. Returns the number of packets received.
+        The time of each stage goes to ``self.clock`` (a :class:`StageClock`)."""
+        clk, now, ns = self.clock, time.perf_counter_ns, self.clock.stage_ns
+        t0, cpu0 = now(), time.thread_time_ns()
         n = self.stage_rx()
+        t1 = now()
+        if not n and not (self.ingress.active or self.egress.active):
+            clk.wait_ns += t1 - t0          # nothing came: the blocking receive timed out
+            return 0
+        if self._waited:
+            clk.wait_ns += self._waited
+            t0 += self._waited
+        ns[0] += t1 - t0
         buf, lens, n_in = self.stage_ingress(n)
+        t2 = now()
+        ns[1] += t2 - t1
         if n_in:
             self.stage_parse(buf, lens, n_in)
+            t3 = now()
             self.stage_aggregate(buf, n_in)
+            t4 = now()
             m = self.stage_harvest(n_in)
+            t5 = now()
             self.stage_tx(m)
-        elif self.egress.active:
-            self.stage_tx(0)
+            t6 = now()
+            ns[2] += t3 - t2
+            ns[3] += t4 - t3
+            ns[4] += t5 - t4
+            ns[5] += t6 - t5
+        else:
+            if self.egress.active:
+                self.stage_tx(0)
+            t6 = now()
+            ns[5] += t6 - t2
+        clk.busy_ns += t6 - t0
+        clk.busy_cpu_ns += time.thread_time_ns() - cpu0
+        if n:
+            clk.burst(n)
         return n
 
     def stage_rx(self) -> int:
-        n = self.rx.recv(wait=not (self.ingress.active or self.egress.active))
+        """Receive a burst without waiting; if nothing is there, wait for one (its time is the wait's,
+        ``self._waited`` ns, not the stage's)."""
+        self._waited = 0
+        n = self.rx.recv(wait=False)
+        if not n and not (self.ingress.active or self.egress.active):
+            t = time.perf_counter_ns()
+            n = self.rx.recv(wait=True)
+            self._waited = time.perf_counter_ns() - t
         if n:
             src = self.rx.src[:n]
             self.state.src[:n] = D.source_key(src["addr"].astype(np.int64), src["port"])
@@ -417,6 +496,7 @@ class Switch:
                        "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst},
             "stages": list(STAGES),
             "counters": c,
+            "timing": self.clock.to_dict(),
             "drops": drops,
             "rates": {k: round(v, 1) for k, v in self.rates.items()},
             "occupancy": {"slots_allocated": self.cfg.slots - self.free_slots(), "slots_total": self.cfg.slots,

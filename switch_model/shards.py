@@ -14,7 +14,7 @@ import sys
 import threading
 from dataclasses import replace
 
-from .pipeline import Switch, SwitchConfig
+from .pipeline import Switch, SwitchConfig, add_timing
 
 log = logging.getLogger("ina.switch.shards")
 
@@ -134,13 +134,15 @@ class ShardGroup:
             st = self.local.dp("stats")
             others = self._remote("stats")
             st["per_shard"] = [{"port": p, "harvested": s_["counters"]["harvested"],
-                                "rx_packets": s_["counters"]["rx_packets"]}
+                                "rx_packets": s_["counters"]["rx_packets"], "busy_ns": s_["timing"]["busy_ns"],
+                                "wait_ns": s_["timing"]["wait_ns"]}
                                for p, s_ in zip(self.ports, [dict(st, counters=dict(st["counters"]))] + others)]
             for other in others:
                 for group in ("counters", "drops", "rates"):
                     for key, v in other[group].items():
                         st[group][key] = st[group].get(key, 0) + v
                 st["occupancy"]["sets_aggregating"] += other["occupancy"]["sets_aggregating"]
+                add_timing(st["timing"], other["timing"])
             st["config"]["shards"] = self.n
             st["config"]["ports"] = self.ports
             return st

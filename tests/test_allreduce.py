@@ -309,3 +309,52 @@ def test_sharded_switch_cores_2_is_bit_identical_and_uses_both_shards(tmp_path):
         assert sum(per_shard) == st["counters"]["harvested"]
     finally:
         assert sw.terminate() == 0, sw.log()
+
+
+# ------------------------------------------------------------------------------------------------
+# where the time goes: the switch's stage clock and the client's timeline
+# ------------------------------------------------------------------------------------------------
+def test_stage_times_add_up_to_the_busy_time_and_the_timeline_is_ordered(switch):
+    """The switch's per-stage nanoseconds partition its busy time exactly; the burst-size histogram
+    accounts for every burst and (within its buckets' bounds) every received packet; a recorded
+    client timeline has every mark, in the order the allreduce passes them."""
+    import threading
+
+    from ina import Client
+    from ina.timeline import MARKS
+    before = switch.stats()["timing"]
+    n, size = 2, 128 * 8 * 3 + 5                       # three windows and a partial chunk
+    clients = [None] * n
+
+    def one(r):
+        clients[r] = Client(("127.0.0.1", switch.port), rank=r, world_size=n, job=230, elements=128, slots=8,
+                            timeout=20, timeline=True)
+        for _ in range(3):
+            clients[r].allreduce(np.full(size, 0.5, np.float32), codec="bfp32")
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert all(c is not None and c.last_timeline for c in clients), "an allreduce did not finish"
+    for c in clients:
+        c.close()
+    st = switch.stats()
+    tm = st["timing"]
+    assert sum(tm["stage_ns"].values()) == tm["busy_ns"]
+    assert list(tm["stage_ns"]) == st["stages"]
+    assert tm["busy_ns"] > before["busy_ns"] and tm["stage_ns"]["aggregate"] > before["stage_ns"]["aggregate"]
+    assert sum(tm["burst_sizes"].values()) == tm["bursts"] > before["bursts"]
+    lo = sum(int(k.split("-")[0]) * v for k, v in tm["burst_sizes"].items())
+    hi = sum(int(k.split("-")[-1]) * v for k, v in tm["burst_sizes"].items())
+    assert lo <= st["counters"]["rx_packets"] <= hi, (tm["burst_sizes"], st["counters"]["rx_packets"])
+    assert (tm["busy_ns"] + tm["wait_ns"]) / 1e9 <= st["uptime_s"] + 0.1
+    spent = tm["busy_ns"] - before["busy_ns"] + tm["wait_ns"] - before["wait_ns"]
+    assert 0 < tm["busy_cpu_ns"] - before["busy_cpu_ns"] <= spent
+    for c in clients:
+        tl = c.last_timeline
+        times = [tl[m] for m in MARKS]                  # every mark present
+        assert times == sorted(times), tl
+        assert tl["results"] == 25 and 1 <= tl["rx_bursts"] <= 25, tl    # 25 chunks of 128 elements
+        assert 0 < tl["encode_s"] + tl["decode_s"] < tl["done"], tl

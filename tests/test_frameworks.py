@@ -71,7 +71,7 @@ def horovod_ready():
 
 def ina_env(switch: SwitchService | None, codec: str | None, **extra) -> dict:
     env = dict(os.environ)
-    for k in ("INA_SWITCH", "INA_CODEC", "INA_JOB", "INA_SEED", "INA_TIMEOUT"):
+    for k in ("INA_SWITCH", "INA_CODEC", "INA_JOB", "INA_SEED", "INA_TIMEOUT", "INA_BUCKET_BYTES"):
         env.pop(k, None)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["OMP_NUM_THREADS"] = "1"
@@ -257,6 +257,26 @@ def test_horovod_training_matches_gloo(np_, codec, switch, horovod_ready, tmp_pa
     assert st["fallback_calls"] == 0, st["fallback_reasons"]
     assert st["offloaded_tensors"] == 200 * 6   # 6 parameter tensors per step, all through the switch
     assert st["client"]["allreduces"] == 200   # fused: one buffer per step (HOROVOD_FUSION_THRESHOLD)
+
+
+def test_horovod_buckets_stream_during_backward(switch, horovod_ready, tmp_path_factory):
+    """INA_BUCKET_BYTES=1: every gradient is sealed into its own bucket as its hook fires, and the worker
+    thread sends it while backward goes on. The ranks seal the same buckets (one agreement round each, no
+    disagreement), every gradient goes through the switch on its own, the values are bfp32's exactly."""
+    root = tmp_path_factory.getbasetemp()
+    gloo_results, gloo_grads = gloo_baseline("horovod", 2, root)
+    out = tmp_path_factory.mktemp("hvd_buckets")
+    horovodrun(2, [str(EXAMPLES / "train_horovod.py"), "--out-dir", str(out)],
+               ina_env(switch, "bfp32", INA_BUCKET_BYTES=1), "horovodrun -np 2 with INA (bfp32, a bucket a tensor)")
+    results, grads = load_run(out, 2)
+    check_grads_agree(grads)
+    check_bfp_step(grads, gloo_grads, flatten=False)   # each gradient its own buffer at the switch
+    check_training(results, gloo_results, "bfp32")
+    for r in range(2):
+        st = results[r]["ina"]
+        assert st["fallback_calls"] == 0, st["fallback_reasons"]
+        assert st["client"]["allreduces"] == 200 * 6, st   # a buffer per gradient
+        assert st["agreement_rounds"] == 200 * 6, st       # a round per bucket: the ranks' buckets matched
 
 
 def test_horovod_entry_points_dtypes_and_fallbacks(switch, horovod_ready, tmp_path):

@@ -271,3 +271,30 @@ def test_serve_beyond_loopback_needs_a_token(tmp_path, monkeypatch):
     helptext = subprocess.run([PY, "-m", "switch_model", "serve", "--help"], cwd=ROOT, capture_output=True,
                               text=True, timeout=60, env=env).stdout
     assert "(default: 127.0.0.1)" in helptext and "(default: 512)" in helptext
+
+
+# ------------------------------------------------------------------------------------------------
+# a thousand allreduces under loss, duplication and reordering
+# ------------------------------------------------------------------------------------------------
+def test_1000_allreduces_exact_under_5pct_loss_1pct_duplication_and_reordering(tmp_path):
+    from sw_harness import Workers, expected_inputs
+    sw = SwitchProc("--slots", "16", "--elements", "32", "--loss", "0.05", "--duplicate", "0.01",
+                    "--reorder", "0.05", "--seed", "5", "--host-agg-port", "-1", log_path=tmp_path / "switch.log")
+    try:
+        n = 3
+        ops = [{"codec": "bfp32", "shape": [8 + i % 57], "seed": 2000 + i} for i in range(1000)]
+        client = {"elements": 32, "slots": 4, "timeout": 20.0, "rto": 0.01, "max_rto": 0.1}
+        out = Workers(tmp_path, sw.port, n, job=9, ops=ops, client=client, name="k").wait(timeout=600)
+        st = sw.stats()
+        imp = st["impairments"]
+        assert all(imp[d]["dropped"] > 0 and imp[d]["reordered"] > 0 for d in ("ingress", "egress")), imp
+        assert imp["ingress"]["duplicated"] + imp["egress"]["duplicated"] > 0
+        assert sum(m["stats"]["retransmissions"] for m in out.values()) > 0
+        exact = 0
+        for i, op in enumerate(ops):
+            ref = bfp_reference(expected_inputs(op, n))
+            exact += all(np.array_equal(out[r]["results"][i].view(np.uint32), ref.view(np.uint32)) for r in range(n))
+        assert exact == 1000, f"{exact} of 1000 allreduces exact"
+        assert st["occupancy"]["slots_allocated"] == 0                     # the job left: its slots are free
+    finally:
+        assert sw.terminate() == 0

@@ -1,0 +1,40 @@
+"""A timeline of one allreduce, recorded on demand (``Client(..., timeline=True)``).
+
+Marks, in seconds since the allreduce started (``time.perf_counter``):
+
+* ``negotiated``   the exponent negotiation's round trip is over (the switch's maxima are back);
+* ``first_send``   the first data packet went out (the first block was encoded before it);
+* ``window_sent``  the first window of chunks (the job's slots) is out: from here on sends wait for results;
+* ``first_result`` the first result came back (one window's round trip after ``window_sent``);
+* ``last_send``    the last chunk went out for the first time;
+* ``last_result``  the last result came back;
+* ``done``         the sum is in the caller's tensor.
+
+Totals: ``encode_s`` and ``decode_s`` (codec CPU time, inside the stream), ``rx_bursts`` (receive
+calls that returned results) and ``results`` (fresh results), so results / rx_bursts is the
+client's mean receive burst.
+"""
+from __future__ import annotations
+
+import time
+
+MARKS = ("negotiated", "first_send", "window_sent", "first_result", "last_send", "last_result", "done")
+
+
+class Timeline:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.marks: dict[str, float] = {}
+        self.encode_s = self.decode_s = 0.0
+        self.rx_bursts = self.results = 0
+
+    def mark(self, name: str) -> None:
+        """Record ``name`` the first time it happens (later calls keep the first time)."""
+        if name not in self.marks:
+            self.marks[name] = time.perf_counter() - self.t0
+
+    def to_dict(self) -> dict:
+        d = {name: round(self.marks[name], 6) for name in MARKS if name in self.marks}
+        d.update(encode_s=round(self.encode_s, 6), decode_s=round(self.decode_s, 6), rx_bursts=self.rx_bursts,
+                 results=self.results)
+        return d
