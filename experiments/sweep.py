@@ -37,7 +37,6 @@ Outputs in ``--out`` (default ``results/sweep-<timestamp>``): ``results.json`` +
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as _dt
 import json
 import logging
@@ -49,7 +48,8 @@ import time
 from pathlib import Path
 
 from .baselines import BASELINES, is_baseline
-from .sweep_methods import CORE_METHODS, aggregation, all_methods, host_methods, is_host_method, seed_methods
+from .sweep_methods import CORE_METHODS, all_methods, host_methods, is_host_method, seed_methods
+from .sweep_results import derive, load_results, save_results
 
 log = logging.getLogger("ina.sweep")
 
@@ -330,45 +330,6 @@ def run_throughput(group: WorkerGroup, topo, method: str, n: int, rate: str, ele
 
 
 # ------------------------------------------------------------------------------------------------
-def load_results(out: Path) -> list[dict]:
-    p = out / "results.json"
-    if not p.exists():
-        return []
-    return json.loads(p.read_text())["records"]
-
-
-def save_results(out: Path, meta: dict, records: list[dict]) -> None:
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    tmp.replace(out / "results.json")
-    cols = ["workload", "method", "aggregation", "workers", "rate", "rate_bps", "elements", "model", "reps", "time_median",
-            "time_mean", "time_min", "ideal_time", "bound_ratio", "speedup_vs_gloo", "wire_up_bytes_per_worker",
-            "wire_down_bytes_per_worker", "wire_drops", "client_bytes_sent_per_worker", "client_retransmissions",
-            "rel_error", "compute_time", "samples_per_s", "steps", "final_accuracy", "train_time", "comm_time",
-            "dilation", "dilation_label", "shaped_rate_bps", "profile", "codec_time_cpu", "codec_time_device",
-            "time_end_to_end"]
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        for r in records:
-            w.writerow(r)
-
-
-def derive(records: list[dict], sizes: dict[str, int]) -> list[dict]:
-    """Speedups vs Gloo (same workload, workers, rate and size) and the model names."""
-    by = {(r["workload"], r["method"], r["workers"], r["rate"], r["elements"]): r for r in records}
-    inv = {v: k for k, v in sizes.items()}
-    for r in records:
-        r["model"] = inv.get(r["elements"], r.get("model"))
-        r["aggregation"] = aggregation(r["method"])
-        g = by.get((r["workload"], "gloo", r["workers"], r["rate"], r["elements"]))
-        if r["workload"] == "allreduce":
-            r["speedup_vs_gloo"] = g["time_median"] / r["time_median"] if g else None
-        elif r["workload"] == "throughput":
-            r["speedup_vs_gloo"] = r["samples_per_s"] / g["samples_per_s"] if g else None
-    return records
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ina-sweep", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
