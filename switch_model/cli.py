@@ -49,11 +49,21 @@ def _collect(args, prefix: str) -> dict:
     return out
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where the default is None (set by the profile: the help
+    text says which value applies)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ina-switch", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the switch service (UDP data plane + TCP control plane on --port)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultsHelp)
     s.add_argument("--host", default="127.0.0.1",
                    help="address of the data plane, the control plane and the host aggregator; beyond loopback "
                         "(e.g. 0.0.0.0) a shared token is required")

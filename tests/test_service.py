@@ -270,7 +270,7 @@ def test_serve_beyond_loopback_needs_a_token(tmp_path, monkeypatch):
     assert r.returncode == 2 and "beyond loopback" in r.stderr and "token" in r.stderr, r.stderr
     helptext = subprocess.run([PY, "-m", "switch_model", "serve", "--help"], cwd=ROOT, capture_output=True,
                               text=True, timeout=60, env=env).stdout
-    assert "(default: 127.0.0.1)" in helptext and "(default: 512)" in helptext
+    assert "(default: 127.0.0.1)" in helptext and "default 512" in helptext and "(default: None)" not in helptext
 
 
 # ------------------------------------------------------------------------------------------------
