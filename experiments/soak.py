@@ -93,6 +93,10 @@ def run(args) -> dict:
             wait_until(lambda: sw.stats()["occupancy"]["slots_allocated"] == 0, 30,
                        f"epoch {e}: the killed job's slots to come back")
             rss.append(round(_rss_mib(sw.proc.pid), 2))
+            x = epochs[-1]
+            print(f"soak: epoch {e}: {x['exact']}/{x['allreduces']} exact, rank {x['killed_rank']} killed, "
+                  f"{x['survivors_told_by_abort']} survivors told by ABORT, switch RSS {rss[-1]} MiB, "
+                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         st = sw.stats()
     finally:
         rc = sw.stop()
@@ -112,7 +116,7 @@ def run(args) -> dict:
         "rss_mib_per_epoch": rss,
         "slots_allocated_at_end": st["occupancy"]["slots_allocated"],
         "switch_drops": {k: v for k, v in st["drops"].items() if v},
-        "switch_exit_status": rc, "seconds": round(time.monotonic() - t0, 1),
+        "switch_exit_status": rc, "switch_log": str(tmp / "switch.log"), "seconds": round(time.monotonic() - t0, 1),
     }
 
 

@@ -184,7 +184,8 @@ class Client(Worker):
                              + ", ".join(n for n in compression.available() if compression.get(n).switch_summable))
         if self._host is None:
             self._host = HostAggClient((self.switch[0], int(self.host_aggregator["port"])), self.rank,
-                                       self.world_size, self.job, timeout=self.timeout, seed=self._seed)
+                                       self.world_size, self.job, timeout=self.timeout, seed=self._seed,
+                                       token=self.ctl.token)
             log.warning("rank %d job %d: codec %s runs through the host aggregator (%s)", self.rank, self.job,
                         c.name, self.host_aggregator.get("label", "NOT switch-feasible"))
         sent0, recv0 = self._host.stats.bytes_sent, self._host.stats.bytes_received

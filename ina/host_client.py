@@ -23,6 +23,7 @@ an ERROR frame naming the ranks and values, and :class:`~ina.errors.AllreduceErr
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import time
@@ -63,7 +64,9 @@ class HostAggClient(Worker):
     config and ``stats``; see :func:`host_aggregator_address`). ``timeout`` is the job's bound:
     once one rank's message of a round has arrived, the aggregator waits at most that long for the
     others, then reports the missing ranks to everyone. This client waits at most ``timeout +
-    grace`` seconds for a round's result before giving up on the aggregator itself.
+    grace`` seconds for a round's result before giving up on the aggregator itself. ``token``:
+    the switch service's shared token (default ``$INA_TOKEN``), sent in HELLO; a service started
+    with a token refuses a HELLO without it.
 
     After any failed round the client is unusable (the job was aborted at the aggregator);
     create a new one with a new job id.
@@ -73,7 +76,7 @@ class HostAggClient(Worker):
 
     def __init__(self, addr=("127.0.0.1", 9999 + HOST_AGG_PORT_OFFSET), rank: int = 0, world_size: int = 1,
                  job: int = 0, timeout: float = 30.0, *, grace: float = 10.0, connect_timeout: float = 10.0,
-                 seed: int | None = None):
+                 seed: int | None = None, token: str | None = None):
         if not 1 <= world_size <= MAX_WORLD:
             raise ValueError(f"world_size must be 1..{MAX_WORLD}, got {world_size}")
         if not 0 <= job <= 0xFFFFFFFF:
@@ -93,7 +96,9 @@ class HostAggClient(Worker):
             raise AllreduceError(f"rank {rank} of job {job}: cannot reach {where}: {e}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            self._send(Frame(FrameType.HELLO, job=job, rank=rank, world_size=world_size, meta={"timeout": timeout}))
+            token = token or os.environ.get("INA_TOKEN") or None     # the switch service's shared token
+            self._send(Frame(FrameType.HELLO, job=job, rank=rank, world_size=world_size,
+                             meta={"timeout": timeout, **({"token": token} if token else {})}))
             welcome = self._await(FrameType.WELCOME, 0, connect_timeout, "its WELCOME")
         except Exception as e:
             self.sock.close()

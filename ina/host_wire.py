@@ -35,6 +35,7 @@ VERSION = 1
 JOB_ROUND = 2**64 - 1                        # round field of an ERROR frame about the whole job
 MAX_KEY = 4096                               # bytes of a tensor key
 MAX_META = 1 << 20                           # bytes of a meta object
+MAX_BODY = 1 << 30                           # default limit of a body: a larger declared body_len is refused
 MAX_WORLD = 0xFFFF
 HOST_AGG_PORT_OFFSET = 100                   # default port: the switch's port + 100
 HOST_AGG_LABEL = ("host aggregator: variable-length messages decoded, summed and re-encoded on a host CPU "

@@ -11,9 +11,10 @@ import socket
 import sys
 from pathlib import Path
 
+from ina.host_wire import MAX_BODY
 from ina.wire import DEFAULT_PORT
 
-from .control import DISCONNECT_GRACE
+from .control import DISCONNECT_GRACE, IDLE_S, MAX_CONNECTIONS, MAX_JOIN_WAIT, MAX_LINE
 
 
 def _impair_args(p, prefix: str, help_dir: str) -> None:
@@ -38,6 +39,13 @@ def _apply_profile(args):
     if not prof.host_aggregator and args.host_agg_port is None:
         args.host_agg_port = -1
     return prof
+
+
+def _check_limits(args) -> None:
+    """The control plane's and the host aggregator's limits must be positive (ValueError naming the flag)."""
+    for flag in ("max_line", "max_connections", "idle_timeout", "max_join_wait", "host_agg_max_body"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
 
 
 def _collect(args, prefix: str) -> dict:
@@ -97,6 +105,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--disconnect-grace", type=float, default=DISCONNECT_GRACE,
                    help="seconds a job keeps answering replays after a rank disconnects without leaving, before "
                         "the other ranks are aborted")
+    s.add_argument("--max-line", type=int, default=MAX_LINE,
+                   help="longest control-plane request line (bytes); a longer one is refused and its connection closed")
+    s.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help="control-plane connections open at once (each worker of each job holds one); more are refused")
+    s.add_argument("--idle-timeout", type=float, default=IDLE_S,
+                   help="seconds a control connection that has not joined a job may wait between requests")
+    s.add_argument("--max-join-wait", type=float, default=MAX_JOIN_WAIT,
+                   help="longest rendezvous (seconds) a join may ask to wait for the other ranks")
+    s.add_argument("--host-agg-max-body", type=int, default=MAX_BODY,
+                   help="largest frame body (bytes) the host aggregator accepts; a larger declared body_len is "
+                        "refused from the frame header, before anything is allocated")
     s.add_argument("--stats-interval", type=float, default=10.0, help="seconds between rate log lines (0: off)")
     s.add_argument("--log-level", default="INFO", help="logging level")
     st = sub.add_parser("stats", help="print the counters of a running switch (JSON)")
@@ -136,7 +155,7 @@ def _ask(args) -> int:
     return 0
 
 
-def _host_aggregator(args):
+def _host_aggregator(args, token: str | None):
     """The host aggregator's process (started first: it imports while the switch builds its registers)."""
     if args.host_agg_port is not None and args.host_agg_port < 0:
         return None
@@ -146,7 +165,8 @@ def _host_aggregator(args):
     if hport is None:
         hport = args.port + HOST_AGG_PORT_OFFSET if 0 < args.port <= 65535 - HOST_AGG_PORT_OFFSET else 0
     return HostAggregatorProcess(args.host, hport, fallback=args.host_agg_port is None, seed=args.seed,
-                                 stats_interval=args.stats_interval, log_level=args.log_level.upper())
+                                 stats_interval=args.stats_interval, log_level=args.log_level.upper(),
+                                 max_body=args.host_agg_max_body, token=token)
 
 
 def _switch(args):
@@ -196,11 +216,12 @@ def _serve(args) -> int:
     from .control import ControlPlane
     try:
         prof = _apply_profile(args)
+        _check_limits(args)
         token = _token(args)
     except ValueError as e:
         print(f"ina-switch serve: {e}", file=sys.stderr)
         return 2
-    hagg = _host_aggregator(args)
+    hagg = _host_aggregator(args, token)
     try:
         cfg, group, sw = _switch(args)
         if hagg is not None:
@@ -216,8 +237,9 @@ def _serve(args) -> int:
              else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}"
           + (f"; host aggregator (NOT switch-feasible) on tcp {cfg.host}:{hagg.port}" if hagg is not None else "")
           + f"; profile {prof.describe()}", file=sys.stderr, flush=True)
-    cp = ControlPlane(group, args.host, host_agg=hagg, token=token, grace=args.disconnect_grace,
-                      profile=prof)
+    cp = ControlPlane(group, args.host, host_agg=hagg, token=token, grace=args.disconnect_grace, profile=prof,
+                      max_line=args.max_line, max_connections=args.max_connections, idle_s=args.idle_timeout,
+                      max_join_wait=args.max_join_wait)
     logging.getLogger("ina.switch").info("control plane on tcp %s:%d; shared token %s", args.host, sw.port,
                                          "required for join and impair" if token else "off (loopback only)")
     cp.start()

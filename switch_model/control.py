@@ -59,7 +59,7 @@ class Refused(ValueError):
 class ControlPlane:
     def __init__(self, switch, host: str = "127.0.0.1", host_agg=None, token: str | None = None,
                  max_line: int = MAX_LINE, max_connections: int = MAX_CONNECTIONS, idle_s: float = IDLE_S,
-                 grace: float = DISCONNECT_GRACE, profile=None):
+                 grace: float = DISCONNECT_GRACE, profile=None, max_join_wait: float = MAX_JOIN_WAIT):
         from ina.profiles import get_profile
         self.switch = switch
         self.profile = profile or get_profile(None)   # ina.profiles.SwitchProfile: what the device imposes
@@ -69,6 +69,7 @@ class ControlPlane:
         self.host_agg = host_agg      # switch_model.host_agg.HostAggregatorProcess, or None
         self.token = token or None
         self.max_line, self.max_connections, self.idle_s = int(max_line), int(max_connections), float(idle_s)
+        self.max_join_wait = float(max_join_wait)
         self.refused: Counter = Counter()     # reason -> refused requests and connections
         self.connections = 0
         self._lock = threading.Lock()
@@ -117,8 +118,8 @@ class ControlPlane:
             try:
                 line = h.rfile.readline(self.max_line + 1)
             except socket.timeout:
-                self._refuse("idle", peer, f"no request within {self.idle_s:g} s")
-                return
+                raise self._refuse("idle", peer, f"no request within {self.idle_s:g} s (a connection that has "
+                                                 "not joined a job is closed when idle)") from None
             if not line:
                 return
             if len(line) > self.max_line:
@@ -128,6 +129,7 @@ class ControlPlane:
     def control_stats(self) -> dict:
         with self._lock:
             return {"connections": self.connections, "max_connections": self.max_connections,
+                    "max_line": self.max_line, "idle_s": self.idle_s, "max_join_wait": self.max_join_wait,
                     "token_required": self.token is not None, "refused": dict(self.refused)}
 
     def _serve_connection(self, h) -> None:
@@ -206,7 +208,7 @@ class ControlPlane:
         addr = (host, int(msg["udp_port"]))
         spec = {"world_size": n, "slots": int(msg.get("slots", 64)), "elements": int(msg.get("elements", 1024)),
                 "raw": bool(msg.get("raw", False))}
-        timeout = min(float(msg.get("timeout", 30.0)), MAX_JOIN_WAIT)
+        timeout = min(float(msg.get("timeout", 30.0)), self.max_join_wait)
         if not 0 <= rank < n:
             raise ValueError(f"rank {rank} out of range for world_size {n}")
         # what the switch can never install is refused now, not after the whole rendezvous

@@ -30,7 +30,8 @@ import threading
 import time
 
 from ina.errors import ConnectionGone, FrameError
-from ina.host_wire import HOST_AGG_LABEL, Frame, FrameType, frame_parts, recv_frame, set_recv_timeout, set_send_timeout
+from ina.host_wire import (HOST_AGG_LABEL, MAX_BODY, Frame, FrameType, frame_parts, recv_frame, set_recv_timeout,
+                           set_send_timeout)
 
 from .host_reduce import RoundFailed, aggregator_seed, downlink_codec, reduce_round
 from .host_rounds import ERROR_REASONS, Job, Outcome, Peer, Round, Rounds, mb
@@ -53,14 +54,15 @@ class HostAggregator:
     thread that enforces the round deadlines and logs a progress line every ``stats_interval`` s."""
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, seed: int = 0, stats_interval: float = 10.0,
-                 max_body: int = 1 << 30, frame_timeout: float = 30.0, fallback_port: bool = False):
+                 max_body: int = MAX_BODY, frame_timeout: float = 30.0, fallback_port: bool = False,
+                 token: str | None = None):
         self.seed = int(seed)
         self.stats_interval = float(stats_interval)
         self.max_body = int(max_body)
         self.frame_timeout = float(frame_timeout)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self.rounds = Rounds()                   # guarded by self._lock
+        self.rounds = Rounds(token)              # guarded by self._lock
         self._conns: set[_Conn] = set()
         self._stopped = False
         self._started = time.monotonic()
@@ -124,7 +126,8 @@ class HostAggregator:
     def stats(self) -> dict:
         with self._lock:
             r = self.rounds
-            return {"label": HOST_AGG_LABEL, "port": self.port, "seed": self.seed,
+            return {"label": HOST_AGG_LABEL, "port": self.port, "seed": self.seed, "max_body": self.max_body,
+                    "token_required": r.token is not None,
                     "uptime_s": round(time.monotonic() - self._started, 3),
                     "counters": {**self._c, **r.counters, "connections_open": len(self._conns),
                                  "jobs_active": r.active_jobs()},
@@ -300,11 +303,12 @@ def _drain_and_close(sock: socket.socket, bound_s: float = 1.0, max_bytes: int =
 # the aggregator as a process of the switch service
 # ------------------------------------------------------------------------------------------------
 def _process_main(conn, host: str, port: int, fallback: bool, seed: int, stats_interval: float,
-                  log_level: str) -> None:
+                  log_level: str, max_body: int, token: str | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # the service process stops us (Ctrl-C reaches both)
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        agg = HostAggregator(host, port, seed=seed, stats_interval=stats_interval, fallback_port=fallback)
+        agg = HostAggregator(host, port, seed=seed, stats_interval=stats_interval, fallback_port=fallback,
+                             max_body=max_body, token=token)
     except OSError as e:
         conn.send(("err", f"host aggregator cannot listen on tcp {host}:{port}: {e}"))
         return
@@ -332,14 +336,14 @@ class HostAggregatorProcess:
     """
 
     def __init__(self, host: str, port: int, *, fallback: bool = False, seed: int = 0, stats_interval: float = 10.0,
-                 log_level: str = "INFO"):
+                 log_level: str = "INFO", max_body: int = MAX_BODY, token: str | None = None):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._lock = threading.Lock()
         self.host = host
         self.port: int | None = None
-        self.proc = ctx.Process(target=_process_main, args=(child, host, port, fallback, seed, stats_interval,
-                                                            log_level), name="ina-host-agg", daemon=True)
+        self.proc = ctx.Process(target=_process_main, name="ina-host-agg", daemon=True,
+                                args=(child, host, port, fallback, seed, stats_interval, log_level, max_body, token))
         self.proc.start()
         child.close()
 

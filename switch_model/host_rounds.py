@@ -17,6 +17,7 @@ HELLO is told why instead of starting a new job under the same id.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -28,8 +29,8 @@ from ina.host_wire import HOST_AGG_LABEL, JOB_ROUND, MAX_WORLD, Frame, FrameType
 
 log = logging.getLogger("ina.switch.host_agg")
 
-ERROR_REASONS = ("bad_magic", "bad_version", "bad_frame", "frame_too_large", "protocol", "mismatch", "timeout",
-                 "disconnect", "left", "unknown_codec", "bad_codec_options", "same_seed", "decode", "encode",
+ERROR_REASONS = ("bad_magic", "bad_version", "bad_frame", "frame_too_large", "bad_token", "protocol", "mismatch",
+                 "timeout", "disconnect", "left", "unknown_codec", "bad_codec_options", "same_seed", "decode", "encode",
                  "send_failed")
 CODEC_COUNTERS = ("rounds", "messages", "elements", "bytes_in", "bytes_out", "decode_s", "sum_s", "encode_s")
 ROUND_COUNTERS = ("rounds", "messages", "jobs_started", "jobs_finished", "jobs_aborted")
@@ -96,7 +97,8 @@ class Outcome:
 class Rounds:
     """Jobs, rounds and their counters (see the module doc)."""
 
-    def __init__(self):
+    def __init__(self, token: str | None = None):
+        self.token = token or None           # the switch service's shared token: HELLO must carry it
         self.jobs: dict[int, Job] = {}
         self.counters = dict.fromkeys(ROUND_COUNTERS, 0)
         self.errors = dict.fromkeys(ERROR_REASONS, 0)
@@ -152,6 +154,12 @@ class Rounds:
         if peer.job is not None:
             return self.refuse(peer, "protocol", f"a second HELLO (job {f.job} rank {f.rank}) on a connection that "
                                f"joined job {peer.job.id} as rank {peer.rank}", f.job, keep=False)
+        given = f.meta.get("token")
+        if self.token is not None and not (isinstance(given, str) and
+                                           hmac.compare_digest(given.encode(), self.token.encode())):
+            return self.refuse(peer, "bad_token", f"refused bad token from {peer.peer}: job {f.job} rank {f.rank}: "
+                               "HELLO needs the switch's shared token (INA_TOKEN) in its meta: "
+                               + ("none given" if given is None else "wrong token"), f.job, keep=False)
         try:
             timeout = float(f.meta.get("timeout", 30.0))
         except (TypeError, ValueError):

@@ -6,6 +6,7 @@ objects in threads of this process (real UDP on loopback).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 
@@ -200,7 +201,7 @@ TOKEN = "s3cret-for-the-test"
 
 @pytest.fixture(scope="module")
 def token_switch(tmp_path_factory):
-    sw = SwitchProc("--slots", "16", "--elements", "32", "--token", TOKEN, "--host-agg-port", "-1",
+    sw = SwitchProc("--slots", "16", "--elements", "32", "--token", TOKEN, "--host-agg-port", "0",
                     log_path=tmp_path_factory.mktemp("swt") / "switch.log")
     yield sw
     assert sw.terminate() == 0, sw.log()
@@ -259,6 +260,97 @@ def test_oversized_control_line_refused_without_growing_memory(token_switch):
     assert token_switch.stats()["control"]["refused"]["line_too_long"] == 3
 
 
+def test_host_aggregator_hello_without_the_token_is_refused_and_counted(token_switch, monkeypatch):
+    from ina.client import AllreduceError, Client
+    from ina.host_client import HostAggClient, host_aggregator_address
+    monkeypatch.delenv("INA_TOKEN", raising=False)
+    addr = host_aggregator_address(("127.0.0.1", token_switch.port))
+    before = token_switch.stats()["host_aggregator"]["errors"]["bad_token"]
+    with pytest.raises(AllreduceError, match="shared token .*none given"):
+        HostAggClient(addr, rank=0, world_size=1, job=91, timeout=5)
+    with pytest.raises(AllreduceError, match="wrong token"):
+        HostAggClient(addr, rank=0, world_size=1, job=91, timeout=5, token="guess")
+    hagg = token_switch.stats()["host_aggregator"]
+    assert hagg["token_required"] is True and hagg["errors"]["bad_token"] - before == 2
+    assert hagg["counters"]["jobs_started"] == 0                 # a refused HELLO starts no job
+    assert "refused bad token from 127.0.0.1" in token_switch.log()
+    # a Client with the token takes it to the aggregator too: a variable-length codec runs
+    with Client(("127.0.0.1", token_switch.port), rank=0, world_size=1, job=92, elements=8, slots=2, timeout=10,
+                token=TOKEN) as c:
+        x = np.linspace(-1, 1, 500).astype(np.float32)
+        c.allreduce(x, "3lc")
+        assert np.isfinite(x).all() and np.abs(x).max() > 0
+    assert token_switch.stats()["host_aggregator"]["counters"]["rounds"] == 1
+
+
+@pytest.fixture(scope="module")
+def limits_switch(tmp_path_factory):
+    sw = SwitchProc("--slots", "8", "--elements", "16", "--max-line", "4096", "--max-connections", "4",
+                    "--idle-timeout", "1", "--host-agg-port", "0", "--host-agg-max-body", "65536",
+                    log_path=tmp_path_factory.mktemp("swl") / "switch.log")
+    yield sw
+    assert sw.terminate() == 0, sw.log()
+
+
+def _exchange(port: int, payload: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``payload`` on a new control connection; the reply line (b"" if the switch closed without one)."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(payload)
+        except OSError:
+            pass
+        return s.makefile("rb").readline()
+
+
+def test_control_limits_from_the_command_line(limits_switch):
+    import json
+    import socket
+
+    from sw_harness import wait_until
+    port = limits_switch.port
+    ctl = limits_switch.stats()["control"]
+    assert (ctl["max_line"], ctl["max_connections"], ctl["idle_s"]) == (4096, 4, 1.0)
+    assert b"request line longer than 4096 bytes" in _exchange(port, b"x" * 5000 + b"\n")
+    assert b"no request within 1 s" in _exchange(port, b"")          # idle before any join: closed, told why
+    # four rendezvous that wait (world_size 5, one rank missing) hold every connection the switch allows
+    held = []
+    try:
+        for r in range(4):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            held.append(s)
+            s.sendall(json.dumps({"op": "join", "job": 5, "rank": r, "world_size": 5, "udp_port": 9,
+                                  "elements": 16, "slots": 2, "timeout": 3}).encode() + b"\n")
+        reply = wait_until(lambda: (lambda b: b if b"control connections" in b else None)(
+            _exchange(port, b'{"op": "stats"}\n')), 10, "a connection beyond the 4 to be refused")
+        assert b"4 control connections are already open" in reply, reply
+        for s in held:                                          # their rendezvous time out after 3 s
+            assert b"timed out after 3 s waiting for ranks" in s.makefile("rb").readline()
+    finally:
+        for s in held:
+            s.close()
+    wait_until(lambda: b'"ok": true' in _exchange(port, b'{"op": "stats"}\n'), 10, "the switch to serve stats again")
+    refused = limits_switch.stats()["control"]["refused"]
+    assert refused["line_too_long"] == 1 and refused["idle"] == 1 and refused["too_many_connections"] >= 1
+
+
+def test_host_aggregator_frame_beyond_the_declared_limit_refused_from_its_header(limits_switch):
+    """--host-agg-max-body: a frame declaring a larger body is refused as soon as its header is in."""
+    import socket
+
+    from ina.host_client import host_aggregator_address
+    from ina.host_wire import HEADER, MAGIC, VERSION, FrameType, recv_frame
+    addr = host_aggregator_address(("127.0.0.1", limits_switch.port))
+    assert limits_switch.stats()["host_aggregator"]["max_body"] == 65536
+    with socket.create_connection(addr, timeout=10) as s:
+        # the header only: the aggregator must answer without waiting for (or allocating) the body
+        s.sendall(HEADER.pack(MAGIC, VERSION, int(FrameType.DATA), 0, 1, 0, 1, 0, 0, 0, 0, 16385, 65537))
+        reply = recv_frame(s, max_body=1 << 20)
+    assert reply.type == FrameType.ERROR and reply.meta["reason"] == "frame_too_large", reply
+    assert "frame body of 65537 bytes exceeds the limit of 65536 bytes" in reply.text
+    assert limits_switch.stats()["host_aggregator"]["errors"]["frame_too_large"] == 1
+
+
 def test_serve_beyond_loopback_needs_a_token(tmp_path, monkeypatch):
     import subprocess
 
@@ -271,6 +363,10 @@ def test_serve_beyond_loopback_needs_a_token(tmp_path, monkeypatch):
     helptext = subprocess.run([PY, "-m", "switch_model", "serve", "--help"], cwd=ROOT, capture_output=True,
                               text=True, timeout=60, env=env).stdout
     assert "(default: 127.0.0.1)" in helptext and "default 512" in helptext and "(default: None)" not in helptext
+    flat = " ".join(helptext.split("options:")[-1].split())          # the option list, not the usage line
+    for flag, default in (("--max-line", "65536"), ("--max-connections", "512"), ("--idle-timeout", "60.0"),
+                          ("--host-agg-max-body", str(1 << 30))):
+        assert re.search(f"{flag} [A-Z_]+ .*?\\(default: {default}\\)", flat), (flag, helptext)
 
 
 # ------------------------------------------------------------------------------------------------
