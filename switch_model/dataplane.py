@@ -128,20 +128,22 @@ class DataPlane(NamedTuple):
     vals: np.ndarray       # (elements,) int64: the ALU's decoded chunk
     tx: np.ndarray         # (burst * MAX_WORKERS,) TX: the transmissions harvest planned
     peers: np.ndarray      # (worker addresses,) int64: source_key of the address each job's rank joined from
-    src: np.ndarray        # (4 * burst,) int64: source_key of each packet of the current burst
+    src: np.ndarray        # (burst,) int64: source_key of each packet of the current burst
     register_bits: int     # 32 or 64
     seed: int              # of the stochastic re-encoding
 
     @classmethod
     def allocate(cls, slots: int, elements: int, burst: int, stride: int, register_bits: int, seed: int,
                  peers: int) -> "DataPlane":
+        """``burst``: the most packets one pass hands the kernels (they do not check bounds: a pass of
+        more packets than ``burst`` would write beyond ``pkts``, ``src`` and ``tx``)."""
         sets = np.zeros(2 * slots, SET)
         sets["round_chunk"] = -1
         return cls(regs=np.zeros((2 * slots, elements), np.int64), sets=sets,
                    results=np.zeros((2 * slots, stride), np.uint8), jobs=np.zeros(MAX_JOBS, JOB),
                    counters=np.zeros(len(COUNTERS), np.int64), pkts=np.zeros(burst, PKT),
                    vals=np.zeros(elements, np.int64), tx=np.zeros(burst * MAX_WORKERS, TX),
-                   peers=np.full(peers, -1, np.int64), src=np.zeros(4 * burst, np.int64),
+                   peers=np.full(peers, -1, np.int64), src=np.zeros(burst, np.int64),
                    register_bits=int(register_bits), seed=int(seed))
 
     def reset_sets(self, lo: int, slots: int) -> None:

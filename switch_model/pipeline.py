@@ -31,6 +31,9 @@ log = logging.getLogger("ina.switch")
 COUNTERS, C = D.COUNTERS, D.C
 STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
 MAX_ACTIVE_JOBS = 64
+# the ingress impairments' side pool holds this many bursts (duplicates and held-back packets released
+# together with a received burst); one pass hands the kernels at most that many packets
+INGRESS_POOL_BURSTS = 4
 # burst-size histogram buckets: bucket b counts bursts of 2**b .. 2**(b+1) - 1 packets
 BURST_BUCKETS = 12
 
@@ -153,8 +156,9 @@ class Switch:
         self.rx = B.RxRing(self.sock, cfg.burst, stride)
         self.txq = B.TxBatch(self.sock, capacity=cfg.burst * MAX_WORKERS)
         # --- the data-plane state: registers, per-set metadata, job table, counters, burst scratch ---
-        self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, cfg.burst, stride, cfg.register_bits, cfg.seed,
-                                          MAX_ACTIVE_JOBS * MAX_WORKERS)
+        self.max_pass = INGRESS_POOL_BURSTS * cfg.burst      # the most packets one pass hands the kernels
+        self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, self.max_pass, stride, cfg.register_bits,
+                                          cfg.seed, MAX_ACTIVE_JOBS * MAX_WORKERS)
         self.counters = self.state.counters
         self.clock = StageClock()
         self._waited = 0
@@ -165,8 +169,8 @@ class Switch:
         self._replay_buf = np.zeros((cfg.burst, stride), np.uint8)
         self.ingress = Impairment(cfg.ingress)
         self.egress = Impairment(cfg.egress)
-        self._imp_buf = np.zeros((4 * cfg.burst, stride), np.uint8)     # the ingress impairments' side pool
-        self._imp_lens = np.zeros(4 * cfg.burst, np.int64)
+        self._imp_buf = np.zeros((self.max_pass, stride), np.uint8)     # the ingress impairments' side pool
+        self._imp_lens = np.zeros(self.max_pass, np.int64)
         self._commands: list = []
         self._cmd_lock = threading.Lock()
         self._stop = threading.Event()
@@ -255,6 +259,8 @@ class Switch:
 
     # buf / lens: the receive ring's (rx.buf, rx.lens) or the ingress side pool's, of the same types
     def stage_parse(self, buf, lens, n: int) -> None:
+        if n > self.max_pass:     # the kernels do not check bounds: refuse before they write beyond the scratch
+            raise RuntimeError(f"a pass of {n} packets exceeds the data plane's scratch of {self.max_pass}")
         self._parse(self.state, buf, lens, n)
 
     def stage_aggregate(self, buf, n: int) -> None:

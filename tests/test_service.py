@@ -394,3 +394,32 @@ def test_1000_allreduces_exact_under_5pct_loss_1pct_duplication_and_reordering(t
         assert st["occupancy"]["slots_allocated"] == 0                     # the job left: its slots are free
     finally:
         assert sw.terminate() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the ingress impairments release more packets at once than a receive burst
+# ------------------------------------------------------------------------------------------------
+def test_ingress_release_larger_than_a_burst_stays_exact_and_exits_cleanly(tmp_path):
+    """With a 4-packet burst and every packet held 20 ms at ingress (a third duplicated), one pass
+    hands the kernels far more than a burst. Their scratch must hold it: when it did not, the
+    kernels (which do not check bounds) wrote past it, results stayed exact, and the corrupted heap
+    crashed the switch at exit (SIGSEGV)."""
+    sw = SwitchProc("--slots", "64", "--elements", "64", "--burst", "4", "--ingress-delay-ms", "20",
+                    "--ingress-duplicate", "0.3", "--host-agg-port", "-1", log_path=tmp_path / "switch.log")
+    try:
+        clients = join_all(sw.port, 1, 4, elements=64, slots=32, timeout=30)
+        try:
+            for k in range(6):
+                xs = [np.random.default_rng([k, r, 11]).standard_normal(5000).astype(np.float32) for r in range(4)]
+                ref = bfp_reference([x.copy() for x in xs])
+                allreduce_all(clients, xs)
+                for r, x in enumerate(xs):
+                    assert np.array_equal(x.view(np.uint32), ref.view(np.uint32)), f"allreduce {k} rank {r} differs"
+        finally:
+            for c in clients:
+                c.close()
+        imp = sw.stats()["impairments"]["ingress"]
+        assert imp["delayed"] > 1000 and imp["duplicated"] > 0, imp
+    finally:
+        rc = sw.terminate()
+    assert rc == 0, f"the switch exited with {rc}:\n{sw.log()[-3000:]}"
