@@ -40,7 +40,8 @@ import numpy as np
 from numba import njit
 
 from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, from_numpy_like, to_numpy_f32
-from .encoding import Reader, be_bytes, element_count, finite_max_abs, pack_bits, packed_size, unpack_bits
+from .encoding import (Reader, be_bytes, element_count, finite_max_abs, flush_bits, pack_bits, packed_size, push_bits,
+                       unpack_bits)
 from .feedback import ErrorFeedbackMixin
 
 MAX_CODE_LEN = 56
@@ -65,24 +66,12 @@ def _dequantize(idx, wmin, step, out):
 
 @njit(cache=True)
 def _huffman_encode(sym, codes, lengths, out):
-    acc = np.uint64(0)
-    nacc = 0
-    pos = 0
+    acc, nacc, pos = np.uint64(0), 0, 0
     for i in range(sym.size):
         s = sym[i]
-        L = lengths[s]
-        if L == 0:
-            continue
-        acc = (acc << np.uint64(L)) | codes[s]
-        nacc += L
-        while nacc >= 8:
-            nacc -= 8
-            out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
-            pos += 1
-    if nacc > 0:
-        out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
-        pos += 1
-    return pos
+        if lengths[s]:
+            acc, nacc, pos = push_bits(acc, nacc, pos, codes[s], lengths[s], out)
+    return flush_bits(acc, nacc, pos, out)
 
 
 @njit(cache=True)
