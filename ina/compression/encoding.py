@@ -237,6 +237,13 @@ class Reader:
         dt = np.dtype(dtype).newbyteorder(">")
         return np.frombuffer(self.take(dt.itemsize, field).tobytes(), dt)[0]
 
+    def bits_and_range(self, bits_field: str, lo_field: str, hi_field: str, max_bits: int = 16):
+        """A u1 bit width (1..max_bits, checked) followed by a float32 range: (bits, lo, hi)."""
+        bits = int(self.scalar("u1", bits_field))
+        if not 1 <= bits <= max_bits:
+            raise ValueError(f"{self.what} message has {bits_field} = {bits} bits (valid: 1..{max_bits})")
+        return bits, float(self.scalar("f4", lo_field)), float(self.scalar("f4", hi_field))
+
     def rest(self) -> np.ndarray:
         out = self.buf[self.pos:]
         self.pos = self.buf.size

@@ -320,11 +320,7 @@ class EntropyAdaptiveHuffman(HostAggregated, ErrorFeedbackMixin, Codec):
     def decompress(self, enc: Encoded):
         n = element_count(enc.shape)
         rd = Reader(enc.codes, self.name)
-        nbits = int(rd.scalar("u1", "N"))
-        if not 1 <= nbits <= 16:
-            raise ValueError(f"{self.name} message has N = {nbits} bits (valid: 1..16)")
-        wmin = float(rd.scalar("f4", "w_min"))
-        wmax = float(rd.scalar("f4", "w_max"))
+        nbits, wmin, wmax = rd.bits_and_range("N", "w_min", "w_max")
         lengths, used = decode_codebook(rd, nbits, self.name)
         if lengths.max(initial=0) > MAX_CODE_LEN:
             raise ValueError(f"{self.name} codebook has a code of {int(lengths.max())} bits (max {MAX_CODE_LEN})")
