@@ -41,8 +41,9 @@ def fill(n: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int) -> str:
-    """The drop reason of a packet by the documented parse order ("ok" if it passes parsing)."""
+def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int, joined_source: bool = False) -> str:
+    """The drop reason of a packet by the documented parse order ("ok" if it passes parsing);
+    ``joined_source``: sent from the address its rank joined from (else it ends as foreign_source)."""
     ln = len(pkt)
     if ln < HDR or ln > stride:
         return "truncated"
@@ -69,16 +70,17 @@ def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int) -> str:
     c = int(h["chunk"])
     if c >= chunk_modulus(j.slots) or c % j.slots != pool or (c // j.slots) & 1 != shadow:
         return "slot_chunk_mismatch"
-    return "ok"
+    return "ok" if joined_source else "foreign_source"
 
 
 PARSE_REASONS = ("truncated", "bad_version", "bad_msg_type", "bad_payload_type", "unknown_job", "bad_length",
-                 "bad_count", "unknown_worker", "slot_out_of_range", "slot_chunk_mismatch")
+                 "bad_count", "unknown_worker", "slot_out_of_range", "slot_chunk_mismatch", "foreign_source")
 PROTOCOL_REASONS = ("payload_type_mismatch", "stale", "slot_busy", "retransmit_pending")
 
 
 def bad_packets(jobs: dict[int, JobSpec], stride: int):
-    """Strategy: (reason, packet bytes) with exactly that parse-stage drop reason."""
+    """Strategy: (reason, packet bytes) with exactly that parse-stage drop reason, for packets sent
+    from an address no rank joined from."""
     active = sorted(jobs)
     seeds = st.integers(0, 2**32 - 1)
     u16 = st.integers(0, 0xFFFF)
@@ -170,6 +172,13 @@ def bad_packets(jobs: dict[int, JobSpec], stride: int):
         return "slot_chunk_mismatch", header(**f) + fill(WIDTH[pt] * j.elements, draw(seeds))
 
     @st.composite
+    def foreign_source(draw):
+        """A packet valid in every field, claiming a joined rank, sent from another address."""
+        j = jobs[draw(job_st)]
+        pt = draw(ptype_st)
+        return "foreign_source", header(**valid_fields(draw, j, pt)) + fill(WIDTH[pt] * j.elements, draw(seeds))
+
+    @st.composite
     def random_packet(draw):
         pkt = fill(draw(st.integers(0, stride + 100)), draw(seeds))
         if draw(st.booleans()) and len(pkt) >= 2:     # random bytes behind a plausible start
@@ -178,8 +187,8 @@ def bad_packets(jobs: dict[int, JobSpec], stride: int):
         return reason, pkt
 
     return st.one_of(truncated(), bad_version(), bad_msg_type(), bad_payload_type(), unknown_job(), bad_length(),
-                     bad_count(), unknown_worker(), slot_out_of_range(), slot_chunk_mismatch(),
-                     random_packet().filter(lambda rp: rp[0] != "ok"))
+                     bad_count(), unknown_worker(), slot_out_of_range(), slot_chunk_mismatch(), foreign_source(),
+                     random_packet())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -303,6 +303,9 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
 # fuzzing while a real allreduce runs
 # ------------------------------------------------------------------------------------------------
 def test_fuzz_bad_packets_counted_by_reason_while_allreduce_runs(switch, tmp_path):
+    """Seeded (derandomized) bad packets: truncated, wrong versions and types, random bytes, bad
+    fields, and well-formed packets claiming a rank of either running job from a foreign address.
+    Each is counted under its documented drop reason; the switch stays up and both jobs stay exact."""
     port = switch.port
     stride = HEADER_SIZE + 8 * 64
     # the real job: two worker processes streaming bfp32 allreduces until told to stop
