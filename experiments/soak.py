@@ -9,7 +9,8 @@ others), and a new job with a new id starts. Every allreduce is block floating p
 checked, bit for bit, against the numpy reference of the same integer arithmetic
 (tests/sw_harness.bfp_reference). Reported: allreduces done and exact, losses, duplicates and
 reorderings the switch injected, the workers' retransmissions, the switch's resident memory after
-the first epoch and at the end, slots allocated at the end (0: every job's slots came back), time.
+the first epoch and at the end, slots allocated while each job runs and after its teardown, and at
+the end (0: every job's slots came back), time.
 
 Emulated: the impairments are the switch's user-space ingress/egress stages (docs/switch.md), on
 loopback UDP; nothing here says how a real network behaves.
@@ -54,6 +55,7 @@ def _run_epoch(sw, tmp: Path, epoch: int, args) -> dict:
     try:
         wait_until(lambda: all(w.progress(r) >= k for r in range(n)), args.timeout,
                    f"epoch {epoch}: {k} allreduces on every rank", interval=0.2)
+        slots_live = sw.stats()["occupancy"]["slots_allocated"]   # the running job's, before the kill
         victim = epoch % n
         w.procs[victim].send_signal(signal.SIGKILL)              # the chaos: a worker dies
         w.procs[victim].wait(timeout=30)
@@ -66,8 +68,8 @@ def _run_epoch(sw, tmp: Path, epoch: int, args) -> dict:
         exact += all(len(m["results"]) > i and np.array_equal(m["results"][i].view(np.uint32), ref)
                      for m in out.values())
     aborted = sum("aborted by the switch" in (m.get("error") or "") for m in out.values())
-    return {"allreduces": k, "exact": exact, "retransmissions": sum(m["stats"]["retransmissions"] for m in out.values()),
-            "killed_rank": victim, "survivors_told_by_abort": aborted}
+    retx = sum(m["stats"]["retransmissions"] for m in out.values())
+    return {"allreduces": k, "exact": exact, "retransmissions": retx, "killed_rank": victim, "survivors_told_by_abort": aborted, "slots_allocated_while_running": slots_live}
 
 
 def run(args) -> dict:
@@ -94,6 +96,7 @@ def run(args) -> dict:
                        f"epoch {e}: the killed job's slots to come back")
             rss.append(round(_rss_mib(sw.proc.pid), 2))
             x = epochs[-1]
+            x["slots_allocated_after"] = sw.stats()["occupancy"]["slots_allocated"]
             print(f"soak: epoch {e}: {x['exact']}/{x['allreduces']} exact, rank {x['killed_rank']} killed, "
                   f"{x['survivors_told_by_abort']} survivors told by ABORT, switch RSS {rss[-1]} MiB, "
                   f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -114,6 +117,8 @@ def run(args) -> dict:
         "survivors_told_by_abort": sum(x["survivors_told_by_abort"] for x in epochs),
         "rss_mib_at_start": round(rss_start, 2), "rss_mib_after_first_epoch": rss[0], "rss_mib_at_end": rss[-1],
         "rss_mib_per_epoch": rss,
+        "slots_allocated_per_epoch": {"while_running": [x["slots_allocated_while_running"] for x in epochs],
+                                      "after_teardown": [x["slots_allocated_after"] for x in epochs]},
         "slots_allocated_at_end": st["occupancy"]["slots_allocated"],
         "switch_drops": {k: v for k, v in st["drops"].items() if v},
         "switch_exit_status": rc, "switch_log": str(tmp / "switch.log"), "seconds": round(time.monotonic() - t0, 1),
