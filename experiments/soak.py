@@ -69,7 +69,8 @@ def _run_epoch(sw, tmp: Path, epoch: int, args) -> dict:
                      for m in out.values())
     aborted = sum("aborted by the switch" in (m.get("error") or "") for m in out.values())
     retx = sum(m["stats"]["retransmissions"] for m in out.values())
-    return {"allreduces": k, "exact": exact, "retransmissions": retx, "killed_rank": victim, "survivors_told_by_abort": aborted, "slots_allocated_while_running": slots_live}
+    return {"allreduces": k, "exact": exact, "retransmissions": retx, "killed_rank": victim,
+            "survivors_told_by_abort": aborted, "slots_allocated_while_running": slots_live}
 
 
 def run(args) -> dict:
