@@ -285,6 +285,9 @@ class Client(Worker):
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
         shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
+        if self.shards > 1 and self.tx.gso:      # each shard's packets in a row: one GSO message each
+            order = np.argsort(shard, kind="stable")
+            rows, shard = np.asarray(rows)[order], shard[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += len(rows) * pkt_len
@@ -464,7 +467,7 @@ class _Transfer:
         if self.tl:
             self.tl.mark("first_result")
         if E:
-            self.decode(jj, native(payload_view(buf[idx], self.result_type, E)))
+            self.decode(jj, native(payload_view(buf, self.result_type, E)[idx]))   # copies payloads only
         ld = self.ld
         first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
         if first_try.size:
@@ -473,7 +476,7 @@ class _Transfer:
             # is at most that long (so the tail probe has a bound from the first allreduce on)
             self.cl.rtt_min = min(self.cl.rtt_min, float(rtts.min()))
             if E:
-                self.cl._rtt_sample(float(np.median(rtts)))
+                self.cl._rtt_sample(float(np.partition(rtts, rtts.size // 2)[rtts.size // 2]))   # (upper) median
         self.exps[jj] = h["exponent"][idx]
         self.overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
         self.done[jj] = True
