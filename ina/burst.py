@@ -214,6 +214,7 @@ class TxBatch:
         n = rows.size
         if n == 0:
             return 0
+        uniform = np.ndim(lens) == 0 and np.ndim(addr_idx) == 0     # one length to one destination
         lens = np.broadcast_to(np.asarray(lens, dtype=np.uint64), (n,))
         aidx = np.broadcast_to(np.asarray(addr_idx, dtype=np.uint64), (n,))
         base, stride = _ptr(buf), buf.strides[0]
@@ -225,16 +226,20 @@ class TxBatch:
             self._iov["len"][:k] = lens[sl]
             pos = 0
             while pos < k:                       # again from ``pos`` after a GSO refusal
-                pos = self._send_entries(pos, k, lens[sl], aidx[sl], _ptr(addrs))
+                pos = self._send_entries(pos, k, lens[sl], aidx[sl], _ptr(addrs), uniform)
             self.sent_bytes += int(lens[sl].sum())
             done += k
         self.sent_packets += n
         return n
 
-    def _send_entries(self, pos: int, k: int, lens: np.ndarray, aidx: np.ndarray, abase: int) -> int:
+    def _send_entries(self, pos: int, k: int, lens: np.ndarray, aidx: np.ndarray, abase: int,
+                      uniform: bool = False) -> int:
         """Send iovec entries ``pos .. k-1`` as messages; returns k, or the entry to resume from when
-        the kernel refused GSO (which is then off)."""
-        if self.gso and k - pos > 1:
+        the kernel refused GSO (which is then off). ``uniform``: every entry has one length and one
+        destination (the runs are then evenly spaced)."""
+        if self.gso and k - pos > 1 and uniform:
+            starts = np.arange(pos, k, min(self.gso_max_segments, max(1, GSO_MAX_BYTES // max(1, int(lens[0])))))
+        elif self.gso and k - pos > 1:
             starts = pos + gso_runs(lens[pos:k], aidx[pos:k], self.gso_max_segments)
         else:
             starts = np.arange(pos, k)

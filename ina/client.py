@@ -284,10 +284,12 @@ class Client(Worker):
 
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
-        shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
-        if self.shards > 1 and self.tx.gso:      # each shard's packets in a row: one GSO message each
-            order = np.argsort(shard, kind="stable")
-            rows, shard = np.asarray(rows)[order], shard[order]
+        shard = 0
+        if self.shards > 1:
+            shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
+            if self.tx.gso:                      # each shard's packets in a row: one GSO message each
+                order = np.argsort(shard, kind="stable")
+                rows, shard = np.asarray(rows)[order], shard[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += len(rows) * pkt_len
