@@ -13,7 +13,8 @@ process per allreduce (median, mean over the workers; the primary figure on a sh
 ``INA_GSO=0`` in the environment turns UDP GSO off in workers and switch (to measure against it). Per codec, rank 0's timeline of its last allreduce (``<codec>_timeline``:
 negotiation, first send, window sent, first/last result, done; encode/decode CPU) and the switch's
 stage clock per allreduce (``<codec>_switch``: ms per stage, busy and waiting; mean burst) say where
-the time goes (docs/performance.md).
+the time goes (docs/performance.md). ``<codec>_negotiation`` splits rank 0's negotiation mark into
+the wait for the last worker's call (the barrier's exit skew) and the round trip after it.
 """
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ def timing_per_allreduce(a: dict, b: dict, count: int) -> dict:
     return {k: round(v, 3) for k, v in d.items()}
 
 
+def negotiation_split(starts, negotiated, last_start) -> dict:
+    """Rank 0's negotiation mark (s after its call) split into the wait for the last worker to call
+    (start skew after the barrier) and the round trip after that call; medians over the reps, ms."""
+    return {"rank0_mark_ms": round(float(np.median(negotiated)) * 1e3, 3),
+            "start_skew_ms": round(float(np.median(last_start - starts)) * 1e3, 3),
+            "after_last_start_ms": round(float(np.median(starts + negotiated - last_start)) * 1e3, 3)}
+
+
 def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -63,7 +72,7 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
         x = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
         row = {"workers": n, "bytes": nbytes, "elements": N}
         for method in ["gloo"] + codecs:
-            times, cpu = [], []
+            times, cpu, starts, negs = [], [], [], []
             t0 = switch_timing(sw_port) if rank == 0 and method != "gloo" else None
             for r in range(reps + 1):
                 y = x.clone()
@@ -77,13 +86,19 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
                 if r:                       # the first one warms caches up
                     times.append(dt)
                     cpu.append(dc)
+                    starts.append(t)        # perf_counter is CLOCK_MONOTONIC: one clock for every process
+                    negs.append((cl.last_timeline or {}).get("negotiated", np.nan) if method != "gloo" else np.nan)
             tt = torch.tensor([float(np.median(times))])
             dist.all_reduce(tt, op=dist.ReduceOp.MAX)      # the slowest worker's time
             row[method] = float(tt)
             cc = torch.tensor([float(np.median(cpu))])
             dist.all_reduce(cc)                            # CPU of all workers (process: Gloo's threads too)
             row[f"{method}_worker_cpu_ms"] = round(float(cc) / n * 1e3, 3)   # per worker
+            last_start = torch.tensor(starts, dtype=torch.float64)
+            dist.all_reduce(last_start, op=dist.ReduceOp.MAX)   # when the last worker called allreduce
             if t0 is not None:
+                row[f"{method}_negotiation"] = negotiation_split(np.array(starts), np.array(negs),
+                                                                 last_start.numpy())
                 row[f"{method}_switch"] = timing_per_allreduce(t0, switch_timing(sw_port), reps + 1)
                 row[f"{method}_timeline"] = cl.last_timeline
         if rank == 0:
