@@ -478,7 +478,7 @@ class _Transfer:
             # is at most that long (so the tail probe has a bound from the first allreduce on)
             self.cl.rtt_min = min(self.cl.rtt_min, float(rtts.min()))
             if E:
-                self.cl._rtt_sample(float(np.partition(rtts, rtts.size // 2)[rtts.size // 2]))   # (upper) median
+                self.cl._rtt_sample(float(np.median(rtts)))
         self.exps[jj] = h["exponent"][idx]
         self.overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
         self.done[jj] = True
