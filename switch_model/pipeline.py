@@ -491,6 +491,7 @@ class Switch:
         drops = {name: c.pop(name) for name in D.DROP_REASONS[1:]}
         c["parsed_ok"] = c.pop("ok")
         c["tx_refused"] = self.txq.refused     # sends the kernel refused after an ICMP port unreachable
+        c["tx_messages"] = self.txq.sent_messages   # what sendmmsg was handed: a GSO message counts once
         sets = self.state.sets
         sets_busy = int(((sets["round_chunk"] >= 0) & (sets["complete"] == 0)).sum())
         return {
@@ -498,7 +499,8 @@ class Switch:
             "config": {"port": self.port, "slots": self.cfg.slots, "elements": self.cfg.elements,
                        "register_bits": self.cfg.register_bits,
                        "register_memory_mib": round(self.cfg.register_memory() / 2**20, 3),
-                       "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst},
+                       "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst, "udp_gso": self.txq.gso,
+                       "udp_gso_refused": self.txq.gso_refused},
             "stages": list(STAGES),
             "counters": c,
             "timing": self.clock.to_dict(),
