@@ -116,7 +116,7 @@ def compute_only(warmup: int, steps: int) -> float:
 def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dict:
     prefix = topo.prefix if topo else None
     out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k == "INA_TOKEN"}  # the switch's token
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if codec is not None:   # "nc" or "nc@<bucket bytes>" (Horovod's INA_BUCKET_BYTES; 0: no overlap)
         codec, _, bucket = codec.partition("@")

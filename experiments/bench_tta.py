@@ -112,7 +112,7 @@ def worker(a) -> None:
 # ---- the launcher -------------------------------------------------------------------------------------------
 def run_one(workload: str, framework: str, method: str, switch: str | None, topo, a) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench_tta_")) / "r0.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k == "INA_TOKEN"}  # the switch's token
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     backend = "gloo"
     if method != "gloo":
