@@ -96,8 +96,9 @@ def horovodrun(np_: int, script: list[str], env: dict, what: str) -> subprocess.
 
 
 def torchrun(np_: int, script: list[str], env: dict, what: str) -> subprocess.CompletedProcess:
-    return run([PY, "-m", "torch.distributed.run", "--nproc-per-node", str(np_), "--master-port", str(free_port()),
-                *script], env, what)
+    # --standalone: the agent binds its rendezvous store to a port of its own choosing (port 0), so no
+    # other job on the machine can take the port between choosing it and binding it
+    return run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(np_), *script], env, what)
 
 
 def load_run(out: Path, np_: int) -> tuple[list[dict], list[dict]]:
