@@ -70,6 +70,17 @@ def finish(framework: str) -> None:
     dist.destroy_process_group()
 
 
+def ina_stats(framework: str, backend: str) -> dict | None:
+    """Rank 0's INA counters (what went through the switch, what fell back to Gloo), None without INA."""
+    if backend != "ina":
+        return None
+    if framework == "horovod":
+        import gloo_patch.horovod  # noqa: PLC0415
+        return gloo_patch.horovod.stats()
+    import torch.distributed as dist  # noqa: PLC0415
+    return dist.distributed_c10d._get_default_group().stats()
+
+
 def worker(a) -> None:
     import torch  # noqa: PLC0415
 
@@ -96,6 +107,7 @@ def worker(a) -> None:
             print(f"[bench_tta] step {step}/{a.steps} {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     train_s = time.perf_counter() - t0
     checksum = float(sum(float(p.detach().double().sum()) for p in module.parameters()))
+    ina = ina_stats(a.framework, a.backend)
     finish(a.framework)
     if rank != 0:
         return
@@ -105,7 +117,7 @@ def worker(a) -> None:
         curve.append({"step": step, "seconds": secs, "accuracy": accuracy(module, test)})
     Path(a.out).write_text(json.dumps({
         "curve": curve, "final_accuracy": curve[-1]["accuracy"], "train_s": train_s, "steps": a.steps,
-        "median_step_s": statistics.median(step_times), "checksum_rank0": checksum,
+        "median_step_s": statistics.median(step_times), "checksum_rank0": checksum, "ina": ina,
         "params": sum(p.numel() for p in module.parameters()), "tensors": sum(1 for _ in module.parameters())}))
 
 
