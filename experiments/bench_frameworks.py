@@ -213,7 +213,8 @@ def main(argv=None) -> int:
     if a.rate:
         from ina.net import Topology  # noqa: PLC0415
         topo = Topology(workers=2, rate=a.rate).__enter__()
-    results = {"target": target(a.rate), "emulated": f"2 ranks, each in its own network namespace behind a {a.rate} link (tbf/htb), "
+    results = {"target": target(a.rate),
+               "emulated": f"2 ranks, each in its own network namespace behind a {a.rate} link (tbf/htb), "
                            "switch in host sw" if a.rate else "2 ranks on loopback (no shaping)",
                "compute_only_s": compute_only(a.warmup, a.steps), "runs": []}
     if not a.json:
@@ -235,7 +236,8 @@ def main(argv=None) -> int:
                         print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step  "
                               f"{ratio:.2f}x Gloo's time ({base['median_s'] * 1e3:.1f} ms; target {target(a.rate)}: "
                               f"{'met' if meets(ratio, a.rate) else 'not met'})" + (
-                                  f"  {ov['buckets_per_step']:.1f} buckets/step, switch {ov['switch_s_per_step'] * 1e3:.1f}"
+                                  f"  {ov['buckets_per_step']:.1f} buckets/step, switch "
+                                  f"{ov['switch_s_per_step'] * 1e3:.1f}"
                                   f" ms/step, {100 * ov['overlapped_fraction']:.0f}% of it during backward, exposed "
                                   f"{ov['exposed_s_per_step'] * 1e3:.1f} ms" if ov else ""), flush=True)
         finally:

@@ -7,7 +7,7 @@ For every workload (``experiments.tta_workloads``: ``resnet``, a ResNet-style co
 digits; ``embedding``, an EmbeddingBag text classifier on a synthetic topic corpus), framework
 (``horovod``: ``hvd.DistributedOptimizer`` through ``horovodrun``; ``ddp``: DDP through ``torchrun``,
 backend ``gloo`` for the baseline and ``ina`` for the INA methods), link rate and method (``gloo``, or an
-INA codec: ``nc``, ``bfp32``, ``nd``, ``3lc-3v``, ``terngrad``, ...), 2 ranks train the same number of
+INA codec: ``nc``, ``bfp32``, ``nd``, ``3lc-3v``, ``terngrad``, ...), ``--ranks`` (2) ranks train the same number of
 steps from the same seed, each in its own network namespace behind a shaped link (``ina.net.Topology``,
 tbf/htb; ``gloo_patch.netns_rank``), the switch in host ``sw``; Gloo's ring traffic crosses the same
 links. Rate ``loopback``: no namespaces, no shaping.
@@ -135,9 +135,10 @@ def run_one(workload: str, framework: str, method: str, switch: str | None, topo
           "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--out", str(out)]
     shim = [PY, "-m", "gloo_patch.netns_rank", "--prefix", topo.prefix, "--"] if topo else []
     if framework == "horovod":
-        cmd = [PY, "-m", "gloo_patch.rendezvous_fix", "-np", "2", "-H", "localhost:2", "--gloo", *shim, *me]
+        cmd = [PY, "-m", "gloo_patch.rendezvous_fix", "-np", str(a.ranks), "-H", f"localhost:{a.ranks}", "--gloo",
+               *shim, *me]
     else:
-        cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(a.ranks), "--master-port", str(free_port()),
                "--no-python", *shim, *me]
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
@@ -155,8 +156,9 @@ def time_to(curve: list[dict], target: float) -> float | None:
 def summarise(runs: list[dict], margin: float) -> None:
     """Adds, to every run, Gloo's numbers (same workload, framework, rate) and the ratios."""
     for r in runs:
-        base = next((b for b in runs if b["method"] == "gloo" and all(b[k] == r[k] for k in
-                                                                      ("workload", "framework", "rate"))), None)
+        same = ("workload", "framework", "rate")
+        base = next((b for b in runs if b["method"] == "gloo" and all(b[k] == r[k] for k in same)
+                     and b.get("ranks", 2) == r.get("ranks", 2)), None)
         if base is None:
             continue
         target = base["final_accuracy"] - margin / 100
@@ -178,7 +180,7 @@ def switch_for(topo):
 def run_rate(rate: str, a, results: dict, save) -> None:
     from ina.net import Topology  # noqa: PLC0415
 
-    topo = None if rate == "loopback" else Topology(workers=2, rate=rate).__enter__()
+    topo = None if rate == "loopback" else Topology(workers=a.ranks, rate=rate).__enter__()
     try:
         sw = switch_for(topo)
         addr = f"{topo.host('sw').ip if topo else '127.0.0.1'}:{sw.port}"
@@ -187,15 +189,17 @@ def run_rate(rate: str, a, results: dict, save) -> None:
                 for framework in a.frameworks:
                     for method in a.methods:
                         key = dict(workload=workload, framework=framework, method=method, rate=rate)
-                        if any(all(r[k] == v for k, v in key.items()) for r in results["runs"]):
+                        if any(all(r[k] == v for k, v in key.items()) and r.get("ranks", 2) == a.ranks
+                               for r in results["runs"]):
                             continue        # --resume: already measured
                         r = run_one(workload, framework, method, addr, topo, a)
-                        r.update(key)
+                        r.update(key, ranks=a.ranks)
                         results["runs"].append(r)
                         summarise(results["runs"], a.target_margin)
                         print(f"[bench_tta] {rate:8s} {workload:9s} {framework:7s} {method:8s} "
                               f"acc {100 * r['final_accuracy']:5.2f}% ({r.get('accuracy_vs_gloo_points', 0):+.2f} pts "
-                              f"vs Gloo)  train {r['train_s']:6.1f}s ({r.get('speedup_vs_gloo', 1):.2f}x Gloo's speed)  "
+                              f"vs Gloo)  train {r['train_s']:6.1f}s "
+                              f"({r.get('speedup_vs_gloo', 1):.2f}x Gloo's speed)  "
                               f"{1e3 * r['median_step_s']:.0f} ms/step", file=sys.stderr, flush=True)
                         save()
         finally:
@@ -214,36 +218,37 @@ def plot(results: dict, path: Path) -> None:
     from experiments.plot_style import legend_label, style  # noqa: PLC0415
 
     runs = results["runs"]
-    panels = list(dict.fromkeys((r["workload"], r["framework"], r["rate"]) for r in runs))
+    panels = list(dict.fromkeys((r["workload"], r["framework"], r["rate"], r.get("ranks", 2)) for r in runs))
     cols = min(4, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
-    for ax, (wl, fw, rate) in zip(axes.flat, panels):
-        for r in (r for r in runs if (r["workload"], r["framework"], r["rate"]) == (wl, fw, rate)):
+    for ax, (wl, fw, rate, ranks) in zip(axes.flat, panels):
+        for r in (r for r in runs if (r["workload"], r["framework"], r["rate"], r.get("ranks", 2))
+                  == (wl, fw, rate, ranks)):
             m = "gloo" if r["method"] == "gloo" else f"ina:{r['method']}"
             s = style(m)
             ax.plot([0] + [c["seconds"] for c in r["curve"]], [None] + [100 * c["accuracy"] for c in r["curve"]],
                     color=s.colour, marker=s.marker, linestyle=s.linestyle, markersize=4, label=legend_label(m))
-        ax.set_title(f"{wl}, {'Horovod' if fw == 'horovod' else 'DDP'}, {rate}", fontsize=9)
+        ax.set_title(f"{wl}, {'Horovod' if fw == 'horovod' else 'DDP'}, {ranks} ranks, {rate}", fontsize=9)
         ax.set_xlabel("training wall-clock (s)")
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle("Time to accuracy, 2 ranks, each behind its own emulated link (tbf/htb); same steps per method",
+    fig.suptitle("Time to accuracy: ranks each behind its own emulated link (tbf/htb), same steps per method",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | framework | rate | method | final acc. (%) | vs Gloo (points) | train time (s) | "
+    lines = ["| workload | framework | ranks | rate | method | final acc. (%) | vs Gloo (points) | train time (s) | "
              "speed vs Gloo | time to Gloo's final - 0.5 pt (s) | ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         tta = r.get("time_to_target_s")
-        lines.append(f"| {r['workload']} | {r['framework']} | {r['rate']} | {r['method']} | "
+        lines.append(f"| {r['workload']} | {r['framework']} | {r.get('ranks', 2)} | {r['rate']} | {r['method']} | "
                      f"{100 * r['final_accuracy']:.2f} | {r.get('accuracy_vs_gloo_points', 0):+.2f} | "
                      f"{r['train_s']:.1f} | {r.get('speedup_vs_gloo', 1):.2f}x | "
                      f"{'not reached' if tta is None else f'{tta:.1f}'} | {1e3 * r['median_step_s']:.0f} |")
@@ -254,9 +259,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="resnet,embedding")
     ap.add_argument("--frameworks", default="horovod,ddp")
-    ap.add_argument("--methods", default="gloo,bfp32,nc", help="gloo and INA codecs (nc, bfp32, nd, 3lc-3v, terngrad, ...)")
+    ap.add_argument("--methods", default="gloo,bfp32,nc",
+                    help="gloo and INA codecs (nc, bfp32, nd, 3lc-3v, terngrad, ...)")
     ap.add_argument("--rates", default="100mbit,1gbit", help="link rates; 'loopback': no namespaces, no shaping")
     ap.add_argument("--steps", default="resnet=400,embedding=400", help="steps per workload (same for every method)")
+    ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16, help="per-rank batch")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
@@ -282,7 +289,7 @@ def main(argv=None) -> int:
     if bad := [f for f in a.frameworks if f not in ("horovod", "ddp")]:
         ap.error(f"unknown framework {bad[0]!r} (expected horovod, ddp)")
     a.steps = {k: int(v) for k, v in (kv.split("=") for kv in a.steps.split(","))}
-    results = {"emulated": "2 ranks, each in its own network namespace behind a shaped link (tbf/htb), switch "
+    results = {"emulated": f"{a.ranks} ranks, each in its own network namespace behind a shaped link (tbf/htb), switch "
                            "in host sw; Gloo's ring crosses the same links", "args": sys.argv[1:], "runs": []}
 
     if (a.resume or a.report_only) and a.json and Path(a.json).exists():
