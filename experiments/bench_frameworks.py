@@ -128,6 +128,7 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
                "tensors": n_tensors, "params": n_params}
         if kind == "ddp-ina":
             res["overlap"] = overlap(hook.timeline(), windows)
+            res["client"] = hook.stats()["client"]
         Path(out).write_text(json.dumps(res))
 
 

@@ -70,15 +70,19 @@ def finish(framework: str) -> None:
     dist.destroy_process_group()
 
 
-def ina_stats(framework: str, backend: str) -> dict | None:
-    """Rank 0's INA counters (what went through the switch, what fell back to Gloo), None without INA."""
+def ina_stats(framework: str, backend: str, windows) -> dict | None:
+    """Rank 0's INA counters (what went through the switch, what fell back to Gloo; DDP: the overlap of
+    the switch with backward over the steps' ``windows``), None without INA."""
     if backend != "ina":
         return None
     if framework == "horovod":
         import gloo_patch.horovod  # noqa: PLC0415
         return gloo_patch.horovod.stats()
     import torch.distributed as dist  # noqa: PLC0415
-    return dist.distributed_c10d._get_default_group().stats()
+
+    from experiments.bench_frameworks import overlap  # noqa: PLC0415
+    pg = dist.distributed_c10d._get_default_group()
+    return {**pg.stats(), "overlap": overlap(pg.timeline(), windows)}
 
 
 def worker(a) -> None:
@@ -92,7 +96,7 @@ def worker(a) -> None:
     rank, model, opt = setup(a.framework, a.backend, module)
     lr0 = LR[a.workload]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr0 * (1 - s / a.steps))
-    checkpoints, step_times = [], []
+    checkpoints, step_times, windows = [], [], []
     t0 = time.perf_counter()
     for step in range(1, a.steps + 1):
         x, y = train.sample(a.batch)
@@ -102,12 +106,13 @@ def worker(a) -> None:
         opt.step()
         sched.step()
         step_times.append(time.perf_counter() - ts)
+        windows.append((ts, ts + step_times[-1]))
         if rank == 0 and (step % a.eval_every == 0 or step == a.steps):
             checkpoints.append((step, time.perf_counter() - t0, copy.deepcopy(module.state_dict())))
             print(f"[bench_tta] step {step}/{a.steps} {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     train_s = time.perf_counter() - t0
     checksum = float(sum(float(p.detach().double().sum()) for p in module.parameters()))
-    ina = ina_stats(a.framework, a.backend)
+    ina = ina_stats(a.framework, a.backend, windows[len(windows) // 5:])
     finish(a.framework)
     if rank != 0:
         return
