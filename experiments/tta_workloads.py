@@ -1,16 +1,16 @@
 """Two real training workloads whose data are generated locally (no download), for time-to-accuracy.
 
 ``resnet``: a ResNet-style conv net (a stem, three stages of one residual BasicBlock each at 32/64/128
-channels, global average pooling, a linear head: 14 parameter tensors plus BatchNorm's, about 300k
+channels, global average pooling, a linear head: 29 parameter tensors, 308,650
 parameters) on 3x32x32 colour images. The images are scikit-learn's handwritten digits (1797 8x8 scans
 shipped inside the package), upsampled to 20x20, placed at a random offset on a 32x32 canvas, given a
 random foreground and background colour, and noise. Train and test images come from disjoint sets
 of scans (1437 / 360), so the test accuracy measures generalisation to unseen writers' digits.
 
 ``embedding``: a bag-of-tokens text classifier (``nn.EmbeddingBag`` of 8000 x 48 with dense gradients, a
-hidden layer, 8 classes; about 390k parameters, 93 % of them the embedding table) on a synthetic
+hidden layer, 8 classes; 387,656 parameters, 99 % of them the embedding table) on a synthetic
 corpus: every class has a topic (a sparse distribution over 300 of the 8000 tokens, overlapping between
-classes), and a document of 32 tokens draws each token from its class's topic with probability 0.2,
+classes), and a document of 32 tokens draws each token from its class's topic with probability 0.3,
 else from a Zipf background over the whole vocabulary; 5 % of the labels are flipped. The
 Bayes-optimal accuracy is below 100 %.
 
