@@ -244,7 +244,7 @@ def plot(results: dict, path: Path) -> None:
     fig.suptitle("Time to accuracy: ranks each behind its own emulated link (tbf/htb), same steps per method",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
 
 
 def table(results: dict) -> str:
