@@ -231,6 +231,13 @@ def resolve(ap, args) -> None:
                      "use --tp-sizes none --acc-steps 0 (the defaults under --dilation)")
         args.tp_sizes, args.acc_steps = "none", 0
     k = args.dilation if isinstance(args.dilation, float) else 1.0
+    if args.dilation is None and args.rates:
+        from ina.net import RateError, parse_rate
+        for r in args.rates.split(","):
+            try:
+                parse_rate(r)          # real time: the rate is shaped as given (tbf's cap applies)
+            except RateError as e:
+                ap.error(f"{e}; a faster target needs --target-rates with --dilation")
     args.worker_timeout = Dilation(k).stretch(args.timeout)
     args.max_elements = prof.elements or 8192
 

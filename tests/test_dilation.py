@@ -24,6 +24,8 @@ def test_shaped_rate_and_times_follow_the_factor():
     d = Dilation(100)
     assert parse_rate(d.shaped_rate("10gbit")) == pytest.approx(1e8)
     assert parse_rate(d.shaped_rate("25gbit")) == pytest.approx(2.5e8)
+    assert parse_rate(Dilation(32000).shaped_rate("100gbit")) == pytest.approx(3.125e6)   # beyond tbf's cap: a target
+    assert parse_rate(Dilation(10).shaped_rate("10gbit")) == pytest.approx(1e9)
     assert d.stretch(0.02) == pytest.approx(2.0) and d.report(3.0) == pytest.approx(0.03)
     assert d.label == "dilated x100" and Dilation().label == "real time"
     assert Dilation().shaped_rate("unlimited") == "unlimited"
@@ -83,6 +85,8 @@ def test_delays_and_timeouts_scale_with_the_factor():
     (["--target-rates", "10gbit", "--dilation", "10", "--tp-sizes", "resnet110"], "cannot be dilated"),
     (["--profile", "asic9"], "unknown switch profile 'asic9'"),
     (["--codec-gbps", "0"], "--codec-gbps 0.0: expected a positive speed"),
+    (["--rates", "100gbit"], "above tbf's 32-bit limit of 34.360gbit (about 34 gbit); a faster target needs "
+                             "--target-rates with --dilation"),
 ])
 def test_bad_dilation_settings_are_named(argv, error, capsys):
     ap = build_parser()
