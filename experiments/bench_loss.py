@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rate", default=None, help="emulated link rate per worker, e.g. 100mbit (root); "
                     "default: loopback")
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                    help="settings to run (the first is the reference of the ratios; default: all)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
         return 0
     if len(a.reps) != len(a.sizes):
         ap.error(f"--reps needs one count per size ({len(a.sizes)}), got {len(a.reps)}")
-    rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.seed, SETTINGS, a.rate)
+    rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.seed, {k: SETTINGS[k] for k in a.settings}, a.rate)
     if a.json:
         print(json.dumps({"benchmark": "allreduce_under_loss", "links": f"emulated {a.rate} per worker (tbf)" if a.rate else "loopback",
                           "impairments": "switch user-space impairments, both directions",

@@ -7,11 +7,17 @@ back); it is resent at once, as TCP's fast retransmit does, instead of waiting f
 switch makes a resend safe in either case: a worker whose bit is already set only reads (a replay
 of the stored result if the round completed, a drop if it did not).
 
-Three rules, in the order a lost chunk meets them:
+Four rules, in the order a lost chunk meets them:
 
 1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived;
 2. **reordering window** (RACK-style): results of at least one chunk sent after it arrived, and it
-   has been out for longer than ``1.25 x srtt + REO_FLOOR``: a late chunk, not a reordered one;
+   has been out for longer than ``1.25 x srtt + REO_FLOOR``: a late chunk, not a reordered one.
+   A chunk resent before meets rules 1 and 2 only once it has been out for that window times
+   ``2 ** (resends - 1)``: every rank sees a peer's lost data packet as a missing result and resends,
+   and results of later chunks keep arriving until the peer's own resend gets there.
+   "Sent after it" counts only *witnesses*: not a resent chunk (Karn's ambiguity), nor a chunk whose
+   send waited for a replay of a result this rank lost (the peers sent it long before, so its result
+   comes back at once, ahead of chunks sent here earlier that wait for the peers);
 3. **tail probe** (nothing sent after it arrived, or everything after it was lost too): no result
    at all arrived for a probe timeout ``PTO = 2 x rtt_min + 4 x spacing`` (at least ``min_rto``),
    where ``rtt_min`` is the fastest round trip a chunk took (no queue ahead of it) and ``spacing``
@@ -42,12 +48,16 @@ class LossDetector:
         self.seq = np.zeros(n, np.int64)           # send order of the chunk's last send
         self.later = np.zeros(n, np.int64)         # results of chunks sent after it, since its last send
         self.tries = np.zeros(n, np.int64)         # resends so far (Karn: no RTT sample from these)
+        self.witness = np.ones(n, bool)            # its result may count against chunks sent before it
         self._next_seq = 1
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
 
-    def sent(self, chunks: np.ndarray, now: float) -> None:
-        """``chunks`` went out (first time or again) at ``now``, in this order."""
+    def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
+        """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the
+        chunk went out here later than at the peers (its send waited for a replay of a result this rank
+        lost), so its result may come back before those of chunks sent here earlier without a loss."""
         k = len(chunks)
+        self.witness[chunks] = witness
         if self._next_seq == 1:
             self.last_arrival = now
         self.sent_at[chunks] = now
@@ -64,8 +74,9 @@ class LossDetector:
     def delivered(self, chunks: np.ndarray, pending: np.ndarray, now: float) -> None:
         """Results of ``chunks`` arrived; count them against every still ``pending`` chunk sent before."""
         self.last_arrival = now
-        chunks = chunks[self.tries[chunks] == 0]   # a resent chunk's result may answer its first send:
-        if not (len(chunks) and len(pending)):      # it says nothing of the order (Karn's ambiguity)
+        # a resent chunk's result may answer its first send: it says nothing of the order (Karn's ambiguity)
+        chunks = chunks[(self.tries[chunks] == 0) & self.witness[chunks]]
+        if not (len(chunks) and len(pending)):
             return
         arrived = np.sort(self.seq[chunks])
         self.later[pending] += arrived.size - np.searchsorted(arrived, self.seq[pending], side="right")
@@ -81,7 +92,12 @@ class LossDetector:
         backoff = 2.0 ** self.tries[pending]
         fast = later >= DUPTHRESH
         if srtt is not None:
-            fast |= (later > 0) & (age > 1.25 * srtt + REO_FLOOR)
+            window = 1.25 * srtt + REO_FLOOR
+            fast |= (later > 0) & (age > window)
+            # a resent chunk's result may be late because a peer has yet to resend its own packet (every
+            # rank sees a lost data packet as missing): resent again only after the reordering window,
+            # doubled per resend, not whenever results of chunks sent after it arrive
+            fast &= age > window * np.where(self.tries[pending] > 0, backoff / 2, 0.0)
         timed_out = ~fast & (age > np.minimum(rto * backoff, max_rto))
         probe = np.zeros_like(fast)
         if pto is not None and now - self.last_arrival > pto:
@@ -90,4 +106,4 @@ class LossDetector:
 
     def resent(self, chunks: np.ndarray, now: float) -> None:
         self.tries[chunks] += 1
-        self.sent(chunks, now)
+        self.sent(chunks, now, self.witness[chunks])
