@@ -9,8 +9,11 @@ the same invocation and is the reference of every ratio. Loss, duplication and r
 switch's user-space impairments (this kernel has no netem), applied in both directions (worker ->
 switch and switch -> worker) with the given probability each. Every result is compared bit for bit
 with the lossless run's: a mismatch fails the benchmark. The client counters say how each loss was
-recovered: fast retransmissions (a later chunk's result arrived first) or timeouts.
-Progress goes to stderr.
+recovered: fast retransmissions (a later chunk's result arrived first), tail probes or timeouts;
+``needed_resends`` is what the switch's drop counts make necessary (a lost data packet: one resend
+per worker, none can tell whose packet it was; a lost result: one), so resends above it are
+spurious. The "impairment path on, no loss" setting runs the impairment stages without dropping
+anything: what the emulator's impairment path costs by itself. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ SETTINGS = {                      # name: impairment of each direction
     "loss 1%": {"loss": 0.01},
     "loss 2% + dup 2% + reorder 2%": {"loss": 0.02, "duplicate": 0.02, "reorder": 0.02},
 }
+TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
 COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
             "duplicate_results")
 
@@ -166,6 +170,9 @@ def _run_all(links: Links, port: int, n: int, sizes: list[int], reps: dict, seed
             row = {"workers": n, "elements": elements, "setting": name, "impairment_each_direction": imp,
                    "allreduces": r, "time_per_allreduce_s": per, "vs_lossless": per / ref_time,
                    "exact": exact, **counters}
+            if name in TARGETS:
+                row["target_vs_lossless"] = TARGETS[name]
+                row["meets_target"] = per / ref_time <= TARGETS[name]
             rows.append(row)
             log(f"{elements} elements, {name}: {per * 1e3:.2f} ms per allreduce ({per / ref_time:.2f}x lossless),"
                 f" fast {counters['fast_retransmissions']}, probes {counters['probe_retransmissions']},"

@@ -9,7 +9,9 @@ of the stored result if the round completed, a drop if it did not).
 
 Four rules, in the order a lost chunk meets them:
 
-1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived;
+1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived; at the
+   stream's end, with every chunk sent and fewer than 4 outstanding, one less than the outstanding
+   count (early retransmit, RFC 5827: a loss among the last chunks needs no probe);
 2. **reordering window** (RACK-style): results of at least one chunk sent after it arrived, and it
    has been out for longer than ``1.25 x srtt + REO_FLOOR``: a late chunk, not a reordered one.
    A chunk resent before meets rules 1 and 2 only once it has been out for that window times
@@ -90,7 +92,7 @@ class LossDetector:
         age = now - self.sent_at[pending]
         later = self.later[pending]
         backoff = 2.0 ** self.tries[pending]
-        fast = later >= DUPTHRESH
+        fast = later >= self._threshold(pending, later)
         if srtt is not None:
             window = 1.25 * srtt + REO_FLOOR
             fast |= (later > 0) & (age > window)
@@ -103,6 +105,15 @@ class LossDetector:
         if pto is not None and now - self.last_arrival > pto:
             probe[np.flatnonzero(~fast & ~timed_out & (age > np.minimum(pto * backoff, max_rto)))[:1]] = True
         return pending[fast], pending[probe], pending[timed_out]
+
+    def _threshold(self, pending: np.ndarray, later: np.ndarray) -> int:
+        """DUPTHRESH, or less at the stream's end (early retransmit, RFC 5827): once every chunk went
+        out and fewer than DUPTHRESH + 1 are outstanding (the pending ones and the results that came
+        after the oldest), one less than that many."""
+        if self.seq[-1] == 0 or not (self.seq > 0).all():
+            return DUPTHRESH
+        outstanding = len(pending) + int(later[np.argmin(self.seq[pending])])
+        return max(1, min(DUPTHRESH, outstanding - 1))
 
     def resent(self, chunks: np.ndarray, now: float) -> None:
         self.tries[chunks] += 1

@@ -224,3 +224,24 @@ def test_spurious_retransmissions_stay_rare_without_reordering(tmp_path):
     fast = sum(m["stats"]["fast_retransmissions"] for m in out.values())
     assert fast <= N * dropped, (fast, imp)
     _check_exact(out, ops, N)
+
+
+def test_early_retransmit_near_the_end_of_the_stream():
+    """With every chunk sent and fewer than 4 outstanding, the threshold is one less than the
+    outstanding count (RFC 5827); with more outstanding it stays DUPTHRESH."""
+    ld = LossDetector(5)
+    ld.sent(np.arange(5), now=0.0)
+    ld.delivered(np.array([0, 1, 2]), np.array([3, 4]), now=1e-4)
+    ld.delivered(np.array([4]), np.array([3]), now=2e-4)
+    fast, _, _ = ld.lost(np.array([3]), now=2e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.tolist() == [3]                # 2 outstanding (3 and 4), chunk 4's result came
+    ld = LossDetector(5)
+    ld.sent(np.arange(5), now=0.0)
+    ld.delivered(np.array([0, 1, 4]), np.array([2, 3]), now=1e-4)
+    fast, _, _ = ld.lost(np.array([2, 3]), now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.size == 0                      # 3 outstanding, one result after them: below 2
+    ld = LossDetector(8)
+    ld.sent(np.arange(6), now=0.0)             # chunks 6, 7 not sent yet: no early retransmit
+    ld.delivered(np.array([0, 1, 2, 3, 5]), np.array([4]), now=1e-4)
+    fast, _, _ = ld.lost(np.array([4]), now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.size == 0
