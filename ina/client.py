@@ -264,15 +264,18 @@ class Client(Worker):
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - r)
             self.srtt = 0.875 * self.srtt + 0.125 * r
 
-    def current_rto(self) -> float:
+    def current_rto(self, queued: float = 0.0) -> float:
         """Retransmission timeout, the safety net of :mod:`ina.recovery`: srtt + 4 rttvar of the chunks'
         measured round trips (RFC 6298 with Karn's rule), at least ``rto`` and at most ``max_rto``. It
         resends every chunk it finds late, so it stays well above a round trip: a whole window waiting
         for a slow peer would otherwise be resent again and again (fast retransmission and the tail
-        probe find real losses much sooner)."""
+        probe find real losses much sooner). ``queued``: the serialisation time of the chunks in flight
+        (their count x the result spacing); the last of a window on a slow link waits that long in the
+        link's queue, so the timeout is at least the fastest round trip plus twice that."""
+        floor = self.rto if math.isinf(self.rtt_min) else max(self.rto, self.rtt_min + 2 * queued)
         if self.srtt is None:
-            return self.rto
-        return min(self.max_rto, max(self.rto, self.srtt + 4 * self.rttvar))
+            return min(self.max_rto, floor)
+        return min(self.max_rto, max(floor, self.srtt + 4 * self.rttvar))
 
     def probe_timeout(self, spacing: float) -> float | None:
         """How long a silence (no result at all) may last while chunks are out before the oldest is
@@ -517,7 +520,8 @@ class _Transfer:
         cl = self.cl
         pending = self.ld.pending(self.low, self.max_sent, self.done)
         if self.drained:
-            fast, probe, late = self.ld.lost(pending, now, cl.srtt, cl.current_rto(), cl.max_rto,
+            queued = (self.n_sent - self.n_done) * self.per_pkt
+            fast, probe, late = self.ld.lost(pending, now, cl.srtt, cl.current_rto(queued), cl.max_rto,
                                              cl.probe_timeout(self.per_pkt))
         else:   # results may still wait in the socket (after a stall): no silence, no timeout yet
             fast, probe, late = self.ld.lost(pending, now, cl.srtt, math.inf, math.inf, None)

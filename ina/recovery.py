@@ -28,7 +28,9 @@ Four rules, in the order a lost chunk meets them:
    restarts the flow, and any further lost chunk then meets rule 2 or another probe), and ``PTO``
    doubles with every resend of that chunk (exponential backoff);
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
-   ``rto``, 20 ms by default), doubled per resend, at most ``max_rto``.
+   ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
+   of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
+   for as long (TCP restarts its retransmission timer with every acknowledgement).
 
 The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart.
 A waiting peer (a rank that has not sent its packet yet) looks like a loss to rule 3; the resend is
@@ -100,7 +102,11 @@ class LossDetector:
             # rank sees a lost data packet as missing): resent again only after the reordering window,
             # doubled per resend, not whenever results of chunks sent after it arrive
             fast &= age > window * np.where(self.tries[pending] > 0, backoff / 2, 0.0)
-        timed_out = ~fast & (age > np.minimum(rto * backoff, max_rto))
+        # as TCP's retransmission timer, restarted by every result: while results flow, the fast
+        # rules see the late chunks; a process that was not scheduled for a while finds its chunks old
+        # but the results waiting in the socket (received first), so no silence and no timeout
+        limit = np.minimum(rto * backoff, max_rto)
+        timed_out = ~fast & (age > limit) & (now - self.last_arrival > limit)
         probe = np.zeros_like(fast)
         if pto is not None and now - self.last_arrival > pto:
             probe[np.flatnonzero(~fast & ~timed_out & (age > np.minimum(pto * backoff, max_rto)))[:1]] = True
