@@ -522,7 +522,7 @@ class _Transfer:
         if self.drained:
             queued = (self.n_sent - self.n_done) * self.per_pkt
             fast, probe, late = self.ld.lost(pending, now, cl.srtt, cl.current_rto(queued), cl.max_rto,
-                                             cl.probe_timeout(self.per_pkt))
+                                             cl.probe_timeout(self.per_pkt), cl.rttvar)
         else:   # results may still wait in the socket (after a stall): no silence, no timeout yet
             fast, probe, late = self.ld.lost(pending, now, cl.srtt, math.inf, math.inf, None)
         lost = np.concatenate([fast, probe, late])

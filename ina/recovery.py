@@ -13,7 +13,8 @@ Four rules, in the order a lost chunk meets them:
    stream's end, with every chunk sent and fewer than 4 outstanding, one less than the outstanding
    count (early retransmit, RFC 5827: a loss among the last chunks needs no probe);
 2. **reordering window** (RACK-style): results of at least one chunk sent after it arrived, and it
-   has been out for longer than ``1.25 x srtt + REO_FLOOR``: a late chunk, not a reordered one.
+   has been out for longer than ``1.25 x srtt + 2 x rttvar + REO_FLOOR``: a late chunk, not a
+   reordered one.
    A chunk resent before meets rules 1 and 2 only once it has been out for that window times
    ``2 ** (resends - 1)``: every rank sees a peer's lost data packet as a missing result and resends,
    and results of later chunks keep arriving until the peer's own resend gets there.
@@ -86,9 +87,11 @@ class LossDetector:
         self.later[pending] += arrived.size - np.searchsorted(arrived, self.seq[pending], side="right")
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
-             pto: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             pto: float | None = None, rttvar: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(fast, probe, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule
-        (1 and 2, 3, 4). ``pto``: the tail probe timeout (None before any round trip was measured)."""
+        (1 and 2, 3, 4). ``pto``: the tail probe timeout (None before any round trip was measured).
+        ``rttvar``: the round trips' mean deviation; the reordering window grows by twice it (round
+        trips that vary, on a loaded machine, make a late chunk no sign of a loss)."""
         if not len(pending):
             return pending, pending, pending
         age = now - self.sent_at[pending]
@@ -96,7 +99,7 @@ class LossDetector:
         backoff = 2.0 ** self.tries[pending]
         fast = later >= self._threshold(pending, later)
         if srtt is not None:
-            window = 1.25 * srtt + REO_FLOOR
+            window = 1.25 * srtt + 2 * rttvar + REO_FLOOR
             fast |= (later > 0) & (age > window)
             # a resent chunk's result may be late because a peer has yet to resend its own packet (every
             # rank sees a lost data packet as missing): resent again only after the reordering window,
