@@ -210,7 +210,7 @@ def _switch_counters(topo) -> dict:
     tm = st.get("timing", {})         # the stage clock: where the switch's time went (docs/performance.md)
     return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()},
             **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()},
-            **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "wait_ns", "bursts") if k in tm}}
+            **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts") if k in tm}}
 
 
 def ina_rto(method: str, rate: str, slots: int, mtu: int, n: int = 4, base: float = 0.02,

@@ -287,7 +287,12 @@ class Client(Worker):
 
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
-        shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
+        shard = 0
+        if self.shards > 1:
+            shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
+            if self.tx.gso:                      # each shard's packets in a row: one GSO message each
+                order = np.argsort(shard, kind="stable")
+                rows, shard = np.asarray(rows)[order], shard[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += len(rows) * pkt_len
@@ -473,7 +478,7 @@ class _Transfer:
         if self.tl:
             self.tl.mark("first_result")
         if E:
-            self.decode(jj, native(payload_view(buf[idx], self.result_type, E)))
+            self.decode(jj, native(payload_view(buf, self.result_type, E)[idx]))   # copies payloads only
         ld = self.ld
         first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
         if first_try.size:

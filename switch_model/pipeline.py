@@ -50,6 +50,7 @@ class StageClock:
         self.stage_ns = np.zeros(len(STAGES), np.int64)
         self.busy_ns = 0
         self.busy_cpu_ns = 0
+        self.tx_cpu_ns = 0        # CPU ns of the tx stage alone (sendmmsg: the kernel's send path)
         self.wait_ns = 0
         self.bursts = 0
         self.burst_hist = np.zeros(BURST_BUCKETS, np.int64)
@@ -62,7 +63,7 @@ class StageClock:
         hist = {(f"{1 << b}" if b == 0 else f"{1 << b}-{(1 << (b + 1)) - 1}"): int(v)
                 for b, v in enumerate(self.burst_hist) if v}
         return {"stage_ns": {name: int(v) for name, v in zip(STAGES, self.stage_ns)}, "busy_ns": int(self.busy_ns),
-                "busy_cpu_ns": int(self.busy_cpu_ns), "wait_ns": int(self.wait_ns), "bursts": int(self.bursts),
+                "busy_cpu_ns": int(self.busy_cpu_ns), "tx_cpu_ns": int(self.tx_cpu_ns), "wait_ns": int(self.wait_ns), "bursts": int(self.bursts),
                 "burst_sizes": hist}
 
 
@@ -71,7 +72,7 @@ def add_timing(into: dict, other: dict) -> None:
     for group in ("stage_ns", "burst_sizes"):
         for key, v in other[group].items():
             into[group][key] = into[group].get(key, 0) + v
-    for key in ("busy_ns", "busy_cpu_ns", "wait_ns", "bursts"):
+    for key in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts"):
         into[key] += other[key]
 
 
@@ -202,9 +203,10 @@ class Switch:
             self.stage_aggregate(buf, n_in)
             t4 = now()
             m = self.stage_harvest(n_in)
-            t5 = now()
+            t5, cpu5 = now(), time.thread_time_ns()
             self.stage_tx(m)
             t6 = now()
+            clk.tx_cpu_ns += time.thread_time_ns() - cpu5
             ns[2] += t3 - t2
             ns[3] += t4 - t3
             ns[4] += t5 - t4
@@ -274,6 +276,9 @@ class Switch:
         if self.egress.active:
             buf, rows, lens, addr = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30)
         if len(rows):
+            if self.txq.gso and len(rows) > 1:     # each worker's results in a row: one GSO message each
+                order = np.argsort(addr, kind="stable")
+                rows, lens, addr = rows[order], np.asarray(lens)[order], addr[order]
             self.txq.send(buf, rows, lens, self.addrs, addr)
             self.counters[C["tx_packets"]] += len(rows)
             self.counters[C["tx_bytes"]] += int(np.sum(lens))
@@ -490,6 +495,7 @@ class Switch:
         drops = {name: c.pop(name) for name in D.DROP_REASONS[1:]}
         c["parsed_ok"] = c.pop("ok")
         c["tx_refused"] = self.txq.refused     # sends the kernel refused after an ICMP port unreachable
+        c["tx_messages"] = self.txq.sent_messages   # what sendmmsg was handed: a GSO message counts once
         sets = self.state.sets
         sets_busy = int(((sets["round_chunk"] >= 0) & (sets["complete"] == 0)).sum())
         return {
@@ -497,7 +503,8 @@ class Switch:
             "config": {"port": self.port, "slots": self.cfg.slots, "elements": self.cfg.elements,
                        "register_bits": self.cfg.register_bits,
                        "register_memory_mib": round(self.cfg.register_memory() / 2**20, 3),
-                       "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst},
+                       "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst, "udp_gso": self.txq.gso,
+                       "udp_gso_refused": self.txq.gso_refused},
             "stages": list(STAGES),
             "counters": c,
             "timing": self.clock.to_dict(),
