@@ -31,9 +31,6 @@ log = logging.getLogger("ina.switch")
 COUNTERS, C = D.COUNTERS, D.C
 STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
 MAX_ACTIVE_JOBS = 64
-# the ingress impairments' side pool holds this many bursts (duplicates and held-back packets released
-# together with a received burst); one pass hands the kernels at most that many packets
-INGRESS_POOL_BURSTS = 4
 # burst-size histogram buckets: bucket b counts bursts of 2**b .. 2**(b+1) - 1 packets
 BURST_BUCKETS = 12
 
@@ -157,7 +154,9 @@ class Switch:
         self.rx = B.RxRing(self.sock, cfg.burst, stride)
         self.txq = B.TxBatch(self.sock, capacity=cfg.burst * MAX_WORKERS)
         # --- the data-plane state: registers, per-set metadata, job table, counters, burst scratch ---
-        self.max_pass = INGRESS_POOL_BURSTS * cfg.burst      # the most packets one pass hands the kernels
+        # the most packets one pass hands the kernels (their scratch's size; the ingress impairments
+        # release at most this many per pass, the rest stays held): the kernels do not check bounds
+        self.max_pass = cfg.burst
         self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, self.max_pass, stride, cfg.register_bits,
                                           cfg.seed, MAX_ACTIVE_JOBS * MAX_WORKERS)
         self.counters = self.state.counters
@@ -168,10 +167,9 @@ class Switch:
         self._free_blocks = list(range(MAX_ACTIVE_JOBS))
         self.job_info: dict[int, Job] = {}
         self._replay_buf = np.zeros((cfg.burst, stride), np.uint8)
-        self.ingress = Impairment(cfg.ingress)
-        self.egress = Impairment(cfg.egress)
-        self._imp_buf = np.zeros((self.max_pass, stride), np.uint8)     # the ingress impairments' side pool
-        self._imp_lens = np.zeros(self.max_pass, np.int64)
+        self.ingress = Impairment(cfg.ingress, width=stride)
+        self.egress = Impairment(cfg.egress, width=stride)
+        self._rx_timeout = 0.02           # the socket's receive timeout now (shortened while packets are held)
         self._commands: list = []
         self._cmd_lock = threading.Lock()
         self._stop = threading.Event()
@@ -192,7 +190,7 @@ class Switch:
         t0, cpu0 = now(), time.thread_time_ns()
         n = self.stage_rx()
         t1 = now()
-        if not n and not (self.ingress.active or self.egress.active):
+        if not n and not self._holding():
             clk.wait_ns += t1 - t0          # nothing came: the blocking receive timed out
             return 0
         if self._waited:
@@ -232,7 +230,7 @@ class Switch:
         ``self._waited`` ns, not the stage's)."""
         self._waited = 0
         n = self.rx.recv(wait=False)
-        if not n and not (self.ingress.active or self.egress.active):
+        if not n and self._rx_wait_bound():
             t = time.perf_counter_ns()
             n = self.rx.recv(wait=True)
             self._waited = time.perf_counter_ns() - t
@@ -244,20 +242,18 @@ class Switch:
         return n
 
     def stage_ingress(self, n: int):
+        """Ingress impairments over the burst as arrays (impair.py). At most a burst's worth goes on
+        (the parse scratch holds ``burst`` packets); the rest stays held, due at the next poll."""
         if not self.ingress.active:
             return self.rx.buf, self.rx.lens, n
         src = self.state.src
-        pkts = [(self.rx.buf[i, : min(self.rx.lens[i], self.rx.stride)].tobytes(),
-                 (int(self.rx.lens[i]), int(src[i]))) for i in range(n)]
-        out = self.ingress.apply(pkts, time.monotonic())
-        k = min(len(out), self._imp_buf.shape[0])
-        if len(out) > k:   # more than the side pool holds: the rest waits for the next poll
-            self.ingress.requeue(out[k:])
-        for i, (pkt, (ln, key)) in enumerate(out[:k]):
-            self._imp_buf[i, : len(pkt)] = np.frombuffer(pkt, np.uint8)
-            self._imp_lens[i] = ln
-            src[i] = key
-        return self._imp_buf, self._imp_lens, k
+        buf, rows, lens, tags = self.ingress.apply(self.rx.buf, np.arange(n), self.rx.lens[:n], src[:n],
+                                                   time.monotonic(), self.max_pass)
+        if buf is self.rx.buf:
+            return buf, self.rx.lens, n
+        k = rows.size
+        src[:k] = tags
+        return buf, self.ingress.out_lens, k
 
     # buf / lens: the receive ring's (rx.buf, rx.lens) or the ingress side pool's, of the same types
     def stage_parse(self, buf, lens, n: int) -> None:
@@ -283,17 +279,7 @@ class Switch:
             fl[rep] |= int(Flag.REPLAY)
             rows, lens = np.arange(m), np.abs(lens)
         if self.egress.active:
-            pkts = [(buf[r, :ln].tobytes(), int(a)) for r, ln, a in zip(rows, lens, addr)]
-            out = self.egress.apply(pkts, time.monotonic())
-            if not out:
-                return
-            width = max(len(p) for p, _ in out)
-            buf = np.zeros((len(out), width), np.uint8)
-            for i, (p, _) in enumerate(out):
-                buf[i, : len(p)] = np.frombuffer(p, np.uint8)
-            rows = np.arange(len(out))
-            lens = np.array([len(p) for p, _ in out])
-            addr = np.array([a for _, a in out])
+            buf, rows, lens, addr = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30)
         if len(rows):
             if self.txq.gso and len(rows) > 1:     # each worker's results in a row: one GSO message each
                 order = np.argsort(addr, kind="stable")
@@ -464,6 +450,23 @@ class Switch:
                 "incomplete_slots": int(pending.size), "waiting": waiting}
 
     # impairments ----------------------------------------------------------------------------------
+    def _holding(self) -> bool:
+        return self.ingress.holding or self.egress.holding
+
+    def _rx_wait_bound(self) -> bool:
+        """May the receive block, and for how long: until the next held packet is due (sleeping, not
+        spinning: on a shared machine a spinning switch takes the workers' CPU), else the usual 20 ms.
+        False when a held packet is due now."""
+        due = [t for t in (self.ingress.next_release(), self.egress.next_release()) if t is not None]
+        want = 0.02 if not due else min(due) - time.monotonic()
+        if want < 5e-5:
+            return False
+        want = min(0.02, want)
+        if abs(want - self._rx_timeout) > 2e-5:
+            B.set_recv_timeout(self.sock, want)
+            self._rx_timeout = want
+        return True
+
     def set_impairments(self, ingress: dict | None = None, egress: dict | None = None) -> dict:
         if ingress is not None:
             self.ingress.set(ImpairmentConfig(**{**self.ingress.config.to_dict(), **ingress}))

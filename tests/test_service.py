@@ -402,10 +402,10 @@ def test_1000_allreduces_exact_under_5pct_loss_1pct_duplication_and_reordering(t
 # the ingress impairments release more packets at once than a receive burst
 # ------------------------------------------------------------------------------------------------
 def test_ingress_release_larger_than_a_burst_stays_exact_and_exits_cleanly(tmp_path):
-    """With a 4-packet burst and every packet held 20 ms at ingress (a third duplicated), one pass
-    hands the kernels far more than a burst. Their scratch must hold it: when it did not, the
-    kernels (which do not check bounds) wrote past it, results stayed exact, and the corrupted heap
-    crashed the switch at exit (SIGSEGV)."""
+    """With a 4-packet burst and every packet held 20 ms at ingress (a third duplicated), far more
+    than a burst falls due at once. A pass must not hand the kernels more than their scratch holds:
+    when it did, the kernels (which do not check bounds) wrote past it, results stayed exact, and
+    the corrupted heap crashed the switch at exit (SIGSEGV)."""
     sw = SwitchProc("--slots", "64", "--elements", "64", "--burst", "4", "--ingress-delay-ms", "20",
                     "--ingress-duplicate", "0.3", "--host-agg-port", "-1", log_path=tmp_path / "switch.log")
     try:
