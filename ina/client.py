@@ -20,6 +20,7 @@ many chunks are incomplete).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -29,14 +30,15 @@ import numpy as np
 
 from . import burst as B
 from . import compression, lifetime, staging
+from . import sparse as sparse_mod
 from .compression.base import ScaleContext, native
 from .control import ControlChannel, ControlError
 from .recovery import LossDetector
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
-from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, chunk_modulus, header_view,
-                   payload_view, slot_of_chunk)
+from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType, chunk_modulus,
+                   header_view, max_packet_size, payload_view, slot_of_chunk)
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -110,7 +112,7 @@ class Client(Worker):
         self.host_aggregator = cfg.get("host_aggregator")  # {"port", "label"} when the service runs one
         self._host: HostAggClient | None = None             # connected on first use
         B.set_recv_timeout(self.sock, 0.002)
-        self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
+        self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
         self.tx = B.TxBatch(self.sock, capacity=1024)
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
         if not 0 <= first_chunk < self.chunk_modulus:
@@ -126,13 +128,15 @@ class Client(Worker):
                  self.slots, self.elements)
 
     # ----------------------------------------------------------------------------------------------
-    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None):
+    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None, sparse: bool = False):
         """Sum (or average) ``tensor`` over the job's workers through the switch, in place.
 
         ``tensor`` is a torch tensor (any float dtype, shape and device) or a numpy float array.
         ``key`` names the tensor (e.g. a parameter or bucket name) for codecs with error feedback
         (3lc-3v, bgt, qgt keep one residual per key; without a key they are stateless). Returns
-        the same object.
+        the same object. ``sparse=True`` streams only the chunks whose codes are not all zero
+        (OmniReduce-style sparse block streaming, :mod:`ina.sparse`; every worker of the allreduce must
+        pass the same value).
         """
         self._check_usable()
         c = self.codec(codec)
@@ -158,7 +162,7 @@ class Client(Worker):
                 tl.mark("negotiated")
             ctx = ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=c.next_seed(),
                                agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
-            out = self._reduce(c, x32, ctx, kw)
+            out = self._reduce(c, x32, ctx, kw, sparse)
         except AllreduceError as e:
             self._break(str(e))
             raise
@@ -198,7 +202,7 @@ class Client(Worker):
         self.stats.elements += int(np.prod(np.shape(tensor)))
         return tensor
 
-    def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict) -> np.ndarray:
+    def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False) -> np.ndarray:
         """Encode, stream and decode, pipelined: a block of ``slots`` chunks is encoded when its first
         chunk is about to be sent, and each burst of results is decoded as it arrives, so the codec's
         CPU time overlaps the link time instead of adding to it. Codecs with error feedback encode the
@@ -232,8 +236,20 @@ class Client(Worker):
                 tl.rx_bursts += 1
                 tl.results += chunks.size
 
+        streams = None
+        if sparse:        # every chunk's codes first: a worker announces its next non-zero chunk
+            codes = np.concatenate([encode_block(b) for b in range(math.ceil(n_chunks / block))])
+            zero = c.decode_sum(sparse_mod.zero_sums(res_type, E), ctx, raw=raw)    # an all-zero chunk's sum
+
+            def fill_zero(chunks: np.ndarray) -> None:
+                out2d[chunks] = zero
+
+            def encode_block(b: int) -> np.ndarray:         # noqa: F811 - the codes are ready
+                return codes[b * block:(b + 1) * block]
+            streams = functools.partial(sparse_mod.SparseStream, codes=codes, streams=S, modulus=self.chunk_modulus,
+                                        ptype=ptype, result_type=res_type, fill_zero=fill_zero)
         self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n,
-                     encode_block=encode_block, block=block, decode=decode)
+                     encode_block=encode_block, block=block, decode=decode, sparse=streams)
         return out[:n]
 
     # ----------------------------------------------------------------------------------------------
@@ -243,7 +259,7 @@ class Client(Worker):
         return self._next_chunk
 
     def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
-                count: int = 0, encode_block=None, block: int = 1, decode=None):
+                count: int = 0, encode_block=None, block: int = 1, decode=None, sparse=None):
         """Send ``n_chunks`` chunks through the job's slots and collect their results.
 
         Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
@@ -251,11 +267,13 @@ class Client(Worker):
         ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads)`` takes each burst of
         results. Packets live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is
         done, which is sent only after c is done, so a row is never reused while its chunk is pending.
+        ``sparse(c0)``, if given, makes the :class:`~ina.sparse.SparseStream` of a sparse data stream
+        (one round in flight per stream, so the ring's rule holds too).
         """
         c0 = self._next_chunk
         self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
         return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encode_block, block,
-                         decode).run()
+                         decode, sparse(c0) if sparse else None).run()
 
     def _rtt_sample(self, r: float) -> None:
         if self.srtt is None:
@@ -287,7 +305,7 @@ class Client(Worker):
         shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
-        self.stats.bytes_sent += len(rows) * pkt_len
+        self.stats.bytes_sent += int(np.broadcast_to(pkt_len, (len(rows),)).sum())
 
     def _stall_message(self, n_chunks, n_done, c0) -> str:
         msg = (f"job {self.job} rank {self.rank}: no progress for {self.timeout:g} s; "
@@ -334,13 +352,14 @@ class _Transfer:
     """One :meth:`Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
 
     def __init__(self, cl: Client, c0: int, n_chunks: int, ptype: PayloadType, codec_id: int, exponent,
-                 result_type: PayloadType, count: int, encode_block, block: int, decode):
+                 result_type: PayloadType, count: int, encode_block, block: int, decode, sparse=None):
         self.cl, self.c0, self.n_chunks = cl, c0, n_chunks
+        self.sparse = sparse          # an ina.sparse.SparseStream: chunks zero everywhere are skipped
         self.E = E = cl.elements if ptype != PayloadType.NONE else 0
         self.S = cl.slots
         self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
         self.R = min(n_chunks, 2 * self.S)
-        self.pkts = np.zeros((self.R, max(self.pkt_len, HEADER_SIZE)), np.uint8)
+        self.pkts = np.zeros((self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0)), np.uint8)
         hv = self.hv = header_view(self.pkts)
         hv["version"] = VERSION
         hv["msg_type"] = int(MsgType.DATA)
@@ -387,13 +406,19 @@ class _Transfer:
                 self.left_in_block[b] -= int(np.count_nonzero(sel))
                 if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
                     del self.blocks[b], self.left_in_block[b]
+        if self.sparse:
+            self.sparse.load(self.pkts, hv, rows, chunks)
         return rows
+
+    def send_rows(self, rows: np.ndarray) -> None:
+        lens = self.sparse.lengths(self.hv, rows) if self.sparse else self.pkt_len
+        self.cl._send(self.pkts, rows, lens)
 
     def send_new(self, chunks: np.ndarray) -> None:
         """Send chunks for the first time (their packets are loaded into the ring first)."""
         if not chunks.size:
             return
-        self.cl._send(self.pkts, self.load(chunks), self.pkt_len)
+        self.send_rows(self.load(chunks))
         self.ld.sent(chunks, time.monotonic())
         self.n_sent += chunks.size
         self.max_sent = max(self.max_sent, int(chunks[-1]))
@@ -442,7 +467,9 @@ class _Transfer:
                 why = lifetime.abort_reason(cl.ctl, cl.job, int(ab["rank"][0]))
                 raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
                                      f"{n_chunks - self.n_done} of {n_chunks} chunks incomplete")
-        ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (cl.rx.lens[:k] == self.res_len)
+        lens = cl.rx.lens[:k]
+        ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job)
+        ok &= self.sparse.result_ok(lens) if self.sparse else lens == self.res_len
         j = (h["chunk"].astype(np.int64) - self.c0) % cl.chunk_modulus
         ok &= j < n_chunks
         stale = int(np.count_nonzero(~ok))
@@ -463,8 +490,10 @@ class _Transfer:
         E = self.E
         if self.tl:
             self.tl.mark("first_result")
+        sp = self.sparse
+        lens = self.cl.rx.lens[:len(buf)]
         if E:
-            self.decode(jj, native(payload_view(buf[idx], self.result_type, E)))
+            self.decode(jj, sp.payloads(buf, idx, lens) if sp else native(payload_view(buf[idx], self.result_type, E)))
         ld = self.ld
         first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
         if first_try.size:
@@ -479,11 +508,16 @@ class _Transfer:
         self.done[jj] = True
         ld.delivered(jj, ld.pending(self.low, self.max_sent, self.done), now)
         self.n_done += jj.size
+        if sp:            # the streams' next rounds; the chunks in between are zero everywhere
+            skipped, nxt = sp.advance(buf, idx, lens, jj)
+            self.done[skipped] = True
+            self.n_done += skipped.size
+        else:
+            nxt = jj + self.S                     # self-clocking: each result frees its slot
+            nxt = nxt[nxt < self.n_chunks]
         self.last_progress = now
         if self.tl and self.n_done == self.n_chunks:
             self.tl.mark("last_result")
-        nxt = jj + self.S                         # self-clocking: each result frees its slot
-        nxt = nxt[nxt < self.n_chunks]
         if nxt.size:
             self.send_new(nxt)
         while self.low < self.n_chunks and self.done[self.low]:
@@ -510,7 +544,7 @@ class _Transfer:
         if lost.size:                            # every sent, not-done chunk still owns its ring row
             rows = lost % self.R
             self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
-            cl._send(self.pkts, rows, self.pkt_len)
+            self.send_rows(rows)
             self.ld.resent(lost, now)
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size
