@@ -60,24 +60,36 @@ def finite_max_abs(x32: np.ndarray, what: str = "tensor") -> float:
 
 
 # ----------------------------------------------------------------------------- bit packing
-@njit(cache=True)
-def _pack_bits(vals, width, out):
-    acc = np.uint64(0)
-    nacc = 0
-    pos = 0
+@njit(cache=True, inline="always")
+def push_bits(acc, nacc, pos, value, width, out):
+    """Append the ``width`` low bits of ``value`` (most significant first) to the bit stream whose
+    pending bits are ``acc``/``nacc`` and whose next byte is ``out[pos]``; whole bytes go to ``out``.
+    Returns the new (acc, nacc, pos). The one bit writer of the fixed- and variable-width packers."""
     w = np.uint64(width)
-    mask = (np.uint64(1) << w) - np.uint64(1)
-    for i in range(vals.size):
-        acc = (acc << w) | (np.uint64(vals[i]) & mask)
-        nacc += width
-        while nacc >= 8:
-            nacc -= 8
-            out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
-            pos += 1
+    acc = (acc << w) | (np.uint64(value) & ((np.uint64(1) << w) - np.uint64(1)))
+    nacc += width
+    while nacc >= 8:
+        nacc -= 8
+        out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
+        pos += 1
+    return acc, nacc, pos
+
+
+@njit(cache=True, inline="always")
+def flush_bits(acc, nacc, pos, out):
+    """Write the pending bits of a stream (zero-padded to a byte); returns the bytes written in all."""
     if nacc > 0:
         out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
         pos += 1
     return pos
+
+
+@njit(cache=True)
+def _pack_bits(vals, width, out):
+    acc, nacc, pos = np.uint64(0), 0, 0
+    for i in range(vals.size):
+        acc, nacc, pos = push_bits(acc, nacc, pos, vals[i], width, out)
+    return flush_bits(acc, nacc, pos, out)
 
 
 @njit(cache=True)
@@ -224,6 +236,13 @@ class Reader:
     def scalar(self, dtype: str, field: str):
         dt = np.dtype(dtype).newbyteorder(">")
         return np.frombuffer(self.take(dt.itemsize, field).tobytes(), dt)[0]
+
+    def bits_and_range(self, bits_field: str, lo_field: str, hi_field: str, max_bits: int = 16):
+        """A u1 bit width (1..max_bits, checked) followed by a float32 range: (bits, lo, hi)."""
+        bits = int(self.scalar("u1", bits_field))
+        if not 1 <= bits <= max_bits:
+            raise ValueError(f"{self.what} message has {bits_field} = {bits} bits (valid: 1..{max_bits})")
+        return bits, float(self.scalar("f4", lo_field)), float(self.scalar("f4", hi_field))
 
     def rest(self) -> np.ndarray:
         out = self.buf[self.pos:]

@@ -40,7 +40,8 @@ import numpy as np
 from numba import njit
 
 from .base import HOST_AGGREGATED, Codec, Encoded, HostAggregated, from_numpy_like, to_numpy_f32
-from .encoding import Reader, be_bytes, element_count, finite_max_abs, pack_bits, packed_size, unpack_bits
+from .encoding import (Reader, be_bytes, element_count, finite_max_abs, flush_bits, pack_bits, packed_size, push_bits,
+                       unpack_bits)
 from .feedback import ErrorFeedbackMixin
 
 MAX_CODE_LEN = 56
@@ -65,24 +66,12 @@ def _dequantize(idx, wmin, step, out):
 
 @njit(cache=True)
 def _huffman_encode(sym, codes, lengths, out):
-    acc = np.uint64(0)
-    nacc = 0
-    pos = 0
+    acc, nacc, pos = np.uint64(0), 0, 0
     for i in range(sym.size):
         s = sym[i]
-        L = lengths[s]
-        if L == 0:
-            continue
-        acc = (acc << np.uint64(L)) | codes[s]
-        nacc += L
-        while nacc >= 8:
-            nacc -= 8
-            out[pos] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
-            pos += 1
-    if nacc > 0:
-        out[pos] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
-        pos += 1
-    return pos
+        if lengths[s]:
+            acc, nacc, pos = push_bits(acc, nacc, pos, codes[s], lengths[s], out)
+    return flush_bits(acc, nacc, pos, out)
 
 
 @njit(cache=True)
@@ -331,11 +320,7 @@ class EntropyAdaptiveHuffman(HostAggregated, ErrorFeedbackMixin, Codec):
     def decompress(self, enc: Encoded):
         n = element_count(enc.shape)
         rd = Reader(enc.codes, self.name)
-        nbits = int(rd.scalar("u1", "N"))
-        if not 1 <= nbits <= 16:
-            raise ValueError(f"{self.name} message has N = {nbits} bits (valid: 1..16)")
-        wmin = float(rd.scalar("f4", "w_min"))
-        wmax = float(rd.scalar("f4", "w_max"))
+        nbits, wmin, wmax = rd.bits_and_range("N", "w_min", "w_max")
         lengths, used = decode_codebook(rd, nbits, self.name)
         if lengths.max(initial=0) > MAX_CODE_LEN:
             raise ValueError(f"{self.name} codebook has a code of {int(lengths.max())} bits (max {MAX_CODE_LEN})")

@@ -129,11 +129,7 @@ class UniformQuantizer(Codec):
     def decompress(self, enc: Encoded):
         n = element_count(enc.shape)
         rd = Reader(enc.codes, self.name)
-        k = int(rd.scalar("u1", "K"))
-        if not 1 <= k <= 16:
-            raise ValueError(f"{self.name} message has K = {k} bits (valid: 1..16)")
-        lo = float(rd.scalar("f4", "min"))
-        hi = float(rd.scalar("f4", "max"))
+        k, lo, hi = rd.bits_and_range("K", "min", "max")
         q = unpack_bits(rd.take(packed_size(n, k), "codes"), k, n)
         rd.done()
         top = (1 << k) - 1

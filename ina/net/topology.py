@@ -374,7 +374,13 @@ class Topology:
             return
         p = tbf_params(rate_bps, self.mtu, burst_time=self.burst_time, queue_time=self.queue_time,
                        queue_frames=UP_QUEUE_FRAMES if direction == "up" else DOWN_QUEUE_FRAMES)
-        if kind not in (None, "tbf", "noqueue") or (kind == "tbf" and current["handle"] != TBF_HANDLE):
+        live = tbf_of(current) if kind == "tbf" else None
+        # A tbf changed in place keeps its queue, and a queued packet larger than the new bucket never
+        # gathers enough tokens: the link stalls for good (GSO super-frames queued under a larger
+        # bucket). A shrinking bucket therefore replaces the qdisc, dropping its backlog as a link
+        # reset would; the senders recover by retransmission.
+        if (kind not in (None, "tbf", "noqueue") or (kind == "tbf" and current["handle"] != TBF_HANDLE)
+                or (live is not None and p.burst < live.burst)):
             ipr.tc("del", index=idx, parent=TC_H_ROOT, handle=current["handle"])
         ipr.tc("replace", "tbf", idx, handle=TBF_HANDLE, parent=TC_H_ROOT,
                rate=p.rate_bytes, burst=p.burst, limit=p.limit)
