@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from hypothesis import strategies as st
 
-from ina.wire import HEADER_DTYPE, HEADER_SIZE, VERSION, MsgType, chunk_modulus
+from ina.wire import HEADER_DTYPE, HEADER_SIZE, TRAILER_SIZE, VERSION, Flag, MsgType, chunk_modulus, sparse_next_ok
 
 HDR = HEADER_SIZE
 WIDTH = {0: 0, 1: 1, 2: 4, 3: 8, 4: 1, 5: 1}    # bytes per element by payload type (NONE NC8 INT32 INT64 INT8 INT8_NARROW)
@@ -57,7 +57,8 @@ def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int) -> str:
     j = jobs.get(int(h["job"]))
     if j is None:
         return "unknown_job"
-    if ln != HDR + WIDTH[pt] * j.elements:
+    sparse = bool(int(h["flags"]) & Flag.SPARSE)
+    if ln != HDR + WIDTH[pt] * j.elements + (TRAILER_SIZE if sparse else 0):
         return "bad_length"
     if h["count"] > j.elements or (pt == 0 and h["count"] != 0):
         return "bad_count"
@@ -69,6 +70,8 @@ def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int) -> str:
     c = int(h["chunk"])
     if c >= chunk_modulus(j.slots) or c % j.slots != pool or (c // j.slots) & 1 != shadow:
         return "slot_chunk_mismatch"
+    if sparse and not sparse_next_ok(c, int.from_bytes(pkt[-TRAILER_SIZE:], "big"), j.slots, chunk_modulus(j.slots)):
+        return "bad_next"
     return "ok"
 
 

@@ -28,7 +28,7 @@ from sw_harness import (PY, ROOT, SwitchProc, Workers, bfp_reference, control, e
 
 from ina.client import AllreduceError, Client  # noqa: E402
 from switch_model.dataplane import source_key  # noqa: E402
-from ina.wire import HEADER_DTYPE, HEADER_SIZE, Flag, MsgType  # noqa: E402
+from ina.wire import HEADER_DTYPE, HEADER_SIZE, Flag, MsgType, max_packet_size  # noqa: E402
 
 INA_SWITCH = str(Path(PY).parent / "ina-switch")
 
@@ -304,7 +304,7 @@ def test_sigterm_shuts_down_cleanly(tmp_path):
 # ------------------------------------------------------------------------------------------------
 def test_fuzz_bad_packets_counted_by_reason_while_allreduce_runs(switch, tmp_path):
     port = switch.port
-    stride = HEADER_SIZE + 8 * 64
+    stride = max_packet_size(64)
     # the real job: two worker processes streaming bfp32 allreduces until told to stop
     ops = [{"codec": "bfp32", "shape": [1500], "seed": 90}, {"codec": "bfp32", "shape": [3, 333], "seed": 91}]
     stop = tmp_path / "stop"
