@@ -91,9 +91,10 @@ class SwitchConfig:
 
     def register_memory(self) -> int:
         """Bytes of switch SRAM: registers of both sets plus per-set metadata
-        (64-bit worker bitmap, counter, max exponent, round chunk id: 8 + 4 + 2 + 4 bytes)."""
+        (64-bit worker bitmap, counter, max exponent, round chunk id, sparse streaming's min next
+        distance: 8 + 4 + 2 + 4 + 4 bytes)."""
         sets = self.slots * 2
-        return sets * self.elements * self.register_bits // 8 + sets * 18
+        return sets * self.elements * self.register_bits // 8 + sets * 22
 
     def validate(self) -> None:
         if self.register_bits not in (32, 64):
