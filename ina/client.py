@@ -141,6 +141,9 @@ class Client(Worker):
         self._check_usable()
         c = self.codec(codec)
         if not c.switch_summable:
+            if sparse:
+                raise ValueError(f"sparse=True streams a switch-summable codec's chunks; codec {codec!r} goes "
+                                 "through the host aggregator (variable-length messages): use sparse=False")
             return self._host_allreduce(tensor, c, key, average)
         x32 = staging.to_host(tensor)        # CUDA tensors: through a pinned host buffer
         n = x32.size

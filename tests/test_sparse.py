@@ -160,6 +160,35 @@ def test_sparse_nc_composes_with_the_switch_sum(tmp_path):
     assert np.count_nonzero(dense[0][0][0]) > 0
 
 
+def test_sparse_streams_across_switch_cores(tmp_path):
+    """--cores 2: each pool index (a stream) lives in one shard; sparse results stay exact."""
+    ops = [sparse_inputs(200, 0.9, seed=51), sparse_inputs(70, 0.5, seed=52)]
+    sw = SwitchProc("--slots", "64", "--elements", str(E), "--cores", "2", log_path=tmp_path / "switch.log")
+    try:
+        res = _run(sw.port, ops, [True, True], job=5, slots=8, timeout=30)
+    finally:
+        sw.terminate()
+    for i, xs in enumerate(ops):
+        ref = bfp_reference(xs)
+        for r in range(N):
+            assert np.array_equal(res[r][0][i].view(np.uint32), ref.view(np.uint32)), (i, r)
+
+
+def test_sparse_with_a_host_aggregated_codec_is_refused(tmp_path):
+    sw = SwitchProc("--slots", "64", "--elements", str(E), log_path=tmp_path / "switch.log")
+    try:
+        def body(r, cl):
+            with pytest.raises(ValueError, match="host aggregator"):
+                cl.allreduce(np.ones(10, np.float32), codec="topk", sparse=True)
+            t = np.full(10, float(r), np.float32)
+            cl.allreduce(t, codec="bfp32", sparse=True)     # the client stays usable
+            return t
+        out = client_threads(sw.port, 2, 6, body, elements=E, slots=4)
+    finally:
+        sw.terminate()
+    assert out[0].tolist() == [1.0] * 10
+
+
 def test_sparse_survives_loss_and_duplication(tmp_path):
     """5% loss and 5% duplication both ways: sparse bfp32 stays exact (no chunk counted twice, none
     missing), and the switch saw losses and duplicates."""
