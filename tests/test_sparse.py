@@ -98,9 +98,14 @@ def test_sparse_packets_round_trip_through_unpack_and_scapy():
     assert data == bytes.fromhex("01010010000700020003030200020001 00000003 ffffffff00000005 0000001b".replace(" ", ""))
     p = wire.unpack(data)
     assert (p.next, p.payload.tolist(), p.flags) == (27, [-1, 5], wire.Flag.SPARSE)
-    skip = wire.pack(msg_type=wire.MsgType.DATA, job=7, rank=2, chunk=3, next=11)
+    skip = wire.pack(msg_type=wire.MsgType.DATA, job=7, rank=1, pool_index=3, codec=3, exponent=1, chunk=3, next=11)
+    assert skip == bytes.fromhex("0101001000070001000303000000000100000003 0000000b".replace(" ", ""))
     assert len(skip) == wire.HEADER_SIZE + wire.TRAILER_SIZE and wire.unpack(skip).next == 11
-    for b in (data, skip):
+    result = wire.pack(msg_type=wire.MsgType.RESULT, job=7, rank=wire.SWITCH_RANK, pool_index=3, codec=3,
+                       payload_type=wire.PayloadType.INT32, count=2, exponent=1, chunk=3, payload=[-1, 5], elements=2,
+                       flags=wire.Flag.RAW_SUM, next=11)      # docs/wire-format.md, example 7
+    assert result == bytes.fromhex("010200180007ffff0003030200020001 00000003 ffffffff00000005 0000000b".replace(" ", ""))
+    for b in (data, skip, result):
         s = dissect.INA(b)
         assert s.next == wire.unpack(b).next and bytes(s) == b
     assert dissect.INA(data).codes == [-1, 5]
@@ -122,6 +127,14 @@ def _run(port, inputs_per_op, sparse_per_op, job, codec="bfp32", **client):
     return client_threads(port, N, job, body, elements=E, **client)
 
 
+def assert_exact(res, ops):
+    """Every rank's result of every op equals the dense block floating point arithmetic, bit for bit."""
+    for i, xs in enumerate(ops):
+        ref = bfp_reference(xs)
+        for r in range(N):
+            assert np.array_equal(res[r][0][i].view(np.uint32), ref.view(np.uint32)), (i, r)
+
+
 @pytest.mark.parametrize("zero_fraction", [0.0, 0.5, 0.99, 1.0])
 def test_sparse_bfp32_is_exact(tmp_path, zero_fraction):
     """Sparse allreduces equal the dense integer arithmetic bit for bit, for 0-100% zero blocks whose
@@ -138,10 +151,7 @@ def test_sparse_bfp32_is_exact(tmp_path, zero_fraction):
         drops = sw.stats()["drops"]
     finally:
         sw.terminate()
-    for i, xs in enumerate(ops):
-        ref = bfp_reference(xs)
-        for r in range(N):
-            assert np.array_equal(res[r][0][i].view(np.uint32), ref.view(np.uint32)), (i, r)
+    assert_exact(res, ops)
     assert drops["bad_next"] == drops["payload_type_mismatch"] == drops["slot_busy"] == drops["stale"] == 0, drops
 
 
@@ -168,10 +178,7 @@ def test_sparse_streams_across_switch_cores(tmp_path):
         res = _run(sw.port, ops, [True, True], job=5, slots=8, timeout=30)
     finally:
         sw.terminate()
-    for i, xs in enumerate(ops):
-        ref = bfp_reference(xs)
-        for r in range(N):
-            assert np.array_equal(res[r][0][i].view(np.uint32), ref.view(np.uint32)), (i, r)
+    assert_exact(res, ops)
 
 
 def test_sparse_with_a_host_aggregated_codec_is_refused(tmp_path):
@@ -203,10 +210,7 @@ def test_sparse_survives_loss_and_duplication(tmp_path):
     dropped = sum(imp[d]["dropped"] for d in ("ingress", "egress"))
     duplicated = sum(imp[d]["duplicated"] for d in ("ingress", "egress"))
     assert dropped >= 20 and duplicated >= 20, imp
-    for i, xs in enumerate(ops):
-        ref = bfp_reference(xs)
-        for r in range(N):
-            assert np.array_equal(res[r][0][i].view(np.uint32), ref.view(np.uint32)), (i, r)
+    assert_exact(res, ops)
     assert sum(res[r][1]["retransmissions"] for r in range(N)) > 0
 
 
