@@ -155,14 +155,16 @@ def test_sparse_bfp32_is_exact(tmp_path, zero_fraction):
     assert drops["bad_next"] == drops["payload_type_mismatch"] == drops["slot_busy"] == drops["stale"] == 0, drops
 
 
-def test_sparse_nc_composes_with_the_switch_sum(tmp_path):
-    """Natural compression with raw sums: a sparse allreduce returns the same bits as a dense one of
-    the same codes (two jobs, same chunk ids, same client seeds)."""
+@pytest.mark.parametrize("codec", ["nc", "rd"])
+def test_sparse_composes_with_stochastic_codecs(tmp_path, codec):
+    """Natural compression (NC8 codes, raw int64 sums) and random dithering (int8 codes, int8 sums
+    back): a sparse allreduce returns the same bits as a dense one of the same codes (two jobs, same
+    chunk ids, same client seeds)."""
     xs = [sparse_inputs(200, 0.9, seed=21)]
     sw = SwitchProc("--slots", "64", "--elements", str(E), log_path=tmp_path / "switch.log")
     try:
-        dense = _run(sw.port, xs, [False], job=2, slots=8, raw=True, seed=5)
-        sparse = _run(sw.port, xs, [True], job=3, slots=8, raw=True, seed=5)
+        dense = _run(sw.port, xs, [False], job=2, codec=codec, slots=8, raw=True, seed=5)
+        sparse = _run(sw.port, xs, [True], job=3, codec=codec, slots=8, raw=True, seed=5)
     finally:
         sw.terminate()
     for r in range(N):
