@@ -61,6 +61,8 @@ class ClientStats(WorkerStats):
     timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
     stale_results: int = 0
+    sparse_header_only: int = 0       # sparse streaming: rounds this worker took part in with 24 bytes (zero chunk)
+    sparse_chunks_skipped: int = 0    # sparse streaming: chunks zero at every worker (no packet, no round)
 
 
 class Client(Worker):
@@ -410,7 +412,7 @@ class _Transfer:
                 if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
                     del self.blocks[b], self.left_in_block[b]
         if self.sparse:
-            self.sparse.load(self.pkts, hv, rows, chunks)
+            self.cl.stats.sparse_header_only += self.sparse.load(self.pkts, hv, rows, chunks)
         return rows
 
     def send_rows(self, rows: np.ndarray) -> None:
@@ -515,6 +517,7 @@ class _Transfer:
             skipped, nxt = sp.advance(buf, idx, lens, jj)
             self.done[skipped] = True
             self.n_done += skipped.size
+            self.cl.stats.sparse_chunks_skipped += skipped.size
         else:
             nxt = jj + self.S                     # self-clocking: each result frees its slot
             nxt = nxt[nxt < self.n_chunks]

@@ -72,24 +72,23 @@ class SparseStream:
         self.data_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E + TRAILER_SIZE
         self.skip_len = HEADER_SIZE + TRAILER_SIZE
         self.result_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E + TRAILER_SIZE
-        self.zero_rounds = 0        # rounds this worker took part in with a header-only packet
-        self.skipped = 0            # chunks no packet was sent for (zero at every worker)
 
     def first(self) -> np.ndarray:
         """The positions every worker sends first: the first chunk of each stream."""
         return np.arange(min(self.S, self.n))
 
-    def load(self, pkts: np.ndarray, hv: np.ndarray, rows: np.ndarray, chunks: np.ndarray) -> None:
+    def load(self, pkts: np.ndarray, hv: np.ndarray, rows: np.ndarray, chunks: np.ndarray) -> int:
         """Turn the dense packets of ``chunks`` (in ring ``rows``) into sparse ones: the SPARSE flag,
-        the trailer, and payload NONE (header only) where this worker's chunk is zero."""
+        the trailer, and payload NONE (header only) where this worker's chunk is zero. Returns how
+        many are header-only."""
         nz = self.nonzero[chunks]
-        self.zero_rounds += int(np.count_nonzero(~nz))
         hv["flags"][rows] = int(Flag.SPARSE)
         hv["payload_type"][rows] = np.where(nz, int(self.ptype), int(PayloadType.NONE))
         hv["count"][rows[~nz]] = 0
         nxt = _u32_be((self.c0 + self.announce[chunks]) % self.modulus)
         for sel, off in ((nz, self.data_len - TRAILER_SIZE), (~nz, HEADER_SIZE)):
             pkts[rows[sel], off:off + TRAILER_SIZE] = nxt[sel]
+        return int(np.count_nonzero(~nz))
 
     def lengths(self, hv: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Bytes to send of each ring row."""
@@ -128,5 +127,4 @@ class SparseStream:
         between = between[between < self.n]
         if between.size:
             self.fill_zero(between)
-            self.skipped += between.size
         return between, nxt[nxt < self.n]

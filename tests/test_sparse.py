@@ -224,7 +224,7 @@ def test_bytes_on_the_wire_scale_with_the_nonzero_fraction(tmp_path):
     fractions = (0.0, 0.9, 0.99)
     ops = [sparse_inputs(n_chunks, f, seed=40) for f in fractions]
     sw = SwitchProc("--slots", "64", "--elements", str(E), log_path=tmp_path / "switch.log")
-    rx, tx, resent = [], [], []
+    rx, tx, resent, stats = [], [], [], []
     try:
         # one allreduce at a time, counters read between them: run the ops one per client_threads call
         for k, (xs, sp) in enumerate([(ops[0], False)] + [(o, True) for o in ops]):
@@ -233,6 +233,7 @@ def test_bytes_on_the_wire_scale_with_the_nonzero_fraction(tmp_path):
             # round that waits for a slower rank), and each adds at most one packet up and one down
             res = _run(sw.port, [xs], [sp], job=10 + k, slots=S, rto=2.0, min_rto=1.0, max_rto=4.0)
             resent.append(sum(r[1]["retransmissions"] for r in res))
+            stats.append([r[1] for r in res])
             after = sw.stats()["counters"]
             rx.append(after["rx_bytes"] - before["rx_bytes"])
             tx.append(after["tx_bytes"] - before["tx_bytes"])
@@ -242,10 +243,13 @@ def test_bytes_on_the_wire_scale_with_the_nonzero_fraction(tmp_path):
     data_len = wire.HEADER_SIZE + 4 * E + wire.TRAILER_SIZE
     dense_up = rx[0] - neg
     assert 0 <= dense_up - N * n_chunks * (wire.HEADER_SIZE + 4 * E) <= resent[0] * data_len
-    for f, up, down, xs, extra in zip(fractions, rx[1:], tx[1:], ops, resent[1:]):
+    for f, up, down, xs, extra, st in zip(fractions, rx[1:], tx[1:], ops, resent[1:], stats[1:]):
         masks = [x.reshape(n_chunks, E).any(axis=1) for x in xs]
         rounds = model_rounds(masks, S)
         own = sum(int(m.sum()) for m in masks)
+        # the clients' counters say the same: header-only packets, chunks no worker sent
+        assert sum(s["sparse_header_only"] for s in st) == N * rounds.size - own
+        assert {s["sparse_chunks_skipped"] for s in st} == {n_chunks - rounds.size}
         want_up = own * data_len + (N * rounds.size - own) * (wire.HEADER_SIZE + wire.TRAILER_SIZE)
         assert 0 <= up - neg - want_up <= extra * data_len, (f, up - neg, want_up, extra)
         union = np.any(masks, axis=0)
