@@ -248,11 +248,9 @@ class Client(Worker):
 
             def fill_zero(chunks: np.ndarray) -> None:
                 out2d[chunks] = zero
-
-            def encode_block(b: int) -> np.ndarray:         # noqa: F811 - the codes are ready
-                return codes[b * block:(b + 1) * block]
             streams = functools.partial(sparse_mod.SparseStream, codes=codes, streams=S, modulus=self.chunk_modulus,
                                         ptype=ptype, result_type=res_type, fill_zero=fill_zero)
+            encode_block = sparse_mod.encoded_blocks(codes, block)      # the codes are ready
         self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n,
                      encode_block=encode_block, block=block, decode=decode, sparse=streams)
         return out[:n]

@@ -31,7 +31,7 @@ from .errors import AllreduceError
 from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, TRAILER_DTYPE, TRAILER_SIZE, Flag, PayloadType, payload_view,
                    sparse_announce)
 
-__all__ = ["next_nonzero", "zero_sums", "SparseStream"]
+__all__ = ["next_nonzero", "zero_sums", "encoded_blocks", "SparseStream"]
 
 
 def next_nonzero(nonzero: np.ndarray, streams: int) -> np.ndarray:
@@ -49,6 +49,13 @@ def next_nonzero(nonzero: np.ndarray, streams: int) -> np.ndarray:
 def zero_sums(result_type: PayloadType, elements: int) -> np.ndarray:
     """The result payload of a chunk that is zero at every worker (native byte order, for decode_sum)."""
     return np.zeros(elements, PAYLOAD_DTYPE[result_type].newbyteorder("="))
+
+
+def encoded_blocks(codes: np.ndarray, block: int):
+    """The client's ``encode_block(b)`` for a tensor encoded ahead: rows b * block .. of ``codes``."""
+    def rows(b: int) -> np.ndarray:
+        return codes[b * block:(b + 1) * block]
+    return rows
 
 
 def _u32_be(values: np.ndarray) -> np.ndarray:
