@@ -28,8 +28,8 @@ import numpy as np
 
 from .compression.base import native
 from .errors import AllreduceError
-from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, TRAILER_DTYPE, TRAILER_SIZE, Flag, PayloadType, payload_view,
-                   sparse_announce)
+from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, TRAILER_DTYPE, TRAILER_SIZE, Flag, PayloadType,
+                   payload_view, sparse_announce, sparse_next_ok)
 
 __all__ = ["next_nonzero", "zero_sums", "encoded_blocks", "SparseStream"]
 
@@ -80,10 +80,6 @@ class SparseStream:
         self.skip_len = HEADER_SIZE + TRAILER_SIZE
         self.result_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E + TRAILER_SIZE
 
-    def first(self) -> np.ndarray:
-        """The positions every worker sends first: the first chunk of each stream."""
-        return np.arange(min(self.S, self.n))
-
     def load(self, pkts: np.ndarray, hv: np.ndarray, rows: np.ndarray, chunks: np.ndarray) -> int:
         """Turn the dense packets of ``chunks`` (in ring ``rows``) into sparse ones: the SPARSE flag,
         the trailer, and payload NONE (header only) where this worker's chunk is zero. Returns how
@@ -120,9 +116,10 @@ class SparseStream:
         everywhere, now filled; the positions of the streams' next rounds)."""
         off = lens[idx] - TRAILER_SIZE
         raw = buf[idx[:, None], off[:, None] + np.arange(TRAILER_SIZE)]
-        nxt = (raw.copy().view(TRAILER_DTYPE)["next"].reshape(-1).astype(np.int64) - self.c0) % self.modulus
+        ids = raw.copy().view(TRAILER_DTYPE)["next"].reshape(-1).astype(np.int64)
+        bad = ~sparse_next_ok((self.c0 + jj) % self.modulus, ids, self.S, self.modulus)
+        nxt = (ids - self.c0) % self.modulus
         steps = nxt - jj
-        bad = (steps <= 0) | (steps % self.S != 0) | ((steps // self.S) % 2 == 0)
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
             raise AllreduceError(f"the result of chunk position {int(jj[k])} announces position {int(nxt[k])}, not an "

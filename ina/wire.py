@@ -96,8 +96,8 @@ def chunk_newer(chunk, than, modulus):
 def sparse_next_ok(chunk, nxt, pool_slots, modulus):
     """Whether ``nxt`` is a valid announcement in a sparse packet of chunk ``chunk``: newer, in the same
     stream and an odd number of steps ``pool_slots`` ahead (modulo ``modulus``)."""
-    d = (nxt - chunk) % modulus
-    return nxt < modulus and 0 < d < modulus // 2 and d % pool_slots == 0 and (d // pool_slots) % 2 == 1
+    d = (nxt - chunk) % modulus        # & rather than and: numpy arrays too
+    return (nxt < modulus) & (d > 0) & (d < modulus // 2) & (d % pool_slots == 0) & ((d // pool_slots) % 2 == 1)
 
 
 def sparse_announce(chunk, nonzero, pool_slots):

@@ -104,7 +104,8 @@ def test_sparse_packets_round_trip_through_unpack_and_scapy():
     result = wire.pack(msg_type=wire.MsgType.RESULT, job=7, rank=wire.SWITCH_RANK, pool_index=3, codec=3,
                        payload_type=wire.PayloadType.INT32, count=2, exponent=1, chunk=3, payload=[-1, 5], elements=2,
                        flags=wire.Flag.RAW_SUM, next=11)      # docs/wire-format.md, example 7
-    assert result == bytes.fromhex("010200180007ffff0003030200020001 00000003 ffffffff00000005 0000000b".replace(" ", ""))
+    assert result == bytes.fromhex("010200180007ffff0003030200020001 00000003 ffffffff00000005 0000000b"
+                                   .replace(" ", ""))
     for b in (data, skip, result):
         s = dissect.INA(b)
         assert s.next == wire.unpack(b).next and bytes(s) == b
