@@ -471,10 +471,11 @@ class _Transfer:
                 raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
                                      f"{n_chunks - self.n_done} of {n_chunks} chunks incomplete")
         lens = cl.rx.lens[:k]
-        ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job)
-        ok &= self.sparse.result_ok(lens) if self.sparse else lens == self.res_len
         j = (h["chunk"].astype(np.int64) - self.c0) % cl.chunk_modulus
-        ok &= j < n_chunks
+        ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (j < n_chunks)
+        if self.E:
+            sparse_mod.check_agreement(h["flags"][ok], bool(self.sparse), cl.job)
+        ok &= self.sparse.result_ok(lens) if self.sparse else lens == self.res_len
         stale = int(np.count_nonzero(~ok))
         jj = j[ok]
         if jj.size:

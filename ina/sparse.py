@@ -31,7 +31,7 @@ from .errors import AllreduceError
 from .wire import (HEADER_SIZE, PAYLOAD_DTYPE, PAYLOAD_WIDTH, TRAILER_DTYPE, TRAILER_SIZE, Flag, PayloadType,
                    payload_view, sparse_announce, sparse_next_ok)
 
-__all__ = ["next_nonzero", "zero_sums", "encoded_blocks", "SparseStream"]
+__all__ = ["next_nonzero", "zero_sums", "encoded_blocks", "check_agreement", "SparseStream"]
 
 
 def next_nonzero(nonzero: np.ndarray, streams: int) -> np.ndarray:
@@ -56,6 +56,16 @@ def encoded_blocks(codes: np.ndarray, block: int):
     def rows(b: int) -> np.ndarray:
         return codes[b * block:(b + 1) * block]
     return rows
+
+
+def check_agreement(result_flags: np.ndarray, sparse: bool, job: int) -> None:
+    """Raise if results of this worker's data stream disagree with its ``sparse`` setting: a round that
+    another worker streamed sparse (or dense) while this one did not; the results would never fit."""
+    other = (result_flags & int(Flag.SPARSE)) == 0 if sparse else (result_flags & int(Flag.SPARSE)) != 0
+    if other.any():
+        raise AllreduceError(f"job {job}: this worker streams {'sparse' if sparse else 'dense'} chunks but the "
+                             f"switch's results are {'dense' if sparse else 'sparse'}: every worker of an allreduce "
+                             "must pass the same sparse= to Client.allreduce")
 
 
 def _u32_be(values: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ina import dissect, wire
+from ina.client import AllreduceError
 from ina.sparse import next_nonzero
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -197,6 +198,25 @@ def test_sparse_with_a_host_aggregated_codec_is_refused(tmp_path):
     finally:
         sw.terminate()
     assert out[0].tolist() == [1.0] * 10
+
+
+def test_workers_that_disagree_on_sparse_get_a_clear_error(tmp_path):
+    """Rank 0 streams sparse, rank 1 dense: rank 1 is told at its first result that the results are
+    sparse, rank 0 gets the bounded stall error; nothing hangs."""
+    xs = sparse_inputs(40, 0.5, seed=60, world=2)
+    sw = SwitchProc("--slots", "64", "--elements", str(E), log_path=tmp_path / "switch.log")
+    try:
+        def body(r, cl):
+            try:
+                cl.allreduce(xs[r].copy(), codec="bfp32", sparse=(r == 0))
+            except AllreduceError as e:
+                return str(e)
+            return None
+        msgs = client_threads(sw.port, 2, 7, body, elements=E, slots=4, timeout=5)
+    finally:
+        sw.terminate()
+    assert msgs[1] is not None and "must pass the same sparse=" in msgs[1], msgs
+    assert msgs[0] is not None, msgs
 
 
 def test_sparse_survives_loss_and_duplication(tmp_path):
