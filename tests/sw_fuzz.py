@@ -76,7 +76,7 @@ def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int) -> str:
 
 
 PARSE_REASONS = ("truncated", "bad_version", "bad_msg_type", "bad_payload_type", "unknown_job", "bad_length",
-                 "bad_count", "unknown_worker", "slot_out_of_range", "slot_chunk_mismatch")
+                 "bad_count", "unknown_worker", "slot_out_of_range", "slot_chunk_mismatch", "bad_next")
 PROTOCOL_REASONS = ("payload_type_mismatch", "stale", "slot_busy", "retransmit_pending")
 
 
@@ -173,6 +173,16 @@ def bad_packets(jobs: dict[int, JobSpec], stride: int):
         return "slot_chunk_mismatch", header(**f) + fill(WIDTH[pt] * j.elements, draw(seeds))
 
     @st.composite
+    def bad_next(draw):        # a sparse packet whose announcement breaks the rule of rounds
+        j = jobs[draw(job_st)]
+        pt = draw(ptype_st)
+        f = valid_fields(draw, j, pt)
+        m = chunk_modulus(j.slots)
+        nxt = draw(u32.filter(lambda x: not sparse_next_ok(f["chunk"], x, j.slots, m)))
+        return "bad_next", (header(**f, flags=int(Flag.SPARSE)) + fill(WIDTH[pt] * j.elements, draw(seeds))
+                            + nxt.to_bytes(TRAILER_SIZE, "big"))
+
+    @st.composite
     def random_packet(draw):
         pkt = fill(draw(st.integers(0, stride + 100)), draw(seeds))
         if draw(st.booleans()) and len(pkt) >= 2:     # random bytes behind a plausible start
@@ -181,7 +191,7 @@ def bad_packets(jobs: dict[int, JobSpec], stride: int):
         return reason, pkt
 
     return st.one_of(truncated(), bad_version(), bad_msg_type(), bad_payload_type(), unknown_job(), bad_length(),
-                     bad_count(), unknown_worker(), slot_out_of_range(), slot_chunk_mismatch(),
+                     bad_count(), unknown_worker(), slot_out_of_range(), slot_chunk_mismatch(), bad_next(),
                      random_packet().filter(lambda rp: rp[0] != "ok"))
 
 
