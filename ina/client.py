@@ -74,19 +74,21 @@ class Client(Worker):
     switch's slot pool, i.e. the window of chunks in flight. ``first_chunk`` is the chunk id the
     job's first packet carries (0; a long-running job's ids wrap to 0 after chunk_modulus - 1). ``codecs``: the codecs
     this job will use, declared at join so that a switch under a hardware profile refuses one it cannot sum.
+    ``sparse``: the default of :meth:`allreduce`'s ``sparse`` for switch-summable codecs (gloo_patch: INA_SPARSE).
     """
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
                  codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
-                 token: str | None = None, timeline: bool = False, codecs: tuple = ()):
+                 token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
         self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
+        self.sparse = bool(sparse)            # allreduce's default: sparse block streaming (ina.sparse)
         self.record_timeline = bool(timeline)  # keep the last allreduce's Timeline in last_timeline
         self.last_timeline: dict | None = None
         self._timeline: Timeline | None = None
@@ -130,7 +132,7 @@ class Client(Worker):
                  self.slots, self.elements)
 
     # ----------------------------------------------------------------------------------------------
-    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None, sparse: bool = False):
+    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None, sparse: bool | None = None):
         """Sum (or average) ``tensor`` over the job's workers through the switch, in place.
 
         ``tensor`` is a torch tensor (any float dtype, shape and device) or a numpy float array.
@@ -138,7 +140,7 @@ class Client(Worker):
         (3lc-3v, bgt, qgt keep one residual per key; without a key they are stateless). Returns
         the same object. ``sparse=True`` streams only the chunks whose codes are not all zero
         (OmniReduce-style sparse block streaming, :mod:`ina.sparse`; every worker of the allreduce must
-        pass the same value).
+        pass the same value); None: the client's ``sparse`` (which host-aggregated codecs ignore).
         """
         self._check_usable()
         c = self.codec(codec)
@@ -147,6 +149,7 @@ class Client(Worker):
                 raise ValueError(f"sparse=True streams a switch-summable codec's chunks; codec {codec!r} goes "
                                  "through the host aggregator (variable-length messages): use sparse=False")
             return self._host_allreduce(tensor, c, key, average)
+        sparse = self.sparse if sparse is None else bool(sparse)
         x32 = staging.to_host(tensor)        # CUDA tensors: through a pinned host buffer
         n = x32.size
         if n == 0:

@@ -200,6 +200,35 @@ def test_sparse_with_a_host_aggregated_codec_is_refused(tmp_path):
     assert out[0].tolist() == [1.0] * 10
 
 
+def test_client_default_and_ina_sparse(tmp_path, monkeypatch):
+    """Client(sparse=True) (what gloo_patch passes for INA_SPARSE=1) streams switch-summable codecs
+    sparse without a per-call argument, and leaves host-aggregated codecs to the host aggregator."""
+    from gloo_patch.common import InaConfig, InaConfigError
+    monkeypatch.setenv("INA_SWITCH", "127.0.0.1:9999")
+    monkeypatch.setenv("INA_SPARSE", "1")
+    assert InaConfig.from_env().client_kwargs()["sparse"] is True
+    monkeypatch.setenv("INA_SPARSE", "yes")
+    with pytest.raises(InaConfigError, match="INA_SPARSE='yes': expected an integer"):
+        InaConfig.from_env()
+    monkeypatch.delenv("INA_SPARSE")
+    assert InaConfig.from_env().client_kwargs()["sparse"] is False
+    xs = sparse_inputs(100, 0.9, seed=70, world=2)
+    sw = SwitchProc("--slots", "64", "--elements", str(E), log_path=tmp_path / "switch.log")
+    try:
+        def body(r, cl):
+            t = xs[r].copy()
+            cl.allreduce(t, codec="bfp32")
+            cl.allreduce(np.ones(100, np.float32), codec="topk")      # host-aggregated: not sparse, no error
+            return t, cl.stats.sparse_chunks_skipped
+        out = client_threads(sw.port, 2, 8, body, elements=E, slots=4, sparse=True)
+    finally:
+        sw.terminate()
+    ref = bfp_reference(xs)
+    for t, skipped in out:
+        assert np.array_equal(t.view(np.uint32), ref.view(np.uint32))
+        assert skipped > 0
+
+
 def test_workers_that_disagree_on_sparse_get_a_clear_error(tmp_path):
     """Rank 0 streams sparse, rank 1 dense: rank 1 is told at its first result that the results are
     sparse, rank 0 gets the bounded stall error; nothing hangs."""
