@@ -95,6 +95,9 @@ def main() -> int:
     if rank == 0:
         print(f"[train_ddp] done: full-data loss {final:.4f} after {args.steps} steps ({time.monotonic() - t0:.1f}s)",
               flush=True)
+    # every rank reaches this point before any rank closes its Gloo connections: a rank whose peer
+    # closes while it still computes (its full-data loss, its files) can see the close as an error
+    dist.barrier()
     if hook_state is not None:
         hook_state.close()
     dist.destroy_process_group()

@@ -8,10 +8,13 @@ Every configuration is measured in the same run against Gloo's allreduce of the 
 (the ring that Horovod and torch.distributed use today), so the figures that matter are ratios.
 "Payload into the switch" is the codes all workers send per second (the issue's 2 Gbit/s goal is
 for natural compression with 4 workers): it says whether the emulator, not the links, sets the pace.
-Progress goes to stderr. Per codec, rank 0's timeline of its last allreduce (``<codec>_timeline``:
+Progress goes to stderr. Per method, ``<method>_worker_cpu_ms``: the CPU time of one worker
+process per allreduce (median, mean over the workers; the primary figure on a shared machine).
+``INA_GSO=0`` in the environment turns UDP GSO off in workers and switch (to measure against it). Per codec, rank 0's timeline of its last allreduce (``<codec>_timeline``:
 negotiation, first send, window sent, first/last result, done; encode/decode CPU) and the switch's
 stage clock per allreduce (``<codec>_switch``: ms per stage, busy and waiting; mean burst) say where
-the time goes (docs/performance.md).
+the time goes (docs/performance.md). ``<codec>_negotiation`` splits rank 0's negotiation mark into
+the wait for the last worker's call (the barrier's exit skew) and the round trip after it.
 """
 from __future__ import annotations
 
@@ -41,8 +44,16 @@ def switch_timing(port: int) -> dict:
 def timing_per_allreduce(a: dict, b: dict, count: int) -> dict:
     """The switch's stage clock between two readings, in ms per allreduce (stages, busy, busy_cpu, wait)."""
     d = {name: (b["stage_ns"][name] - a["stage_ns"][name]) / count / 1e6 for name in b["stage_ns"]}
-    d.update({key[:-3]: (b[key] - a[key]) / count / 1e6 for key in ("busy_ns", "busy_cpu_ns", "wait_ns")})
+    d.update({key[:-3]: (b[key] - a[key]) / count / 1e6 for key in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns")})
     return {k: round(v, 3) for k, v in d.items()}
+
+
+def negotiation_split(starts, negotiated, last_start) -> dict:
+    """Rank 0's negotiation mark (s after its call) split into the wait for the last worker to call
+    (start skew after the barrier) and the round trip after that call; medians over the reps, ms."""
+    return {"rank0_mark_ms": round(float(np.median(negotiated)) * 1e3, 3),
+            "start_skew_ms": round(float(np.median(last_start - starts)) * 1e3, 3),
+            "after_last_start_ms": round(float(np.median(starts + negotiated - last_start)) * 1e3, 3)}
 
 
 def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q):
@@ -61,23 +72,33 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
         x = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
         row = {"workers": n, "bytes": nbytes, "elements": N}
         for method in ["gloo"] + codecs:
-            times = []
+            times, cpu, starts, negs = [], [], [], []
             t0 = switch_timing(sw_port) if rank == 0 and method != "gloo" else None
             for r in range(reps + 1):
                 y = x.clone()
                 dist.barrier()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 if method == "gloo":
                     dist.all_reduce(y)
                 else:
                     cl.allreduce(y, codec=method)
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.process_time() - c
                 if r:                       # the first one warms caches up
                     times.append(dt)
+                    cpu.append(dc)
+                    starts.append(t)        # perf_counter is CLOCK_MONOTONIC: one clock for every process
+                    negs.append((cl.last_timeline or {}).get("negotiated", np.nan) if method != "gloo" else np.nan)
             tt = torch.tensor([float(np.median(times))])
             dist.all_reduce(tt, op=dist.ReduceOp.MAX)      # the slowest worker's time
             row[method] = float(tt)
+            cc = torch.tensor([float(np.median(cpu))])
+            dist.all_reduce(cc)                            # CPU of all workers (process: Gloo's threads too)
+            row[f"{method}_worker_cpu_ms"] = round(float(cc) / n * 1e3, 3)   # per worker
+            last_start = torch.tensor(starts, dtype=torch.float64)
+            dist.all_reduce(last_start, op=dist.ReduceOp.MAX)   # when the last worker called allreduce
             if t0 is not None:
+                row[f"{method}_negotiation"] = negotiation_split(np.array(starts), np.array(negs),
+                                                                 last_start.numpy())
                 row[f"{method}_switch"] = timing_per_allreduce(t0, switch_timing(sw_port), reps + 1)
                 row[f"{method}_timeline"] = cl.last_timeline
         if rank == 0:
@@ -109,7 +130,9 @@ def run(workers, sizes_mb, codecs, reps, elements, slots):
                     row[f"{c}_payload_into_switch_gbit"] = 8 * n * row["elements"] * CODE_BYTES.get(c, 1) / row[c] / 1e9
                 row["gloo_goodput_gbit"] = 8 * row["bytes"] / row["gloo"] / 1e9
                 log(f"  {row['bytes'] / 2**20:.0f} MB: gloo {row['gloo'] * 1e3:.1f} ms; " + ", ".join(
-                    f"{c} {row[c] * 1e3:.1f} ms ({row[f'{c}_speedup_vs_gloo']:.2f}x)" for c in codecs))
+                    f"{c} {row[c] * 1e3:.1f} ms ({row[f'{c}_speedup_vs_gloo']:.2f}x; CPU per worker "
+                    f"{row[f'{c}_worker_cpu_ms']:.1f} ms, switch {row[f'{c}_switch']['busy_cpu']:.1f} ms)"
+                    for c in codecs))
                 rows.append(row)
             for p in ps:
                 p.join(120)

@@ -55,7 +55,8 @@ def batch(rank: int, n: int = 16, side: int = 16):
     return torch.randn(n, 3, side, side, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def timed_steps(model, opt, x, y, warmup: int, steps: int) -> list[float]:
+def timed_steps(model, opt, x, y, warmup: int, steps: int, windows: list | None = None) -> list[float]:
+    """Step times after ``warmup``; ``windows`` gets each timed step's (start, end), time.perf_counter()."""
     import torch  # noqa: PLC0415
 
     times = []
@@ -66,7 +67,29 @@ def timed_steps(model, opt, x, y, warmup: int, steps: int) -> list[float]:
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            if windows is not None:
+                windows.append((t0, t0 + times[-1]))
     return times
+
+
+def overlap(timeline, windows) -> dict:
+    """How much of the switch time ran during backward. Per step: the buckets submitted in the step; the
+    last submission is when backward's last gradient was ready (the end of its compute); the switch time
+    of each bucket before that point overlapped with backward, the rest is exposed."""
+    busy = inside = exposed = 0.0
+    n = 0
+    for lo, hi in windows:
+        mine = [e for e in timeline if lo <= e[0] <= hi]
+        if not mine:
+            continue
+        last = max(e[0] for e in mine)
+        busy += sum(fin - st for _, st, fin in mine)
+        inside += sum(max(0.0, min(fin, last) - st) for _, st, fin in mine)
+        exposed += max(fin for *_, fin in mine) - last
+        n += 1
+    return {"buckets_per_step": len([e for e in timeline if windows[0][0] <= e[0] <= windows[-1][1]]) / max(n, 1),
+            "switch_s_per_step": busy / max(n, 1), "overlapped_fraction": inside / busy if busy else 0.0,
+            "exposed_s_per_step": exposed / max(n, 1)}
 
 
 def worker(kind: str, out: str, warmup: int, steps: int) -> None:
@@ -88,18 +111,25 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
 
         dist.init_process_group("gloo")
         rank = dist.get_rank()
-        model = DDP(model)
+        cap = os.environ.get("INA_BUCKET_BYTES")     # codec@N: DDP buckets of N bytes (default: DDP's 25 MiB)
+        model = DDP(model, **({"bucket_cap_mb": int(cap) / 2**20} if cap else {}))
         if kind == "ddp-ina":
             from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook  # noqa: PLC0415
-            model.register_comm_hook(InaHookState(), ina_allreduce_hook)
+            hook = InaHookState()
+            model.register_comm_hook(hook, ina_allreduce_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = batch(rank)
-    times = timed_steps(model, opt, x, y, warmup, steps)
+    windows: list = []
+    times = timed_steps(model, opt, x, y, warmup, steps, windows)
     if rank == 0:
         n_tensors = sum(1 for _ in model.parameters())
         n_params = sum(p.numel() for p in model.parameters())
-        Path(out).write_text(json.dumps({"median_s": statistics.median(times), "mean_s": statistics.mean(times),
-                                         "steps": steps, "tensors": n_tensors, "params": n_params}))
+        res = {"median_s": statistics.median(times), "mean_s": statistics.mean(times), "steps": steps,
+               "tensors": n_tensors, "params": n_params}
+        if kind == "ddp-ina":
+            res["overlap"] = overlap(hook.timeline(), windows)
+            res["client"] = hook.stats()["client"]
+        Path(out).write_text(json.dumps(res))
 
 
 def compute_only(warmup: int, steps: int) -> float:
@@ -116,12 +146,12 @@ def compute_only(warmup: int, steps: int) -> float:
 def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dict:
     prefix = topo.prefix if topo else None
     out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k == "INA_TOKEN"}  # the switch's token
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if codec is not None:   # "nc" or "nc@<bucket bytes>" (Horovod's INA_BUCKET_BYTES; 0: no overlap)
         codec, _, bucket = codec.partition("@")
         env.update(INA_SWITCH=switch, INA_CODEC=codec, INA_SEED="7", INA_TIMEOUT="30")
-        if bucket:
+        if bucket:      # Horovod: INA_BUCKET_BYTES; DDP: bucket_cap_mb (0: one bucket, no overlap)
             env["INA_BUCKET_BYTES"] = bucket if int(bucket) > 0 else str(1 << 40)
     me = [PY, "-m", "experiments.bench_frameworks", "--worker", kind, "--out", str(out), "--warmup", str(a.warmup),
           "--steps", str(a.steps)]
@@ -145,6 +175,15 @@ def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dic
     res = json.loads(out.read_text())
     res["wall_s"] = time.monotonic() - t0
     return res
+
+
+def target(rate: str | None) -> str:
+    """The goal for INA's step time, as a ratio to Gloo's in the same run."""
+    return "<= 1.05x Gloo's time (loopback)" if rate is None else ">= 2.5x faster than Gloo (0.40x its time)"
+
+
+def meets(ratio: float, rate: str | None) -> bool:
+    return ratio <= 1.05 if rate is None else ratio <= 1 / 2.5
 
 
 def switch_for(topo):
@@ -175,7 +214,8 @@ def main(argv=None) -> int:
     if a.rate:
         from ina.net import Topology  # noqa: PLC0415
         topo = Topology(workers=2, rate=a.rate).__enter__()
-    results = {"emulated": f"2 ranks, each in its own network namespace behind a {a.rate} link (tbf/htb), "
+    results = {"target": target(a.rate),
+               "emulated": f"2 ranks, each in its own network namespace behind a {a.rate} link (tbf/htb), "
                            "switch in host sw" if a.rate else "2 ranks on loopback (no shaping)",
                "compute_only_s": compute_only(a.warmup, a.steps), "runs": []}
     if not a.json:
@@ -189,12 +229,18 @@ def main(argv=None) -> int:
                 results["runs"].append({"framework": fw, "codec": "gloo", **base, "ratio_to_gloo": 1.0})
                 for codec in a.codecs.split(","):
                     r = run_config("ddp-ina" if fw == "ddp" else fw, codec, addr, topo, a)
-                    results["runs"].append({"framework": fw, "codec": codec, **r,
-                                            "ratio_to_gloo": r["median_s"] / base["median_s"]})
+                    ratio = r["median_s"] / base["median_s"]
+                    results["runs"].append({"framework": fw, "codec": codec, **r, "ratio_to_gloo": ratio,
+                                            "speedup_vs_gloo": 1 / ratio, "meets_target": meets(ratio, a.rate)})
                     if not a.json:
+                        ov = r.get("overlap")
                         print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step  "
-                              f"{r['median_s'] / base['median_s']:.2f}x Gloo ({base['median_s'] * 1e3:.1f} ms)",
-                              flush=True)
+                              f"{ratio:.2f}x Gloo's time ({base['median_s'] * 1e3:.1f} ms; target {target(a.rate)}: "
+                              f"{'met' if meets(ratio, a.rate) else 'not met'})" + (
+                                  f"  {ov['buckets_per_step']:.1f} buckets/step, switch "
+                                  f"{ov['switch_s_per_step'] * 1e3:.1f}"
+                                  f" ms/step, {100 * ov['overlapped_fraction']:.0f}% of it during backward, exposed "
+                                  f"{ov['exposed_s_per_step'] * 1e3:.1f} ms" if ov else ""), flush=True)
         finally:
             sw.stop(timeout=10)
     finally:

@@ -9,8 +9,11 @@ the same invocation and is the reference of every ratio. Loss, duplication and r
 switch's user-space impairments (this kernel has no netem), applied in both directions (worker ->
 switch and switch -> worker) with the given probability each. Every result is compared bit for bit
 with the lossless run's: a mismatch fails the benchmark. The client counters say how each loss was
-recovered: fast retransmissions (a later chunk's result arrived first) or timeouts.
-Progress goes to stderr.
+recovered: fast retransmissions (a later chunk's result arrived first), tail probes or timeouts;
+``needed_resends`` is what the switch's drop counts make necessary (a lost data packet: one resend
+per worker, none can tell whose packet it was; a lost result: one), so resends above it are
+spurious. The "impairment path on, no loss" setting runs the impairment stages without dropping
+anything: what the emulator's impairment path costs by itself. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -29,12 +32,31 @@ from switch_model.launch import start_switch
 
 SETTINGS = {                      # name: impairment of each direction
     "lossless": {},
+    # the impairment stages on, dropping nothing (a probability of 1e-9 drops none of the ~10^5
+    # packets of a setting): what merely running the emulator's impairment path costs
+    "impairment path on, no loss": {"loss": 1e-9},
     "loss 0.1%": {"loss": 0.001},
     "loss 1%": {"loss": 0.01},
     "loss 2% + dup 2% + reorder 2%": {"loss": 0.02, "duplicate": 0.02, "reorder": 0.02},
 }
+TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
 COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
             "duplicate_results")
+
+
+def switch_counts(host: str, port: int) -> dict:
+    """The switch's counts of what was lost and what the resends met (cumulative)."""
+    st = request(host, port, {"op": "stats"}, timeout=10)["stats"]
+    imp = st["impairments"]
+    return {"ingress_dropped": imp["ingress"]["dropped"], "egress_dropped": imp["egress"]["dropped"],
+            "ingress_duplicated": imp["ingress"]["duplicated"], "egress_duplicated": imp["egress"]["duplicated"],
+            "replays": st["counters"]["replays"], "retransmit_pending": st["drops"]["retransmit_pending"]}
+
+
+def needed_resends(sw: dict, workers: int) -> int:
+    """Resends a loss makes necessary: a lost data packet stalls its round for every worker (each
+    resends once; the ranks that did not lose it cannot tell), a lost result only the worker it was for."""
+    return workers * sw["ingress_dropped"] + sw["egress_dropped"]
 
 
 def log(msg: str) -> None:
@@ -98,6 +120,7 @@ def run_setting(links: Links, port, n, job, elements, reps, seed, imp: dict, tim
             timeout=10)
     base = {"host": links.switch_ip, "port": port, "workers": n, "job": job, "elements": elements, "reps": reps,
             "seed": seed}
+    sw0 = switch_counts(links.switch_ip, port)
     ps = [links.popen(r, [sys.executable, "-m", "experiments.bench_loss", "--worker", json.dumps({**base, "rank": r})],
                       stdout=subprocess.PIPE, text=True) for r in range(n)]
     got = []
@@ -113,6 +136,9 @@ def run_setting(links: Links, port, n, job, elements, reps, seed, imp: dict, tim
         got.append(json.loads(out.strip().splitlines()[-1]))
     per = max(g["time_per_allreduce_s"] for g in got)          # the slowest worker's time per allreduce
     counters = {k: sum(g[k] for g in got) for k in COUNTERS}
+    sw1 = switch_counts(links.switch_ip, port)                 # (these include the warm-up allreduce)
+    counters["switch"] = {k: sw1[k] - sw0[k] for k in sw1}
+    counters["needed_resends"] = needed_resends(counters["switch"], n)
     digests = {g["digest"] for g in got}
     if len(digests) != 1:
         raise RuntimeError(f"ranks disagree on the results ({len(digests)} different digests)")
@@ -144,10 +170,14 @@ def _run_all(links: Links, port: int, n: int, sizes: list[int], reps: dict, seed
             row = {"workers": n, "elements": elements, "setting": name, "impairment_each_direction": imp,
                    "allreduces": r, "time_per_allreduce_s": per, "vs_lossless": per / ref_time,
                    "exact": exact, **counters}
+            if name in TARGETS:
+                row["target_vs_lossless"] = TARGETS[name]
+                row["meets_target"] = per / ref_time <= TARGETS[name]
             rows.append(row)
             log(f"{elements} elements, {name}: {per * 1e3:.2f} ms per allreduce ({per / ref_time:.2f}x lossless),"
                 f" fast {counters['fast_retransmissions']}, probes {counters['probe_retransmissions']},"
-                f" timeouts {counters['timeout_retransmissions']},"
+                f" timeouts {counters['timeout_retransmissions']}, needed ~{counters['needed_resends']}"
+                f" (+warm-up), switch {counters['switch']},"
                 f" exact {exact}")
             if not exact:
                 raise RuntimeError(f"{name}: results differ from the lossless run")
@@ -163,6 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rate", default=None, help="emulated link rate per worker, e.g. 100mbit (root); "
                     "default: loopback")
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                    help="settings to run (the first is the reference of the ratios; default: all)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -171,7 +203,7 @@ def main(argv=None) -> int:
         return 0
     if len(a.reps) != len(a.sizes):
         ap.error(f"--reps needs one count per size ({len(a.sizes)}), got {len(a.reps)}")
-    rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.seed, SETTINGS, a.rate)
+    rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.seed, {k: SETTINGS[k] for k in a.settings}, a.rate)
     if a.json:
         print(json.dumps({"benchmark": "allreduce_under_loss", "links": f"emulated {a.rate} per worker (tbf)" if a.rate else "loopback",
                           "impairments": "switch user-space impairments, both directions",

@@ -210,7 +210,7 @@ def _switch_counters(topo) -> dict:
     tm = st.get("timing", {})         # the stage clock: where the switch's time went (docs/performance.md)
     return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()},
             **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()},
-            **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "wait_ns", "bursts") if k in tm}}
+            **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts") if k in tm}}
 
 
 def ina_rto(method: str, rate: str, slots: int, mtu: int, n: int = 4, base: float = 0.02,
@@ -359,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=60.0, help="bound of every wait (seconds)")
     from .dilation import add_arguments
     add_arguments(ap)
+    from .sweep_loss import add_arguments as add_loss_arguments
+    add_loss_arguments(ap)
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
@@ -408,8 +410,10 @@ def _settings(ap, args) -> dict:
     args.reps = args.reps or (3 if q else 5)
     args.acc_steps = args.acc_steps if args.acc_steps is not None else (100 if q else 300)
     acc_workers = args.acc_workers or (2 if q else 4)
+    from .sweep_loss import parse_losses
     return {"rates": rates, "workers": workers, "methods": methods, "scale": scale, "sizes": sizes,
-            "tp_sizes": tp_sizes, "names": names, "acc_workers": acc_workers, "skipped": skipped}
+            "tp_sizes": tp_sizes, "names": names, "acc_workers": acc_workers, "skipped": skipped,
+            "losses": parse_losses(ap, args.loss)}
 
 
 def _meta(args, argv, out: Path, st: dict) -> dict:
@@ -421,7 +425,8 @@ def _meta(args, argv, out: Path, st: dict) -> dict:
             "started": _dt.datetime.now().isoformat(timespec="seconds"), "tp_sizes": st["tp_sizes"],
             "tp_steps": args.tp_steps, "dilation": args.dilation or 1, "profile": args.profile,
             "profile_skipped": st["skipped"], "codec_device": "this CPU" if args.codec_gbps is None else
-            f"{args.codec_gbps:g} GB/s", "switch_delay_ms": args.switch_delay_ms}
+            f"{args.codec_gbps:g} GB/s", "switch_delay_ms": args.switch_delay_ms, "losses": st["losses"],
+            "impairment": "switch user-space packet loss, each direction, for switch-summable INA methods only"}
     if prev_meta.get("runs"):
         meta["runs"] = prev_meta["runs"] + [meta["command"]]
     else:
@@ -478,15 +483,18 @@ def _start_switch(topo, out: Path, args):
                         timeout=30.0)
 
 
-def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, t_start: float) -> None:
-    """Every configuration of the plan, in one topology, one worker group per worker count; the
-    results are saved after each one. Dilated: links shaped at target/K (K fixed, or per target
-    rate and size from the auto probe, see experiments/dilation.py), times reported in the target's."""
+def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict, t_start: float) -> None:
+    """Every configuration of the plans (one per loss rate, experiments/sweep_loss.py), in one topology,
+    one worker group per worker count; the results are saved after each one. Dilated: links shaped at
+    target/K (K fixed, or per target rate and size from the auto probe, see experiments/dilation.py),
+    times reported in the target's."""
     from tqdm import tqdm
 
     from ina.net import Topology
 
     from .dilation import Dilation, probe_factors, set_switch_delay
+    from .sweep_loss import set_loss, stamp
+    plan = [p for pl in plans.values() for p in pl]
     fixed = args.dilation if isinstance(args.dilation, float) else 1.0
     first = Dilation(fixed).shaped_rate(st["rates"][0]) if args.dilation != "auto" else "1gbit"   # (then probed)
     with Topology(workers=max(p[1] for p in plan), rate=first, mtu=args.mtu) as topo:
@@ -505,14 +513,15 @@ def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, 
                 group = WorkerGroup(topo, n, out, args)
                 cur = None
                 try:
-                    for wl, _, rate, el, m in mine:
+                    for loss, (wl, _, rate, el, m) in [(x, p) for x, pl in plans.items() for p in pl if p[1] == n]:
+                        set_loss(topo.switch.ip, SWITCH_PORT, loss)
                         dil = Dilation(ks.get((rate, el), fixed))
                         shaped = dil.shaped_rate(rate)
                         if (shaped, dil) != cur:
                             topo.set_rate("workers", shaped)
                             set_switch_delay(topo.switch.ip, SWITCH_PORT, args, dil)
                             cur = (shaped, dil)
-                        bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,} {dil.label}")
+                        bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,} {dil.label} loss {loss:g}")
                         job += 1
                         cid += 1
                         if wl == "allreduce":
@@ -521,7 +530,7 @@ def _run_plan(plan: list, args, st: dict, out: Path, records: list, meta: dict, 
                             rec = run_throughput(group, topo, m, n, rate, el, args, job, cid)
                         else:
                             rec = run_train(group, m, n, rate, args, job, cid)
-                        records.append(rec)
+                        records.append(stamp(rec, loss))
                         meta["elapsed"] = time.monotonic() - t_start
                         save_results(out, meta, derive(records, st["names"]))
                         bar.update(1)
@@ -543,10 +552,12 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     records = [r for r in load_results(out) if r["workload"] != "throughput" or "step_times" in r]
     meta = _meta(args, argv, out, st)
-    plan = _plan(args, st, {key_of(r) for r in records})
+    from .sweep_loss import done_at, lossless, plan_at, write_section
+    plans = {p: plan_at(_plan(args, st, done_at(records, p, key_of)), p) for p in st["losses"]}
+    plan = [c for pl in plans.values() for c in pl]
     t_start = time.monotonic()
     if plan:
-        _run_plan(plan, args, st, out, records, meta, t_start)
+        _run_plan(plans, args, st, out, records, meta, t_start)
     else:
         print(f"ina-sweep: every configuration is already in {out / 'results.json'}; regenerating the report",
               file=sys.stderr)
@@ -554,10 +565,11 @@ def main(argv=None) -> int:
     final = derive(records, names)
     save_results(out, meta, final)
     from .sweep_report import print_headline, write_report
-    write_report(out, meta, final, plots=not args.no_plots)
+    write_report(out, meta, lossless(final), plots=not args.no_plots)
+    write_section(out, final, plots=not args.no_plots)
     print(f"ina-sweep: {len(plan)} configuration(s) run in {meta['elapsed']:.0f}s; results in {out}/ "
           f"(results.json, results.csv, report.md{', *.png' if not args.no_plots else ''})", file=sys.stderr)
-    print_headline(out, meta, final)
+    print_headline(out, meta, lossless(final))
     return 0
 
 

@@ -26,9 +26,11 @@ flight. Every wait is bounded by ``INA_TIMEOUT``: a dead switch raises ``ina.All
 every rank instead of hanging.
 """
 
+import collections
 import datetime
 import queue
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -107,6 +109,9 @@ class _Lane:
         self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, **config.client_kwargs())
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        # (submitted, started, finished) of the last allreduces, time.perf_counter(): how much of the
+        # switch time ran while the caller still computed (DDP: backward), see timeline()
+        self.timeline: collections.deque = collections.deque(maxlen=4096)
         self._t = threading.Thread(target=self._run, name=f"ina-lane-r{rank}-j{job}", daemon=True)
         self._t.start()
 
@@ -114,7 +119,7 @@ class _Lane:
         """Queue an allreduce of ``tensors``; ``key`` names them for codecs with error feedback (a
         residual per (key, i)); without one such codecs are stateless."""
         fut, ready = staging.handoff(tensors)     # CUDA: a CUDA-aware future, events of the caller's streams
-        self._q.put((tensors, average, result, fut, key, ready))
+        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter()))
         return fut
 
     def _run(self) -> None:
@@ -122,16 +127,18 @@ class _Lane:
             item = self._q.get()
             if item is None:
                 return
-            tensors, average, result, fut, key, ready = item
+            tensors, average, result, fut, key, ready, submitted = item
             if self._error is not None:
                 fut.set_exception(self._error)
                 continue
             try:
+                started = time.perf_counter()
                 staging.wait_ready(ready)
                 with torch.no_grad():
                     for i, t in enumerate(tensors):
                         self.client.allreduce(t, codec=self.config.codec, average=average,
                                               key=None if key is None else (key, i))
+                self.timeline.append((submitted, started, time.perf_counter()))
                 fut.set_result(result)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting rank
                 self._error = e
@@ -194,6 +201,10 @@ class InaProcessGroup(dist.ProcessGroup):
         d["client"] = self._lane.client.stats.as_dict()
         d["job"] = self.job
         return d
+
+    def timeline(self) -> list[tuple[float, float, float]]:
+        """(submitted, started, finished) of the last switch allreduces (``time.perf_counter()``)."""
+        return list(self._lane.timeline)
 
     # -- allreduce --------------------------------------------------------------------------------
     def _why_not(self, tensors: list[torch.Tensor], op, what: str) -> str | None:
@@ -330,6 +341,10 @@ class InaHookState:
         d["client"] = self.lane.client.stats.as_dict()
         d["job"] = self.lane.job
         return d
+
+    def timeline(self) -> list[tuple[float, float, float]]:
+        """(submitted, started, finished) of the last switch allreduces (``time.perf_counter()``)."""
+        return list(self.lane.timeline)
 
     def close(self) -> None:
         self.lane.close()

@@ -288,15 +288,18 @@ class Client(Worker):
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - r)
             self.srtt = 0.875 * self.srtt + 0.125 * r
 
-    def current_rto(self) -> float:
+    def current_rto(self, queued: float = 0.0) -> float:
         """Retransmission timeout, the safety net of :mod:`ina.recovery`: srtt + 4 rttvar of the chunks'
         measured round trips (RFC 6298 with Karn's rule), at least ``rto`` and at most ``max_rto``. It
         resends every chunk it finds late, so it stays well above a round trip: a whole window waiting
         for a slow peer would otherwise be resent again and again (fast retransmission and the tail
-        probe find real losses much sooner)."""
+        probe find real losses much sooner). ``queued``: the serialisation time of the chunks in flight
+        (their count x the result spacing); the last of a window on a slow link waits that long in the
+        link's queue, so the timeout is at least the fastest round trip plus twice that."""
+        floor = self.rto if math.isinf(self.rtt_min) else max(self.rto, self.rtt_min + 2 * queued)
         if self.srtt is None:
-            return self.rto
-        return min(self.max_rto, max(self.rto, self.srtt + 4 * self.rttvar))
+            return min(self.max_rto, floor)
+        return min(self.max_rto, max(floor, self.srtt + 4 * self.rttvar))
 
     def probe_timeout(self, spacing: float) -> float | None:
         """How long a silence (no result at all) may last while chunks are out before the oldest is
@@ -308,7 +311,12 @@ class Client(Worker):
 
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
-        shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
+        shard = 0
+        if self.shards > 1:
+            shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
+            if self.tx.gso:                      # each shard's packets in a row: one GSO message each
+                order = np.argsort(shard, kind="stable")
+                rows, shard = np.asarray(rows)[order], shard[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += int(np.broadcast_to(pkt_len, (len(rows),)).sum())
@@ -384,6 +392,8 @@ class _Transfer:
         self.done = np.zeros(n_chunks, bool)
         self.ld = LossDetector(n_chunks)
         self.overflow = 0
+        self.checked = False          # the loss check ran in this loop turn
+        self.drained = True           # the last receive emptied the socket
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
         self.max_sent = -1
@@ -420,12 +430,13 @@ class _Transfer:
         lens = self.sparse.lengths(self.hv, rows) if self.sparse else self.pkt_len
         self.cl._send(self.pkts, rows, lens)
 
-    def send_new(self, chunks: np.ndarray) -> None:
-        """Send chunks for the first time (their packets are loaded into the ring first)."""
+    def send_new(self, chunks: np.ndarray, witness: np.ndarray | bool = True) -> None:
+        """Send chunks for the first time (their packets are loaded into the ring first). ``witness``:
+        whether a chunk's result may show the loss of chunks sent before it (ina.recovery)."""
         if not chunks.size:
             return
         self.send_rows(self.load(chunks))
-        self.ld.sent(chunks, time.monotonic())
+        self.ld.sent(chunks, time.monotonic(), witness)
         self.n_sent += chunks.size
         self.max_sent = max(self.max_sent, int(chunks.max()))     # sparse rounds come in any order
         if self.tl:
@@ -442,12 +453,15 @@ class _Transfer:
         while self.n_done < n_chunks:
             k = cl.rx.recv(wait=True)
             now = time.monotonic()
+            self.checked = False                  # set once retransmit_lost ran in this turn
+            self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
             if not k:
                 self.last_rx = None           # an idle gap (peers, a loss) says nothing about the link
             else:
                 self.receive(k, now)
             if self.n_done < n_chunks:
-                self.retransmit_lost(now)
+                if not self.checked:
+                    self.retransmit_lost(now)
                 if now - self.last_progress > cl.timeout:
                     raise AllreduceError(cl._stall_message(n_chunks, self.n_done, self.c0))
         if self.overflow:
@@ -500,7 +514,8 @@ class _Transfer:
         sp = self.sparse
         lens = self.cl.rx.lens[:len(buf)]
         if E:
-            self.decode(jj, sp.payloads(buf, idx, lens) if sp else native(payload_view(buf[idx], self.result_type, E)))
+            # copies payloads only (sparse: zeros for header-only results)
+            self.decode(jj, sp.payloads(buf, idx, lens) if sp else native(payload_view(buf, self.result_type, E)[idx]))
         ld = self.ld
         first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
         if first_try.size:
@@ -522,12 +537,17 @@ class _Transfer:
             self.cl.stats.sparse_chunks_skipped += skipped.size
         else:
             nxt = jj + self.S                     # self-clocking: each result frees its slot
-            nxt = nxt[nxt < self.n_chunks]
         self.last_progress = now
         if self.tl and self.n_done == self.n_chunks:
             self.tl.mark("last_result")
-        if nxt.size:
-            self.send_new(nxt)
+        follows = nxt < self.n_chunks
+        self.retransmit_lost(now)                 # resends go out ahead of the new chunks: a peer that
+        self.checked = True                       # waits for one of ours gets it before what follows it
+        if follows.any():
+            # a replay came to this rank alone, after the others had the result: the chunk it frees is
+            # sent here later than by the peers, so its result says nothing of the chunks sent before it
+            replayed = (h["flags"][idx] & int(Flag.REPLAY)) != 0
+            self.send_new(nxt[follows], ~replayed[follows])
         while self.low < self.n_chunks and self.done[self.low]:
             self.low += 1
 
@@ -546,8 +566,13 @@ class _Transfer:
         """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results
         show the gap, after a silence or the timeout for the tail."""
         cl = self.cl
-        fast, probe, late = self.ld.lost(self.ld.pending(self.low, self.max_sent, self.done), now, cl.srtt,
-                                         cl.current_rto(), cl.max_rto, cl.probe_timeout(self.per_pkt))
+        pending = self.ld.pending(self.low, self.max_sent, self.done)
+        if self.drained:
+            queued = (self.n_sent - self.n_done) * self.per_pkt
+            fast, probe, late = self.ld.lost(pending, now, cl.srtt, cl.current_rto(queued), cl.max_rto,
+                                             cl.probe_timeout(self.per_pkt), cl.rttvar)
+        else:   # results may still wait in the socket (after a stall): no silence, no timeout yet
+            fast, probe, late = self.ld.lost(pending, now, cl.srtt, math.inf, math.inf, None)
         lost = np.concatenate([fast, probe, late])
         if lost.size:                            # every sent, not-done chunk still owns its ring row
             rows = lost % self.R

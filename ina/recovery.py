@@ -7,11 +7,20 @@ back); it is resent at once, as TCP's fast retransmit does, instead of waiting f
 switch makes a resend safe in either case: a worker whose bit is already set only reads (a replay
 of the stored result if the round completed, a drop if it did not).
 
-Three rules, in the order a lost chunk meets them:
+Four rules, in the order a lost chunk meets them:
 
-1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived;
+1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived; at the
+   stream's end, with every chunk sent and fewer than 4 outstanding, one less than the outstanding
+   count (early retransmit, RFC 5827: a loss among the last chunks needs no probe);
 2. **reordering window** (RACK-style): results of at least one chunk sent after it arrived, and it
-   has been out for longer than ``1.25 x srtt + REO_FLOOR``: a late chunk, not a reordered one;
+   has been out for longer than ``1.25 x srtt + 2 x rttvar + REO_FLOOR``: a late chunk, not a
+   reordered one.
+   A chunk resent before meets rules 1 and 2 only once it has been out for that window times
+   ``2 ** (resends - 1)``: every rank sees a peer's lost data packet as a missing result and resends,
+   and results of later chunks keep arriving until the peer's own resend gets there.
+   "Sent after it" counts only *witnesses*: not a resent chunk (Karn's ambiguity), nor a chunk whose
+   send waited for a replay of a result this rank lost (the peers sent it long before, so its result
+   comes back at once, ahead of chunks sent here earlier that wait for the peers);
 3. **tail probe** (nothing sent after it arrived, or everything after it was lost too): no result
    at all arrived for a probe timeout ``PTO = 2 x rtt_min + 4 x spacing`` (at least ``min_rto``),
    where ``rtt_min`` is the fastest round trip a chunk took (no queue ahead of it) and ``spacing``
@@ -20,7 +29,9 @@ Three rules, in the order a lost chunk meets them:
    restarts the flow, and any further lost chunk then meets rule 2 or another probe), and ``PTO``
    doubles with every resend of that chunk (exponential backoff);
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
-   ``rto``, 20 ms by default), doubled per resend, at most ``max_rto``.
+   ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
+   of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
+   for as long (TCP restarts its retransmission timer with every acknowledgement).
 
 The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart.
 A waiting peer (a rank that has not sent its packet yet) looks like a loss to rule 3; the resend is
@@ -42,12 +53,16 @@ class LossDetector:
         self.seq = np.zeros(n, np.int64)           # send order of the chunk's last send
         self.later = np.zeros(n, np.int64)         # results of chunks sent after it, since its last send
         self.tries = np.zeros(n, np.int64)         # resends so far (Karn: no RTT sample from these)
+        self.witness = np.ones(n, bool)            # its result may count against chunks sent before it
         self._next_seq = 1
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
 
-    def sent(self, chunks: np.ndarray, now: float) -> None:
-        """``chunks`` went out (first time or again) at ``now``, in this order."""
+    def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
+        """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the
+        chunk went out here later than at the peers (its send waited for a replay of a result this rank
+        lost), so its result may come back before those of chunks sent here earlier without a loss."""
         k = len(chunks)
+        self.witness[chunks] = witness
         if self._next_seq == 1:
             self.last_arrival = now
         self.sent_at[chunks] = now
@@ -64,30 +79,51 @@ class LossDetector:
     def delivered(self, chunks: np.ndarray, pending: np.ndarray, now: float) -> None:
         """Results of ``chunks`` arrived; count them against every still ``pending`` chunk sent before."""
         self.last_arrival = now
-        chunks = chunks[self.tries[chunks] == 0]   # a resent chunk's result may answer its first send:
-        if not (len(chunks) and len(pending)):      # it says nothing of the order (Karn's ambiguity)
+        # a resent chunk's result may answer its first send: it says nothing of the order (Karn's ambiguity)
+        chunks = chunks[(self.tries[chunks] == 0) & self.witness[chunks]]
+        if not (len(chunks) and len(pending)):
             return
         arrived = np.sort(self.seq[chunks])
         self.later[pending] += arrived.size - np.searchsorted(arrived, self.seq[pending], side="right")
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
-             pto: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             pto: float | None = None, rttvar: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(fast, probe, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule
-        (1 and 2, 3, 4). ``pto``: the tail probe timeout (None before any round trip was measured)."""
+        (1 and 2, 3, 4). ``pto``: the tail probe timeout (None before any round trip was measured).
+        ``rttvar``: the round trips' mean deviation; the reordering window grows by twice it (round
+        trips that vary, on a loaded machine, make a late chunk no sign of a loss)."""
         if not len(pending):
             return pending, pending, pending
         age = now - self.sent_at[pending]
         later = self.later[pending]
         backoff = 2.0 ** self.tries[pending]
-        fast = later >= DUPTHRESH
+        fast = later >= self._threshold(pending, later)
         if srtt is not None:
-            fast |= (later > 0) & (age > 1.25 * srtt + REO_FLOOR)
-        timed_out = ~fast & (age > np.minimum(rto * backoff, max_rto))
+            window = 1.25 * srtt + 2 * rttvar + REO_FLOOR
+            fast |= (later > 0) & (age > window)
+            # a resent chunk's result may be late because a peer has yet to resend its own packet (every
+            # rank sees a lost data packet as missing): resent again only after the reordering window,
+            # doubled per resend, not whenever results of chunks sent after it arrive
+            fast &= age > window * np.where(self.tries[pending] > 0, backoff / 2, 0.0)
+        # as TCP's retransmission timer, restarted by every result: while results flow, the fast
+        # rules see the late chunks; a process that was not scheduled for a while finds its chunks old
+        # but the results waiting in the socket (received first), so no silence and no timeout
+        limit = np.minimum(rto * backoff, max_rto)
+        timed_out = ~fast & (age > limit) & (now - self.last_arrival > limit)
         probe = np.zeros_like(fast)
         if pto is not None and now - self.last_arrival > pto:
             probe[np.flatnonzero(~fast & ~timed_out & (age > np.minimum(pto * backoff, max_rto)))[:1]] = True
         return pending[fast], pending[probe], pending[timed_out]
 
+    def _threshold(self, pending: np.ndarray, later: np.ndarray) -> int:
+        """DUPTHRESH, or less at the stream's end (early retransmit, RFC 5827): once every chunk went
+        out and fewer than DUPTHRESH + 1 are outstanding (the pending ones and the results that came
+        after the oldest), one less than that many."""
+        if self.seq[-1] == 0 or not (self.seq > 0).all():
+            return DUPTHRESH
+        outstanding = len(pending) + int(later[np.argmin(self.seq[pending])])
+        return max(1, min(DUPTHRESH, outstanding - 1))
+
     def resent(self, chunks: np.ndarray, now: float) -> None:
         self.tries[chunks] += 1
-        self.sent(chunks, now)
+        self.sent(chunks, now, self.witness[chunks])

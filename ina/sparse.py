@@ -114,16 +114,18 @@ class SparseStream:
     def payloads(self, buf: np.ndarray, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """The sums of results ``buf[idx]`` as (k, E) codes: zeros for the header-only results."""
         data = lens[idx] == self.result_len
+        view = payload_view(buf, self.result_type, self.E)      # copies payloads only
         if data.all():
-            return native(payload_view(buf[idx], self.result_type, self.E))
+            return native(view[idx])
         out = np.zeros((idx.size, self.E), PAYLOAD_DTYPE[self.result_type].newbyteorder("="))
         if data.any():
-            out[data] = native(payload_view(buf[idx[data]], self.result_type, self.E))
+            out[data] = native(view[idx[data]])
         return out
 
     def advance(self, buf: np.ndarray, idx: np.ndarray, lens: np.ndarray, jj: np.ndarray):
         """Results ``buf[idx]`` of rounds ``jj`` arrived: (the positions their announcements skip, zero
-        everywhere, now filled; the positions of the streams' next rounds)."""
+        everywhere, now filled; per result, the position of its stream's next round, past the tensor
+        when the stream is done)."""
         off = lens[idx] - TRAILER_SIZE
         raw = buf[idx[:, None], off[:, None] + np.arange(TRAILER_SIZE)]
         ids = raw.copy().view(TRAILER_DTYPE)["next"].reshape(-1).astype(np.int64)
@@ -141,4 +143,4 @@ class SparseStream:
         between = between[between < self.n]
         if between.size:
             self.fill_zero(between)
-        return between, nxt[nxt < self.n]
+        return between, nxt

@@ -3,11 +3,14 @@
 One :class:`Impairment` per direction (ingress: workers -> switch, egress: switch -> workers).
 Seeded, so a run with the same seed and the same traffic drops the same packets. When every
 probability and the delay are zero the stage is a pass-through and costs nothing.
+
+A burst is impaired as arrays, never packet by packet: one draw of three uniforms per packet from the
+direction's seeded generator decides loss, duplication and reordering for the whole burst, and a
+burst nothing happens to (no loss, no copy, nothing held back or due) is handed on untouched. Held
+packets (delay, reordering) wait in a pool of rows with their release times.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -39,17 +42,73 @@ class ImpairmentConfig:
         return asdict(self)
 
 
-class Impairment:
-    """Applies one direction's impairments to packets given as bytes with a destination tag."""
+class HeldPackets:
+    """Packets held back until their release time: rows of bytes, lengths, tags, release times, in
+    arrival order (``seq``). Grows by doubling; a handful of rows in steady state."""
 
-    def __init__(self, config: ImpairmentConfig | None = None):
+    def __init__(self, width: int, capacity: int = 64):
+        self.buf = np.zeros((capacity, width), np.uint8)
+        self.lens = np.zeros(capacity, np.int64)
+        self.tags = np.zeros(capacity, np.int64)
+        self.at = np.zeros(capacity)
+        self.seq = np.zeros(capacity, np.int64)
+        self.n = 0
+        self._next_seq = 0
+
+    def push(self, buf, rows, lens, tags, at) -> None:
+        k = len(rows)
+        if not k:
+            return
+        if self.n + k > len(self.at):
+            self._grow(self.n + k)
+        s = slice(self.n, self.n + k)
+        w = min(buf.shape[1], self.buf.shape[1])
+        self.buf[s, :w] = buf[rows, :w]
+        self.lens[s], self.tags[s], self.at[s] = lens, tags, at
+        self.seq[s] = np.arange(self._next_seq, self._next_seq + k)
+        self._next_seq += k
+        self.n += k
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * len(self.at))
+        for name in ("buf", "lens", "tags", "at", "seq"):
+            old = getattr(self, name)
+            new = np.zeros((cap, *old.shape[1:]), old.dtype)
+            new[: self.n] = old[: self.n]
+            setattr(self, name, new)
+
+    def due(self, now: float) -> np.ndarray:
+        """Rows whose release time has come, in release order (ties: arrival order)."""
+        rows = np.flatnonzero(self.at[: self.n] <= now)
+        return rows[np.lexsort((self.seq[rows], self.at[rows]))] if rows.size > 1 else rows
+
+    def remove(self, rows: np.ndarray) -> None:
+        keep = np.ones(self.n, bool)
+        keep[rows] = False
+        k = int(keep.sum())
+        for a in (self.buf, self.lens, self.tags, self.at, self.seq):
+            a[:k] = a[: self.n][keep]
+        self.n = k
+
+    def next_release(self) -> float | None:
+        return float(self.at[: self.n].min()) if self.n else None
+
+
+class Impairment:
+    """Applies one direction's impairments to a burst of packets: rows of a buffer, their lengths and
+    a tag each (the source key at ingress, the destination address index at egress). ``width``: the
+    bytes of a row the switch's buffers hold."""
+
+    def __init__(self, config: ImpairmentConfig | None = None, width: int = 2048):
         self.set(config or ImpairmentConfig())
         self.dropped = 0
         self.duplicated = 0
         self.reordered = 0
         self.delayed = 0
-        self._held: list = []            # heap of (release time, seq, packet, tag)
-        self._seq = itertools.count()
+        self.held = HeldPackets(width)
+        self.out = np.zeros((64, width), np.uint8)       # the rows of an impaired burst
+        self.out_lens = np.zeros(64, np.int64)
+        self.out_tags = np.zeros(64, np.int64)
 
     def set(self, config: ImpairmentConfig) -> None:
         self.config = config
@@ -57,44 +116,76 @@ class Impairment:
 
     @property
     def active(self) -> bool:
-        return self.config.active or bool(self._held)
+        return self.config.active or self.holding
+
+    @property
+    def holding(self) -> bool:
+        """Packets are held back (delay, reordering, or more than a burst's worth was due)."""
+        return self.held.n > 0
 
     def next_release(self) -> float | None:
-        return self._held[0][0] if self._held else None
+        return self.held.next_release()
 
-    def apply(self, packets, now: float) -> list:
-        """packets: list of (bytes, tag). Returns the (bytes, tag) list to deliver now, in order."""
-        cfg = self.config
-        out = []
-        n = len(packets)
-        if n:
+    def apply(self, buf: np.ndarray, rows: np.ndarray, lens: np.ndarray, tags: np.ndarray, now: float,
+              limit: int) -> tuple:
+        """Impair the burst ``buf[rows]`` (lengths ``lens``, tags ``tags``) arriving at ``now``.
+
+        Returns ``(buf, rows, lens, tags)`` of the packets to deliver now, at most ``limit``: held
+        packets that are due first (in release order), then this burst's survivors in their order.
+        When nothing happened to the burst and nothing is due, these are the arguments themselves."""
+        cfg, n = self.config, len(rows)
+        go = np.arange(n)
+        touched = False                               # a packet of the burst was dropped, copied or held
+        if n and cfg.active:
             u = self._rng.random((n, 3))
-            for (pkt, tag), (ul, ud, ur) in zip(packets, u):
-                if ul < cfg.loss:
-                    self.dropped += 1
-                    continue
-                copies = 2 if ud < cfg.duplicate else 1
-                self.duplicated += copies - 1
-                for _ in range(copies):
-                    hold = cfg.delay_ms / 1e3
-                    if ur < cfg.reorder:
-                        hold += cfg.reorder_ms / 1e3
-                        self.reordered += 1
-                    if hold > 0:
-                        self.delayed += 1
-                        heapq.heappush(self._held, (now + hold, next(self._seq), pkt, tag))
-                    else:
-                        out.append((pkt, tag))
-        while self._held and self._held[0][0] <= now:
-            _, _, pkt, tag = heapq.heappop(self._held)
-            out.append((pkt, tag))
-        return out
+            copies = (u[:, 0] >= cfg.loss).astype(np.int64) * (1 + (u[:, 1] < cfg.duplicate))
+            self.dropped += int(np.count_nonzero(copies == 0))
+            self.duplicated += int(np.count_nonzero(copies == 2))
+            touched = bool((copies != 1).any())
+            go = np.repeat(go, copies)
+            late = u[go, 2] < cfg.reorder
+            hold = np.where(late, cfg.reorder_ms / 1e3, 0.0) + cfg.delay_ms / 1e3
+            self.reordered += int(np.count_nonzero(late))
+            held = hold > 0
+            if held.any():
+                touched = True
+                self.delayed += int(np.count_nonzero(held))
+                h = go[held]
+                self.held.push(buf, rows[h], lens[h], tags[h], now + hold[held])
+                go = go[~held]
+        due = self.held.due(now) if self.held.n else go[:0]
+        if not (due.size or touched) and n <= limit:
+            return buf, rows, lens, tags                # nothing happened to this burst
+        return self._assemble(buf, rows[go], lens[go], tags[go], due, limit, now)
 
-    def requeue(self, packets) -> None:
-        """Hand (bytes, tag) packets back, in order, to be delivered by the next ``apply``."""
-        for pkt, tag in packets:
-            heapq.heappush(self._held, (0.0, next(self._seq), pkt, tag))
+    def _assemble(self, buf, rows, lens, tags, due, limit: int, now: float) -> tuple:
+        """Copy the due held packets, then ``buf[rows]``, into ``self.out``; anything past ``limit``
+        goes back to the held pool, due at once (delivered by the next call, before newer packets)."""
+        hd = self.held
+        k = due.size + rows.size
+        if k > limit:
+            cut = max(0, limit - due.size)
+            hd.push(buf, rows[cut:], lens[cut:], tags[cut:], np.zeros(rows.size - cut))
+            rows, lens, tags = rows[:cut], lens[:cut], tags[:cut]
+            k = limit
+        if k > len(self.out_lens):
+            self._grow(k)
+        a = min(due.size, k)
+        w = min(buf.shape[1], self.out.shape[1])
+        self.out[:a] = hd.buf[due[:a]]
+        self.out_lens[:a], self.out_tags[:a] = hd.lens[due[:a]], hd.tags[due[:a]]
+        self.out[a:k, :w] = buf[rows, :w]
+        self.out_lens[a:k], self.out_tags[a:k] = lens, tags
+        if due.size:
+            hd.remove(due[:a])
+        return self.out, np.arange(k), self.out_lens[:k], self.out_tags[:k]
+
+    def _grow(self, k: int) -> None:
+        cap = max(k, 2 * len(self.out_lens))
+        self.out = np.zeros((cap, self.out.shape[1]), np.uint8)
+        self.out_lens = np.zeros(cap, np.int64)
+        self.out_tags = np.zeros(cap, np.int64)
 
     def counters(self) -> dict:
         return {"dropped": self.dropped, "duplicated": self.duplicated, "reordered": self.reordered,
-                "delayed": self.delayed, "held": len(self._held)}
+                "delayed": self.delayed, "held": self.held.n}

@@ -50,6 +50,7 @@ class StageClock:
         self.stage_ns = np.zeros(len(STAGES), np.int64)
         self.busy_ns = 0
         self.busy_cpu_ns = 0
+        self.tx_cpu_ns = 0        # CPU ns of the tx stage alone (sendmmsg: the kernel's send path)
         self.wait_ns = 0
         self.bursts = 0
         self.burst_hist = np.zeros(BURST_BUCKETS, np.int64)
@@ -62,7 +63,7 @@ class StageClock:
         hist = {(f"{1 << b}" if b == 0 else f"{1 << b}-{(1 << (b + 1)) - 1}"): int(v)
                 for b, v in enumerate(self.burst_hist) if v}
         return {"stage_ns": {name: int(v) for name, v in zip(STAGES, self.stage_ns)}, "busy_ns": int(self.busy_ns),
-                "busy_cpu_ns": int(self.busy_cpu_ns), "wait_ns": int(self.wait_ns), "bursts": int(self.bursts),
+                "busy_cpu_ns": int(self.busy_cpu_ns), "tx_cpu_ns": int(self.tx_cpu_ns), "wait_ns": int(self.wait_ns), "bursts": int(self.bursts),
                 "burst_sizes": hist}
 
 
@@ -71,7 +72,7 @@ def add_timing(into: dict, other: dict) -> None:
     for group in ("stage_ns", "burst_sizes"):
         for key, v in other[group].items():
             into[group][key] = into[group].get(key, 0) + v
-    for key in ("busy_ns", "busy_cpu_ns", "wait_ns", "bursts"):
+    for key in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts"):
         into[key] += other[key]
 
 
@@ -164,10 +165,9 @@ class Switch:
         self._free_blocks = list(range(MAX_ACTIVE_JOBS))
         self.job_info: dict[int, Job] = {}
         self._replay_buf = np.zeros((cfg.burst, stride), np.uint8)
-        self.ingress = Impairment(cfg.ingress)
-        self.egress = Impairment(cfg.egress)
-        self._imp_buf = np.zeros((4 * cfg.burst, stride), np.uint8)     # the ingress impairments' side pool
-        self._imp_lens = np.zeros(4 * cfg.burst, np.int64)
+        self.ingress = Impairment(cfg.ingress, width=stride)
+        self.egress = Impairment(cfg.egress, width=stride)
+        self._rx_timeout = 0.02           # the socket's receive timeout now (shortened while packets are held)
         self._commands: list = []
         self._cmd_lock = threading.Lock()
         self._stop = threading.Event()
@@ -188,7 +188,7 @@ class Switch:
         t0, cpu0 = now(), time.thread_time_ns()
         n = self.stage_rx()
         t1 = now()
-        if not n and not (self.ingress.active or self.egress.active):
+        if not n and not self._holding():
             clk.wait_ns += t1 - t0          # nothing came: the blocking receive timed out
             return 0
         if self._waited:
@@ -204,9 +204,10 @@ class Switch:
             self.stage_aggregate(buf, n_in)
             t4 = now()
             m = self.stage_harvest(n_in)
-            t5 = now()
+            t5, cpu5 = now(), time.thread_time_ns()
             self.stage_tx(m)
             t6 = now()
+            clk.tx_cpu_ns += time.thread_time_ns() - cpu5
             ns[2] += t3 - t2
             ns[3] += t4 - t3
             ns[4] += t5 - t4
@@ -227,7 +228,7 @@ class Switch:
         ``self._waited`` ns, not the stage's)."""
         self._waited = 0
         n = self.rx.recv(wait=False)
-        if not n and not (self.ingress.active or self.egress.active):
+        if not n and self._rx_wait_bound():
             t = time.perf_counter_ns()
             n = self.rx.recv(wait=True)
             self._waited = time.perf_counter_ns() - t
@@ -239,20 +240,18 @@ class Switch:
         return n
 
     def stage_ingress(self, n: int):
+        """Ingress impairments over the burst as arrays (impair.py). At most a burst's worth goes on
+        (the parse scratch holds ``burst`` packets); the rest stays held, due at the next poll."""
         if not self.ingress.active:
             return self.rx.buf, self.rx.lens, n
         src = self.state.src
-        pkts = [(self.rx.buf[i, : min(self.rx.lens[i], self.rx.stride)].tobytes(),
-                 (int(self.rx.lens[i]), int(src[i]))) for i in range(n)]
-        out = self.ingress.apply(pkts, time.monotonic())
-        k = min(len(out), self._imp_buf.shape[0])
-        if len(out) > k:   # more than the side pool holds: the rest waits for the next poll
-            self.ingress.requeue(out[k:])
-        for i, (pkt, (ln, key)) in enumerate(out[:k]):
-            self._imp_buf[i, : len(pkt)] = np.frombuffer(pkt, np.uint8)
-            self._imp_lens[i] = ln
-            src[i] = key
-        return self._imp_buf, self._imp_lens, k
+        buf, rows, lens, tags = self.ingress.apply(self.rx.buf, np.arange(n), self.rx.lens[:n], src[:n],
+                                                   time.monotonic(), self.cfg.burst)
+        if buf is self.rx.buf:
+            return buf, self.rx.lens, n
+        k = rows.size
+        src[:k] = tags
+        return buf, self.ingress.out_lens, k
 
     # buf / lens: the receive ring's (rx.buf, rx.lens) or the ingress side pool's, of the same types
     def stage_parse(self, buf, lens, n: int) -> None:
@@ -276,18 +275,11 @@ class Switch:
             fl[rep] |= int(Flag.REPLAY)
             rows, lens = np.arange(m), np.abs(lens)
         if self.egress.active:
-            pkts = [(buf[r, :ln].tobytes(), int(a)) for r, ln, a in zip(rows, lens, addr)]
-            out = self.egress.apply(pkts, time.monotonic())
-            if not out:
-                return
-            width = max(len(p) for p, _ in out)
-            buf = np.zeros((len(out), width), np.uint8)
-            for i, (p, _) in enumerate(out):
-                buf[i, : len(p)] = np.frombuffer(p, np.uint8)
-            rows = np.arange(len(out))
-            lens = np.array([len(p) for p, _ in out])
-            addr = np.array([a for _, a in out])
+            buf, rows, lens, addr = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30)
         if len(rows):
+            if self.txq.gso and len(rows) > 1:     # each worker's results in a row: one GSO message each
+                order = np.argsort(addr, kind="stable")
+                rows, lens, addr = rows[order], np.asarray(lens)[order], addr[order]
             self.txq.send(buf, rows, lens, self.addrs, addr)
             self.counters[C["tx_packets"]] += len(rows)
             self.counters[C["tx_bytes"]] += int(np.sum(lens))
@@ -454,6 +446,23 @@ class Switch:
                 "incomplete_slots": int(pending.size), "waiting": waiting}
 
     # impairments ----------------------------------------------------------------------------------
+    def _holding(self) -> bool:
+        return self.ingress.holding or self.egress.holding
+
+    def _rx_wait_bound(self) -> bool:
+        """May the receive block, and for how long: until the next held packet is due (sleeping, not
+        spinning: on a shared machine a spinning switch takes the workers' CPU), else the usual 20 ms.
+        False when a held packet is due now."""
+        due = [t for t in (self.ingress.next_release(), self.egress.next_release()) if t is not None]
+        want = 0.02 if not due else min(due) - time.monotonic()
+        if want < 5e-5:
+            return False
+        want = min(0.02, want)
+        if abs(want - self._rx_timeout) > 2e-5:
+            B.set_recv_timeout(self.sock, want)
+            self._rx_timeout = want
+        return True
+
     def set_impairments(self, ingress: dict | None = None, egress: dict | None = None) -> dict:
         if ingress is not None:
             self.ingress.set(ImpairmentConfig(**{**self.ingress.config.to_dict(), **ingress}))
@@ -487,6 +496,7 @@ class Switch:
         drops = {name: c.pop(name) for name in D.DROP_REASONS[1:]}
         c["parsed_ok"] = c.pop("ok")
         c["tx_refused"] = self.txq.refused     # sends the kernel refused after an ICMP port unreachable
+        c["tx_messages"] = self.txq.sent_messages   # what sendmmsg was handed: a GSO message counts once
         sets = self.state.sets
         sets_busy = int(((sets["round_chunk"] >= 0) & (sets["complete"] == 0)).sum())
         return {
@@ -494,7 +504,8 @@ class Switch:
             "config": {"port": self.port, "slots": self.cfg.slots, "elements": self.cfg.elements,
                        "register_bits": self.cfg.register_bits,
                        "register_memory_mib": round(self.cfg.register_memory() / 2**20, 3),
-                       "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst},
+                       "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst, "udp_gso": self.txq.gso,
+                       "udp_gso_refused": self.txq.gso_refused},
             "stages": list(STAGES),
             "counters": c,
             "timing": self.clock.to_dict(),

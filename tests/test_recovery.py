@@ -167,3 +167,81 @@ def test_a_resent_chunks_result_is_no_evidence_against_others():
     ld.resent(np.array([0]), now=0.001)        # a probe; then chunk 0's (first) result arrives
     ld.delivered(np.array([0]), np.array([1, 2, 3]), now=0.002)
     assert ld.later[1:].tolist() == [0, 0, 0]
+
+
+# ------------------------------------------------------------------------------------------------
+# spurious retransmissions: with reordering off, a resend answers a loss
+# ------------------------------------------------------------------------------------------------
+def test_a_chunk_sent_after_a_replay_is_no_evidence_against_chunks_sent_before_it():
+    """This rank lost chunk 0's result and got it as a replay: chunk 4 (freed by it) went out here
+    after chunks 1..3 but at the peers long before, so its result comes back first without a loss."""
+    ld = LossDetector(8)
+    ld.sent(np.arange(4), now=0.0)
+    ld.sent(np.array([4]), now=0.001, witness=np.array([False]))
+    ld.delivered(np.array([4]), np.array([1, 2, 3]), now=0.002)
+    assert ld.later[1:4].tolist() == [0, 0, 0]
+    fast, _, _ = ld.lost(np.array([1, 2, 3]), now=0.05, srtt=0.001, rto=1.0, max_rto=1.0)
+    assert fast.size == 0
+    ld.sent(np.array([5]), now=0.003)                  # a witness: its result shows 1..3 are late
+    ld.delivered(np.array([5]), np.array([1, 2, 3]), now=0.004)
+    assert ld.later[1:4].tolist() == [1, 1, 1]
+
+
+def test_a_resent_chunk_is_not_resent_again_within_the_reordering_window():
+    """Every rank sees a peer's lost data packet as a missing result and resends; until the peer's
+    own resend arrives, results of later chunks keep coming: no second resend before the window."""
+    ld = LossDetector(20)
+    ld.sent(np.arange(10), now=0.0)
+    ld.delivered(np.arange(1, 4), np.array([0]), now=0.001)
+    srtt = 0.002
+    fast, _, _ = ld.lost(np.array([0]), now=0.001, srtt=srtt, rto=1.0, max_rto=1.0)
+    assert fast.tolist() == [0]
+    ld.resent(fast, now=0.001)
+    ld.sent(np.arange(10, 16), now=0.0011)
+    ld.delivered(np.arange(10, 16), np.array([0]), now=0.002)
+    assert ld.later[0] == 6
+    fast, _, _ = ld.lost(np.array([0]), now=0.002, srtt=srtt, rto=1.0, max_rto=1.0)
+    assert fast.size == 0                              # 1 ms after the resend: within 1.25 srtt + floor
+    fast, _, _ = ld.lost(np.array([0]), now=0.001 + 1.25 * srtt + 0.0006, srtt=srtt, rto=1.0, max_rto=1.0)
+    assert fast.tolist() == [0]                        # the resend itself may be lost: after the window
+
+
+def test_spurious_retransmissions_stay_rare_without_reordering(tmp_path):
+    """1% loss in both directions, no reordering: every fast retransmission answers a loss. A lost data
+    packet stalls its round for all ranks (each resends once: they cannot tell whose packet it was);
+    a lost result stalls its rank and, until it resends, the chunk it frees at the peers (up to one
+    resend each). So fast retransmissions <= ranks x (packets dropped), by the switch's counters."""
+    sw = SwitchProc("--slots", "64", "--elements", "64", "--loss", "0.01", "--seed", "21",
+                    log_path=tmp_path / "switch.log")
+    try:
+        ops = [{"codec": "bfp32", "shape": [64 * 150 + 5 * i], "seed": 70 + i} for i in range(10)]
+        out = Workers(tmp_path, sw.port, N, job=6, ops=ops, client=SLOW_TIMEOUT).wait(timeout=120)
+        imp = sw.stats()["impairments"]
+        dropped = imp["ingress"]["dropped"] + imp["egress"]["dropped"]
+    finally:
+        sw.terminate()
+    assert dropped >= 30, f"the impairment dropped only {dropped} packets: the test shows nothing"
+    fast = sum(m["stats"]["fast_retransmissions"] for m in out.values())
+    assert fast <= N * dropped, (fast, imp)
+    _check_exact(out, ops, N)
+
+
+def test_early_retransmit_near_the_end_of_the_stream():
+    """With every chunk sent and fewer than 4 outstanding, the threshold is one less than the
+    outstanding count (RFC 5827); with more outstanding it stays DUPTHRESH."""
+    ld = LossDetector(5)
+    ld.sent(np.arange(5), now=0.0)
+    ld.delivered(np.array([0, 1, 2]), np.array([3, 4]), now=1e-4)
+    ld.delivered(np.array([4]), np.array([3]), now=2e-4)
+    fast, _, _ = ld.lost(np.array([3]), now=2e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.tolist() == [3]                # 2 outstanding (3 and 4), chunk 4's result came
+    ld = LossDetector(5)
+    ld.sent(np.arange(5), now=0.0)
+    ld.delivered(np.array([0, 1, 4]), np.array([2, 3]), now=1e-4)
+    fast, _, _ = ld.lost(np.array([2, 3]), now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.size == 0                      # 3 outstanding, one result after them: below 2
+    ld = LossDetector(8)
+    ld.sent(np.arange(6), now=0.0)             # chunks 6, 7 not sent yet: no early retransmit
+    ld.delivered(np.array([0, 1, 2, 3, 5]), np.array([4]), now=1e-4)
+    fast, _, _ = ld.lost(np.array([4]), now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+    assert fast.size == 0

@@ -1,0 +1,91 @@
+"""CPU per packet of a burst send with and without UDP GSO, on loopback, in the same run.
+
+    python -m experiments.bench_burst                  # table
+    python -m experiments.bench_burst --json
+
+A burst shaped like the switch's: ``rows`` result rows multicast to ``dests`` receivers, sorted by
+destination (what ``Switch.stage_tx`` hands to ``TxBatch``). The sender's thread CPU per packet
+(``sendmmsg``; on loopback it includes the kernel's delivery to the receiving sockets) and the
+receivers' (``recvmmsg``) are measured for plain datagrams and for GSO messages, alternating, and
+reported with their ratio (the figure that matters on a shared machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from ina import burst as B
+
+
+def measure(size: int, rows: int, dests: int, rounds: int, gso: bool) -> dict:
+    tx_sock = B.udp_socket("127.0.0.1", 0)
+    socks = [B.udp_socket("127.0.0.1", 0) for _ in range(dests)]
+    addrs = np.zeros(dests, B.SOCKADDR_IN)
+    for i, s in enumerate(socks):
+        addrs[i] = B.sockaddr("127.0.0.1", s.getsockname()[1])[0]
+    rings = [B.RxRing(s, 256, size) for s in socks]
+    buf = np.zeros((rows, size), np.uint8)
+    order = np.argsort(np.tile(np.arange(dests), rows), kind="stable")
+    row_of, dest_of = np.repeat(np.arange(rows), dests)[order], np.tile(np.arange(dests), rows)[order]
+    tx = B.TxBatch(tx_sock, capacity=rows * dests, gso=gso)
+    send_ns = recv_ns = got = 0
+    for _ in range(rounds):
+        t = time.thread_time_ns()
+        tx.send(buf, row_of, size, addrs, dest_of)
+        send_ns += time.thread_time_ns() - t
+        t = time.thread_time_ns()
+        for ring in rings:
+            while k := ring.recv(wait=False):
+                got += k
+        recv_ns += time.thread_time_ns() - t
+    for s in socks + [tx_sock]:
+        s.close()
+    n = rounds * rows * dests
+    if got != n:
+        raise RuntimeError(f"{n} datagrams sent, {got} received (a receive buffer overflowed?)")
+    return {"send_us_per_packet": send_ns / n / 1e3, "recv_us_per_packet": recv_ns / n / 1e3,
+            "messages": tx.sent_messages, "packets": n, "gso": tx.gso}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[276, 1044, 8212], help="datagram bytes")
+    ap.add_argument("--rows", type=int, default=64, help="result rows per burst")
+    ap.add_argument("--dests", type=int, default=4, help="receivers (workers)")
+    ap.add_argument("--rounds", type=int, default=20, help="bursts per measurement")
+    ap.add_argument("--reps", type=int, default=3, help="alternating plain/GSO measurements (median)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if not B.gso_supported(B.udp_socket("127.0.0.1", 0, bufsize=1 << 16)):
+        print("this kernel has no UDP_SEGMENT", file=sys.stderr)
+        return 1
+    rows = []
+    for size in a.sizes:
+        runs = {False: [], True: []}
+        for _ in range(a.reps):
+            for gso in (False, True):
+                runs[gso].append(measure(size, a.rows, a.dests, a.rounds, gso))
+        row = {"bytes": size}
+        for gso, key in ((False, "plain"), (True, "gso")):
+            row[key] = {k: float(np.median([r[k] for r in runs[gso]])) for k in ("send_us_per_packet",
+                                                                                 "recv_us_per_packet")}
+            row[key]["messages_per_burst"] = runs[gso][0]["messages"] / a.rounds
+        row["send_cpu_gso_vs_plain"] = row["gso"]["send_us_per_packet"] / row["plain"]["send_us_per_packet"]
+        rows.append(row)
+    if a.json:
+        print(json.dumps({"benchmark": "burst_send_gso", "reference": "the same burst as plain datagrams",
+                          "rows_per_burst": a.rows, "destinations": a.dests, "results": rows}, indent=2))
+    else:
+        print(f"{'bytes':>6} {'plain us/pkt':>13} {'gso us/pkt':>11} {'gso/plain':>10} {'msgs/burst':>11}")
+        for r in rows:
+            print(f"{r['bytes']:>6} {r['plain']['send_us_per_packet']:>13.2f} {r['gso']['send_us_per_packet']:>11.2f} "
+                  f"{r['send_cpu_gso_vs_plain']:>10.2f} {r['gso']['messages_per_burst']:>11.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Time-to-accuracy through horovodrun and torchrun: real models, locally generated data, emulated links.
+
+    python -m experiments.bench_tta --rates 100mbit,1gbit --json out.json --plot docs/figures/tta.png
+    python -m experiments.bench_tta --workloads embedding --frameworks ddp --methods gloo,nc --rates 100mbit
+
+For every workload (``experiments.tta_workloads``: ``resnet``, a ResNet-style conv net on 3x32x32 colour
+digits; ``embedding``, an EmbeddingBag text classifier on a synthetic topic corpus), framework
+(``horovod``: ``hvd.DistributedOptimizer`` through ``horovodrun``; ``ddp``: DDP through ``torchrun``,
+backend ``gloo`` for the baseline and ``ina`` for the INA methods), link rate and method (``gloo``, or an
+INA codec: ``nc``, ``bfp32``, ``nd``, ``3lc-3v``, ``terngrad``, ...), ``--ranks`` (2) ranks train the same number of
+steps from the same seed, each in its own network namespace behind a shaped link (``ina.net.Topology``,
+tbf/htb; ``gloo_patch.netns_rank``), the switch in host ``sw``; Gloo's ring traffic crosses the same
+links. Rate ``loopback``: no namespaces, no shaping.
+
+Rank 0 records the wall-clock time since the first step at every checkpoint (``--eval-every``) and keeps
+a copy of the model; after training it evaluates the copies on the held-out test set, so evaluation
+costs no training time. Reported per run: the accuracy curve, the final accuracy, the time to reach
+the Gloo run's final accuracy minus ``--target-margin`` points (same workload, framework and rate), and
+the training time as a ratio to Gloo's.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from switch_model.launch import free_port, start_switch
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+LR = {"resnet": 0.1, "embedding": 1.0}          # SGD, momentum 0.9, linear decay to 0 over the run
+
+
+# ---- the ranks ----------------------------------------------------------------------------------------------
+def setup(framework: str, backend: str, model):
+    """Initialise the framework; returns (rank, model to call, optimizer over its parameters)."""
+    import torch  # noqa: PLC0415
+
+    if framework == "horovod":
+        import horovod.torch as hvd  # noqa: PLC0415   (INA_SWITCH in the environment: the autopatch hook)
+
+        hvd.init()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+        return hvd.rank(), model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    if backend == "ina":
+        import gloo_patch.torch_backend  # noqa: F401, PLC0415 - registers backend 'ina'
+    dist.init_process_group(backend)
+    return dist.get_rank(), DDP(model), torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+
+
+def finish(framework: str) -> None:
+    if framework == "horovod":
+        import horovod.torch as hvd  # noqa: PLC0415
+        hvd.shutdown()
+        return
+    import torch.distributed as dist  # noqa: PLC0415
+    dist.barrier()      # no rank closes its Gloo pairs while another still talks to it
+    dist.destroy_process_group()
+
+
+def ina_stats(framework: str, backend: str, windows) -> dict | None:
+    """Rank 0's INA counters (what went through the switch, what fell back to Gloo; DDP: the overlap of
+    the switch with backward over the steps' ``windows``), None without INA."""
+    if backend != "ina":
+        return None
+    if framework == "horovod":
+        import gloo_patch.horovod  # noqa: PLC0415
+        return gloo_patch.horovod.stats()
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from experiments.bench_frameworks import overlap  # noqa: PLC0415
+    pg = dist.distributed_c10d._get_default_group()
+    return {**pg.stats(), "overlap": overlap(pg.timeline(), windows)}
+
+
+def worker(a) -> None:
+    import torch  # noqa: PLC0415
+
+    from experiments.tta_workloads import accuracy, make  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    rank_env = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
+    module, train, test = make(a.workload, a.seed, rank_env)
+    rank, model, opt = setup(a.framework, a.backend, module)
+    lr0 = LR[a.workload]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr0 * (1 - s / a.steps))
+    checkpoints, step_times, windows = [], [], []
+    t0 = time.perf_counter()
+    for step in range(1, a.steps + 1):
+        x, y = train.sample(a.batch)
+        ts = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+        step_times.append(time.perf_counter() - ts)
+        windows.append((ts, ts + step_times[-1]))
+        if rank == 0 and (step % a.eval_every == 0 or step == a.steps):
+            checkpoints.append((step, time.perf_counter() - t0, copy.deepcopy(module.state_dict())))
+            print(f"[bench_tta] step {step}/{a.steps} {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    train_s = time.perf_counter() - t0
+    checksum = float(sum(float(p.detach().double().sum()) for p in module.parameters()))
+    ina = ina_stats(a.framework, a.backend, windows[len(windows) // 5:])
+    finish(a.framework)
+    if rank != 0:
+        return
+    curve = []
+    for step, secs, state in checkpoints:
+        module.load_state_dict(state)
+        curve.append({"step": step, "seconds": secs, "accuracy": accuracy(module, test)})
+    Path(a.out).write_text(json.dumps({
+        "curve": curve, "final_accuracy": curve[-1]["accuracy"], "train_s": train_s, "steps": a.steps,
+        "median_step_s": statistics.median(step_times), "checksum_rank0": checksum, "ina": ina,
+        "params": sum(p.numel() for p in module.parameters()), "tensors": sum(1 for _ in module.parameters())}))
+
+
+# ---- the launcher -------------------------------------------------------------------------------------------
+def run_one(workload: str, framework: str, method: str, switch: str | None, topo, a) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="bench_tta_")) / "r0.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k == "INA_TOKEN"}  # the switch's token
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    backend = "gloo"
+    if method != "gloo":
+        env.update(INA_SWITCH=switch, INA_CODEC=method, INA_SEED="7", INA_TIMEOUT="60", INA_LOG="warning")
+        backend = "ina"
+    me = [PY, "-m", "experiments.bench_tta", "--worker", "--workload", workload, "--framework", framework,
+          "--backend", backend, "--steps", str(a.steps[workload]), "--batch", str(a.batch),
+          "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--out", str(out)]
+    shim = [PY, "-m", "gloo_patch.netns_rank", "--prefix", topo.prefix, "--"] if topo else []
+    if framework == "horovod":
+        cmd = [PY, "-m", "gloo_patch.rendezvous_fix", "-np", str(a.ranks), "-H", f"localhost:{a.ranks}", "--gloo",
+               *shim, *me]
+    else:
+        cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(a.ranks), "--master-port", str(free_port()),
+               "--no-python", *shim, *me]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
+    if p.returncode != 0 or not out.exists():
+        raise RuntimeError(f"{workload} {framework} {method} failed ({p.returncode}):\n"
+                           f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return {**json.loads(out.read_text()), "launch_s": time.monotonic() - t0}
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    """Wall-clock seconds at the first checkpoint whose accuracy reaches ``target`` (None: never)."""
+    return next((c["seconds"] for c in curve if c["accuracy"] >= target), None)
+
+
+def summarise(runs: list[dict], margin: float) -> None:
+    """Adds, to every run, Gloo's numbers (same workload, framework, rate) and the ratios."""
+    for r in runs:
+        same = ("workload", "framework", "rate")
+        base = next((b for b in runs if b["method"] == "gloo" and all(b[k] == r[k] for k in same)
+                     and b.get("ranks", 2) == r.get("ranks", 2)), None)
+        if base is None:
+            continue
+        target = base["final_accuracy"] - margin / 100
+        tta, base_tta = time_to(r["curve"], target), time_to(base["curve"], target)
+        r.update(gloo_final_accuracy=base["final_accuracy"], target_accuracy=target,
+                 accuracy_vs_gloo_points=100 * (r["final_accuracy"] - base["final_accuracy"]),
+                 time_to_target_s=tta, train_time_ratio=r["train_s"] / base["train_s"],
+                 speedup_vs_gloo=base["train_s"] / r["train_s"],
+                 tta_speedup_vs_gloo=(base_tta / tta) if tta and base_tta else None)
+
+
+def switch_for(topo):
+    if topo is None:
+        return start_switch(None, "--stats-interval", "0")
+    return start_switch(9999, "--stats-interval", "0", popen=functools.partial(topo.popen, "sw"),
+                        host="0.0.0.0", control_host=topo.host("sw").ip, timeout=30)
+
+
+def run_rate(rate: str, a, results: dict, save) -> None:
+    from ina.net import Topology  # noqa: PLC0415
+
+    topo = None if rate == "loopback" else Topology(workers=a.ranks, rate=rate).__enter__()
+    try:
+        sw = switch_for(topo)
+        addr = f"{topo.host('sw').ip if topo else '127.0.0.1'}:{sw.port}"
+        try:
+            for workload in a.workloads:
+                for framework in a.frameworks:
+                    for method in a.methods:
+                        key = dict(workload=workload, framework=framework, method=method, rate=rate)
+                        if any(all(r[k] == v for k, v in key.items()) and r.get("ranks", 2) == a.ranks
+                               for r in results["runs"]):
+                            continue        # --resume: already measured
+                        r = run_one(workload, framework, method, addr, topo, a)
+                        r.update(key, ranks=a.ranks)
+                        results["runs"].append(r)
+                        summarise(results["runs"], a.target_margin)
+                        print(f"[bench_tta] {rate:8s} {workload:9s} {framework:7s} {method:8s} "
+                              f"acc {100 * r['final_accuracy']:5.2f}% ({r.get('accuracy_vs_gloo_points', 0):+.2f} pts "
+                              f"vs Gloo)  train {r['train_s']:6.1f}s "
+                              f"({r.get('speedup_vs_gloo', 1):.2f}x Gloo's speed)  "
+                              f"{1e3 * r['median_step_s']:.0f} ms/step", file=sys.stderr, flush=True)
+                        save()
+        finally:
+            sw.stop(timeout=10)
+    finally:
+        if topo is not None:
+            topo.__exit__(None, None, None)
+
+
+# ---- the report -----------------------------------------------------------------------------------------------
+def plot(results: dict, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from experiments.plot_style import legend_label, style  # noqa: PLC0415
+
+    runs = results["runs"]
+    panels = list(dict.fromkeys((r["workload"], r["framework"], r["rate"], r.get("ranks", 2)) for r in runs))
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
+    for ax, (wl, fw, rate, ranks) in zip(axes.flat, panels):
+        for r in (r for r in runs if (r["workload"], r["framework"], r["rate"], r.get("ranks", 2))
+                  == (wl, fw, rate, ranks)):
+            m = "gloo" if r["method"] == "gloo" else f"ina:{r['method']}"
+            s = style(m)
+            ax.plot([0] + [c["seconds"] for c in r["curve"]], [None] + [100 * c["accuracy"] for c in r["curve"]],
+                    color=s.colour, marker=s.marker, linestyle=s.linestyle, markersize=4, label=legend_label(m))
+        ax.set_title(f"{wl}, {'Horovod' if fw == 'horovod' else 'DDP'}, {ranks} ranks, {rate}", fontsize=9)
+        ax.set_xlabel("training wall-clock (s)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle("Time to accuracy: ranks each behind its own emulated link (tbf/htb), same steps per method",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def table(results: dict) -> str:
+    lines = ["| workload | framework | ranks | rate | method | final acc. (%) | vs Gloo (points) | train time (s) | "
+             "speed vs Gloo | time to Gloo's final - 0.5 pt (s) | ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        tta = r.get("time_to_target_s")
+        lines.append(f"| {r['workload']} | {r['framework']} | {r.get('ranks', 2)} | {r['rate']} | {r['method']} | "
+                     f"{100 * r['final_accuracy']:.2f} | {r.get('accuracy_vs_gloo_points', 0):+.2f} | "
+                     f"{r['train_s']:.1f} | {r.get('speedup_vs_gloo', 1):.2f}x | "
+                     f"{'not reached' if tta is None else f'{tta:.1f}'} | {1e3 * r['median_step_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="resnet,embedding")
+    ap.add_argument("--frameworks", default="horovod,ddp")
+    ap.add_argument("--methods", default="gloo,bfp32,nc",
+                    help="gloo and INA codecs (nc, bfp32, nd, 3lc-3v, terngrad, ...)")
+    ap.add_argument("--rates", default="100mbit,1gbit", help="link rates; 'loopback': no namespaces, no shaping")
+    ap.add_argument("--steps", default="resnet=400,embedding=400", help="steps per workload (same for every method)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16, help="per-rank batch")
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target-margin", type=float, default=0.5, help="points below Gloo's final accuracy")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    ap.add_argument("--json", help="write the results (after every run) to this file")
+    ap.add_argument("--plot", help="accuracy against wall-clock time, one panel per workload/framework/rate")
+    ap.add_argument("--resume", action="store_true", help="keep the runs already in --json and skip them")
+    ap.add_argument("--report-only", action="store_true", help="only print the table (and --plot) of --json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for k in ("workload", "framework", "backend", "out"):
+        ap.add_argument(f"--{k}", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        a.steps = int(a.steps)
+        worker(a)
+        return 0
+    from experiments.tta_workloads import WORKLOADS  # noqa: PLC0415
+
+    a.workloads, a.frameworks, a.methods = (s.split(",") for s in (a.workloads, a.frameworks, a.methods))
+    if bad := [w for w in a.workloads if w not in WORKLOADS]:
+        ap.error(f"unknown workload {bad[0]!r} (expected {', '.join(WORKLOADS)})")
+    if bad := [f for f in a.frameworks if f not in ("horovod", "ddp")]:
+        ap.error(f"unknown framework {bad[0]!r} (expected horovod, ddp)")
+    a.steps = {k: int(v) for k, v in (kv.split("=") for kv in a.steps.split(","))}
+    results = {"emulated": f"{a.ranks} ranks, each in its own network namespace behind a shaped link (tbf/htb), switch "
+                           "in host sw; Gloo's ring crosses the same links", "args": sys.argv[1:], "runs": []}
+
+    if (a.resume or a.report_only) and a.json and Path(a.json).exists():
+        results["runs"] = json.loads(Path(a.json).read_text())["runs"]
+
+    def save():
+        if a.json:
+            Path(a.json).write_text(json.dumps(results, indent=1))
+
+    for rate in [] if a.report_only else a.rates.split(","):
+        run_rate(rate, a, results, save)
+    print(table(results))
+    if a.plot:
+        plot(results, Path(a.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

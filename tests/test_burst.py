@@ -1,0 +1,147 @@
+"""Burst I/O on real UDP sockets: sendmmsg with UDP GSO (and its fallback), recvmmsg."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from ina import burst as B
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sw_harness import SwitchProc, bfp_reference, client_threads, expected_inputs  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not B.gso_supported(B.udp_socket("127.0.0.1", 0, bufsize=1 << 16)),
+                                reason="the kernel has no UDP_SEGMENT")
+
+
+def _receivers(k):
+    socks = [B.udp_socket("127.0.0.1", 0) for _ in range(k)]
+    addrs = np.zeros(k, B.SOCKADDR_IN)
+    for i, s in enumerate(socks):
+        addrs[i] = B.sockaddr("127.0.0.1", s.getsockname()[1])[0]
+        B.set_recv_timeout(s, 2.0)
+    return socks, addrs
+
+
+def _drain(sock, expect, stride=4096):
+    """Every datagram waiting on ``sock`` (at least ``expect``; bounded by the socket's timeout)."""
+    ring = B.RxRing(sock, burst=64, stride=stride)
+    got = []
+    while len(got) < expect:
+        n = ring.recv(wait=True)
+        if not n:
+            break
+        got += [ring.buf[i, : ring.lens[i]].tobytes() for i in range(n)]
+    while n := ring.recv(wait=False):       # nothing more than expected may be there
+        got += [ring.buf[i, : ring.lens[i]].tobytes() for i in range(n)]
+    return got
+
+
+def _packets(rows, width, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (rows, width), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("gso", [True, False])
+def test_send_delivers_each_entry_as_one_datagram_in_order(gso):
+    """Entries interleaved over 3 destinations, equal lengths except a shorter last entry for one of
+    them: each receiver gets exactly its entries, byte for byte, in order; with GSO in fewer messages."""
+    tx_sock = B.udp_socket("127.0.0.1", 0)
+    socks, addrs = _receivers(3)
+    buf = _packets(40, 1000)
+    rows = np.arange(40)
+    dest = np.repeat([0, 1, 2, 0, 1], 8)          # runs of 8 to one destination, destination 0 twice
+    lens = np.full(40, 1000)
+    lens[15] = 333                                # the last entry of destination 1's first run: an odd tail
+    lens[39] = 1                                  # a one-byte tail
+    tx = B.TxBatch(tx_sock, capacity=64, gso=gso)
+    assert tx.send(buf, rows, lens, addrs, dest) == 40
+    for d, s in enumerate(socks):
+        want = [buf[r, : lens[r]].tobytes() for r in rows[dest == d]]
+        assert _drain(s, len(want)) == want
+    assert tx.sent_packets == 40 and tx.sent_bytes == int(lens.sum())
+    assert tx.sent_messages == (5 if gso else 40)
+    assert tx.gso_refused is None
+
+
+def test_send_splits_runs_at_the_segment_and_byte_limits():
+    """A run longer than a GSO message may carry arrives whole, in order, as separate datagrams."""
+    tx_sock = B.udp_socket("127.0.0.1", 0)
+    socks, addrs = _receivers(1)
+    buf = _packets(300, 3000, seed=1)
+    tx = B.TxBatch(tx_sock, capacity=1024, gso=True)
+    tx.send(buf, np.arange(300), 3000, addrs, 0)         # 21 x 3000 bytes fit 65507
+    assert _drain(socks[0], 300) == [buf[r].tobytes() for r in range(300)]
+    assert tx.sent_messages == int(np.ceil(300 / 21))
+    tx.send(buf, np.arange(200), 100, addrs, 0)          # 100-byte packets: the segment limit first
+    assert _drain(socks[0], 200) == [buf[r, :100].tobytes() for r in range(200)]
+    assert tx.sent_messages == int(np.ceil(300 / 21)) + int(np.ceil(200 / B.GSO_MAX_SEGMENTS))
+
+
+def test_gso_runs_rules():
+    lens = np.array([10, 10, 10, 4, 10, 10, 5, 3, 10])
+    dest = np.array([0, 0, 0, 0, 0, 1, 1, 1, 1])
+    # a shorter entry ends its run; a destination change and a longer entry start one; two shorter
+    # entries in a row cannot both join
+    assert B.gso_runs(lens, dest).tolist() == [0, 4, 5, 7, 8]
+    assert B.gso_runs(np.full(10, 10), np.zeros(10), max_segments=4).tolist() == [0, 4, 8]
+    assert B.gso_runs(np.full(5, 30000), np.zeros(5)).tolist() == [0, 2, 4]     # 65507 bytes a message
+    assert B.gso_runs(np.zeros(0), np.zeros(0)).size == 0
+
+
+def test_kernel_refusing_gso_falls_back_to_one_datagram_per_message():
+    """More segments than the kernel's UDP_MAX_SEGMENTS: sendmmsg fails with EINVAL; the batch turns
+    GSO off, says why, and every packet still arrives once, in order."""
+    tx_sock = B.udp_socket("127.0.0.1", 0)
+    socks, addrs = _receivers(2)
+    buf = _packets(600, 100, seed=2)
+    tx = B.TxBatch(tx_sock, capacity=1024, gso=True)
+    tx.gso_max_segments = 300                  # beyond any kernel's limit (64, or 128 since Linux 6.x)
+    dest = np.repeat([0, 1], 300)
+    tx.send(buf, np.arange(600), 100, addrs, dest)
+    assert not tx.gso and "EINVAL" in tx.gso_refused
+    for d, s in enumerate(socks):
+        assert _drain(s, 300) == [buf[r, :100].tobytes() for r in range(300 * d, 300 * d + 300)]
+    assert tx.sent_packets == 600
+
+
+def test_environment_turns_gso_off(monkeypatch):
+    monkeypatch.setenv("INA_GSO", "0")
+    assert not B.TxBatch(B.udp_socket("127.0.0.1", 0)).gso
+    monkeypatch.setenv("INA_GSO", "1")
+    assert B.TxBatch(B.udp_socket("127.0.0.1", 0)).gso
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end: a switch and its workers batch their sends, and the sums stay bit-exact
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gso", ["1", "0"])
+def test_switch_and_clients_send_gso_runs_and_results_stay_exact(tmp_path, monkeypatch, gso):
+    """4 workers, bfp32 over 256-element packets (24 chunks plus an odd last one): with GSO the
+    switch hands the kernel fewer messages than packets (a poll's results for one worker in one
+    run) and each worker sends its first window of 16 chunks as one message; with INA_GSO=0 one message a packet. The sums are bit-exact either way."""
+    monkeypatch.setenv("INA_GSO", gso)
+    n, op = 4, {"codec": "bfp32", "shape": [256 * 24 + 17], "seed": 41}
+    sw = SwitchProc("--slots", "64", "--elements", "256", log_path=tmp_path / "switch.log")
+    try:
+        def body(r, cl):
+            x = expected_inputs(op, n)[r]
+            for _ in range(3):
+                y = x.copy()
+                cl.allreduce(y, codec="bfp32")
+            return y, cl.tx.sent_messages, cl.stats.packets_sent
+
+        out = client_threads(sw.port, n, 5, body, join_timeout=90, elements=256, slots=16, timeout=30.0)
+        st = sw.stats()
+    finally:
+        sw.terminate()
+    ref = bfp_reference(expected_inputs(op, n))
+    for y, _, _ in out:
+        assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+    c = st["counters"]
+    assert st["config"]["udp_gso"] is (gso == "1") and st["config"]["udp_gso_refused"] is None
+    if gso == "1":
+        assert c["tx_messages"] < c["tx_packets"], c
+        assert all(pkts - msgs >= 15 * 3 for _, msgs, pkts in out), [o[1:] for o in out]
+    else:
+        assert c["tx_messages"] == c["tx_packets"]
+        assert all(msgs == pkts for _, msgs, pkts in out)

@@ -1,0 +1,111 @@
+"""The switch's user-space impairments, as arrays over a burst (switch_model/impair.py).
+
+Statistical properties with fixed seeds: the drop, duplication and reordering counts of 64 000
+packets are within 5 standard deviations of the configured rates, and every delivered packet is an
+intact copy of a sent one with its own tag (the bytes and the tag travel together).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from switch_model.impair import Impairment, ImpairmentConfig
+
+WIDTH = 40
+BURST = 64
+
+
+def _bursts(count: int):
+    """``count`` bursts of ``BURST`` distinct packets: row i of the whole stream starts with i."""
+    for b in range(count):
+        ids = np.arange(b * BURST, (b + 1) * BURST, dtype=np.int64)
+        buf = np.zeros((BURST, WIDTH), np.uint8)
+        buf[:, :8] = ids.view(np.uint8).reshape(BURST, 8)
+        yield buf, np.arange(BURST), np.full(BURST, 30 + b % 7, np.int64), ids * 3 + 1
+
+
+def _run(cfg: ImpairmentConfig, bursts: int, step: float = 1e-4, limit: int = 1 << 30):
+    """Push the bursts ``step`` seconds apart, then drain the held pool; returns the impairment and
+    the delivered (id, length, tag) triples in delivery order."""
+    imp = Impairment(cfg, width=WIDTH)
+    got = []
+    now = 0.0
+
+    def take(out):
+        buf, rows, lens, tags = out
+        ids = buf[rows, :8].copy().view(np.int64)[:, 0]
+        got.extend(zip(ids.tolist(), lens.tolist(), tags.tolist()))
+
+    for buf, rows, lens, tags in _bursts(bursts):
+        take(imp.apply(buf, rows, lens, tags, now, limit))
+        now += step
+    while imp.holding:
+        now += 1e-3
+        empty = np.zeros((0, WIDTH), np.uint8)
+        take(imp.apply(empty, np.arange(0), np.zeros(0, np.int64), np.zeros(0, np.int64), now, limit))
+    return imp, got
+
+
+def _within(count: int, n: int, p: float) -> bool:
+    sd = np.sqrt(n * p * (1 - p))
+    return abs(count - n * p) <= 5 * sd + 1
+
+
+def test_seeded_rates_are_within_statistical_bounds_and_packets_stay_intact():
+    cfg = ImpairmentConfig(loss=0.02, duplicate=0.03, reorder=0.05, reorder_ms=0.5, seed=11)
+    n = 1000 * BURST
+    imp, got = _run(cfg, 1000)
+    assert _within(imp.dropped, n, 0.02), imp.counters()
+    assert _within(imp.duplicated, n, 0.98 * 0.03), imp.counters()
+    delivered = n - imp.dropped + imp.duplicated
+    assert len(got) == delivered
+    assert _within(imp.reordered, delivered, 0.05), imp.counters()
+    ids = np.array([g[0] for g in got])
+    assert all(tag == 3 * i + 1 and ln == 30 + (i // BURST) % 7 for i, ln, tag in got)   # bytes, length, tag together
+    counts = np.bincount(ids, minlength=n)
+    assert np.count_nonzero(counts == 0) == imp.dropped and np.count_nonzero(counts == 2) == imp.duplicated
+    assert counts.max() <= 2
+    # reordering: a held packet comes after packets sent after it; the others keep their order
+    overtaken = np.count_nonzero(np.diff(ids) < 0)
+    assert 0.5 * imp.reordered / 2 < overtaken <= imp.reordered
+    assert imp.counters()["held"] == 0
+
+
+def test_the_same_seed_drops_the_same_packets_and_another_seed_others():
+    cfg = ImpairmentConfig(loss=0.05, seed=4)
+    _, a = _run(cfg, 50)
+    _, b = _run(cfg, 50)
+    _, c = _run(ImpairmentConfig(loss=0.05, seed=5), 50)
+    assert a == b
+    assert [g[0] for g in a] != [g[0] for g in c]
+
+
+def test_an_untouched_burst_is_handed_on_without_a_copy():
+    imp = Impairment(ImpairmentConfig(loss=1e-9, seed=1), width=WIDTH)
+    buf, rows, lens, tags = next(_bursts(1))
+    out = imp.apply(buf, rows, lens, tags, 0.0, BURST)
+    assert out[0] is buf and out[1] is rows
+
+
+def test_no_more_than_the_limit_goes_on_and_the_rest_follows_in_order():
+    """Duplication makes a burst longer than the switch's parse scratch: the rest is held, due at once."""
+    imp, got = _run(ImpairmentConfig(duplicate=1.0, seed=2), 3, limit=BURST)
+    ids = [g[0] for g in got]
+    assert len(ids) == 6 * BURST
+    assert sorted(ids) == sorted(list(range(3 * BURST)) * 2)
+    imp = Impairment(ImpairmentConfig(duplicate=1.0, seed=2), width=WIDTH)
+    buf, rows, lens, tags = next(_bursts(1))
+    _, r, _, _ = imp.apply(buf, rows, lens, tags, 0.0, BURST)
+    assert r.size == BURST and imp.holding and imp.next_release() <= 0.0
+
+
+def test_delay_holds_every_packet_until_it_is_due():
+    imp = Impairment(ImpairmentConfig(delay_ms=2.0, seed=3), width=WIDTH)
+    buf, rows, lens, tags = next(_bursts(1))
+    _, r, _, _ = imp.apply(buf, rows, lens, tags, 1.0, BURST)
+    assert r.size == 0 and imp.next_release() == pytest.approx(1.002)
+    empty = np.zeros((0, WIDTH), np.uint8)
+    none = (empty, np.arange(0), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert imp.apply(*none, 1.0019, BURST)[1].size == 0
+    out_buf, r, _, _ = imp.apply(*none, 1.0021, BURST)
+    assert r.size == BURST and np.array_equal(out_buf[r], buf) and not imp.holding

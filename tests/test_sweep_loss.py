@@ -1,0 +1,65 @@
+"""ina-sweep --loss: packet loss as a sweep dimension (experiments/sweep_loss.py), end to end on a real
+emulated topology, and its argument checks."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.sweep_loss import parse_losses, plan_at
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_loss_levels_always_include_the_lossless_reference_and_bad_ones_are_named():
+    ap = argparse.ArgumentParser()
+    assert parse_losses(ap, "0.01,0.001") == [0.0, 0.001, 0.01]
+    for bad in ("1.5", "-0.1", "lots"):
+        with pytest.raises(SystemExit):
+            parse_losses(ap, bad)
+    p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", "/nonexistent/x", "--loss", "0,1.5"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--loss 1.5" in p.stderr
+
+
+def test_only_switch_traffic_runs_at_a_loss():
+    plan = [("allreduce", 2, "100mbit", 1000, "gloo"), ("allreduce", 2, "100mbit", 1000, "ina:bfp32"),
+            ("throughput", 2, "100mbit", 1000, "ina:bfp32"), ("allreduce", 2, "100mbit", 1000, "ina:3lc"),
+            ("accuracy", 2, "100mbit", 0, "ina:bfp32")]
+    assert plan_at(plan, 0.0) == plan
+    assert plan_at(plan, 0.01) == [plan[1], plan[2]]     # Gloo (TCP), host-aggregated 3lc, accuracy: lossless only
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+@pytest.mark.timeout(300)
+def test_tiny_sweep_with_loss_labels_every_record_and_plots_time_against_loss(tmp_path):
+    out = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(out), "--rates", "100mbit",
+                        "--workers", "2", "--sizes", "60000", "--methods", "gloo,ina:bfp32", "--reps", "2",
+                        "--acc-steps", "0", "--tp-sizes", "60000", "--tp-steps", "2", "--timeout", "30",
+                        "--loss", "0,0.01"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "6 configuration(s) run" in p.stderr      # lossless: 2 methods x 2 workloads; at 1%: bfp32's two
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["losses"] == [0.0, 0.01]
+    recs = {(r["workload"], r["method"], r["loss"]): r for r in data["records"]}
+    assert set(recs) == {(w, m, 0.0) for w in ("allreduce", "throughput") for m in ("gloo", "ina:bfp32")} | {
+        ("allreduce", "ina:bfp32", 0.01), ("throughput", "ina:bfp32", 0.01)}
+    assert "lossless reference" in recs["allreduce", "gloo", 0.0]["impairment"]
+    lossy = recs["allreduce", "ina:bfp32", 0.01]
+    assert "loss 0.01 in each direction" in lossy["impairment"]
+    assert lossy["client_retransmissions"] > 0                      # the switch did drop packets
+    assert lossy["rel_error"] <= 2 * recs["allreduce", "ina:bfp32", 0.0]["rel_error"] + 1e-7   # still exact sums
+    csv = (out / "results.csv").read_text().splitlines()
+    assert csv[0].endswith(",loss,impairment") and len(csv) == 1 + len(data["records"])
+    report = (out / "report.md").read_text()
+    assert "## Packet loss" in report and "gloo (lossless reference, not impaired)" in report
+    for name in ("loss-allreduce-n2-100mbit-60000.png", "loss-throughput-n2-100mbit-60000.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in report
+    # the lossless tables above it are the lossless runs only: one row per method
+    assert "Speedup over Gloo ring fp32" in report.split("## Packet loss")[0]
