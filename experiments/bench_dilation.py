@@ -3,6 +3,7 @@ also runs in real time, measured both ways (ina-sweep runs in one process each, 
 
     python -m experiments.bench_dilation --json out.json            # needs root (emulated links)
     python -m experiments.bench_dilation --k 100 --workers 8 --target 10gbit --sizes 1.7M
+    python -m experiments.bench_dilation --k gloo=100,ina:bfp32=400,ina:nc=800 --sizes alexnet --reps 1
 
 Checks (median allreduce times, per method; ratios between runs of this bench):
 
@@ -11,7 +12,9 @@ Checks (median allreduce times, per method; ratios between runs of this bench):
 * ``dilated_vs_real``: a real-time-capable target (default 4 workers at 100 Mbit/s) in real time and
   dilated x``--real-k``: time(dilated) / time(real) should be 1 within 5%.
 
-Short runs (3 timed repetitions): the machine is shared; the ratios are the result, not the times.
+``--k`` is one factor for every method, or one per method (``method=K,...``): each method's check
+compares its own K and 2K. Short runs (3 timed repetitions): the machine is shared; the ratios are
+the result, not the times; each run records the load average before it.
 """
 from __future__ import annotations
 
@@ -25,14 +28,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def parse_factors(text: str, methods: list[str]) -> dict[str, float]:
+    """--k: 'K' for every method, or 'method=K,...' (every method of --methods named once)."""
+    if "=" not in text:
+        return {m: float(text) for m in methods}
+    ks = {m.strip(): float(k) for m, k in (p.split("=", 1) for p in text.split(","))}
+    if set(ks) != set(methods):
+        raise SystemExit(f"--k {text}: name a factor for each of --methods {','.join(methods)}")
+    return ks
+
+
+def sweeps(out: Path, ks: dict[str, float], scale: float, *argv: str) -> dict:
+    """One ina-sweep per distinct factor (K x ``scale``) of ``ks``: {method: record}."""
+    recs = {}
+    for k in sorted(set(ks.values())):
+        ms = ",".join(m for m in ks if ks[m] == k)
+        recs |= sweep(out / f"x{k * scale:g}", *argv, "--methods", ms, "--dilation", f"{k * scale:g}")
+    return recs
+
+
 def sweep(out: Path, *argv: str) -> dict:
-    """One ina-sweep run; {method: record} of its allreduce records."""
+    """One ina-sweep run; {method: record} of its allreduce records (each with the load average
+    before the run, ``loadavg_before``)."""
+    load = Path("/proc/loadavg").read_text().split()[:3]
     cmd = [sys.executable, "-m", "experiments.sweep", "--out", str(out), "--no-plots", *argv]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
     recs = json.loads((out / "results.json").read_text())["records"]
-    return {r["method"]: r for r in recs if r["workload"] == "allreduce"}
+    return {r["method"]: r | {"loadavg_before": load} for r in recs if r["workload"] == "allreduce"}
 
 
 def compare(a: dict, b: dict, tol: float) -> dict:
@@ -44,7 +68,9 @@ def compare(a: dict, b: dict, tol: float) -> dict:
                       "time_b": b[m]["time_median"], "label_a": a[m].get("dilation_label"),
                       "label_b": b[m].get("dilation_label"), "bound_ratio_a": a[m].get("bound_ratio"),
                       "bound_ratio_b": b[m].get("bound_ratio"), "wire_up_a": a[m]["wire_up_bytes_per_worker"],
-                      "wire_up_b": b[m]["wire_up_bytes_per_worker"]}
+                      "wire_up_b": b[m]["wire_up_bytes_per_worker"], "k_a": a[m].get("dilation", 1),
+                      "k_b": b[m].get("dilation", 1), "loadavg_a": a[m]["loadavg_before"],
+                      "loadavg_b": b[m]["loadavg_before"]}
     return out
 
 
@@ -52,36 +78,39 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="10gbit")
     ap.add_argument("--workers", default="8")
-    ap.add_argument("--k", type=float, default=100.0, help="the first factor (the second is twice it)")
+    ap.add_argument("--k", default="800", help="the first factor (the second is twice it), or method=K,...")
     ap.add_argument("--sizes", default="resnet110")
     ap.add_argument("--methods", default="gloo,ina:bfp32,ina:nc")
     ap.add_argument("--real-rate", default="100mbit")
     ap.add_argument("--real-workers", default="4")
     ap.add_argument("--real-k", type=float, default=4.0)
     ap.add_argument("--reps", default="3")
+    ap.add_argument("--warmup", default="1")
+    ap.add_argument("--profile", default="software", help="switch profile of the k_vs_2k runs")
     ap.add_argument("--tol", type=float, default=0.05)
     ap.add_argument("--skip", choices=("k_vs_2k", "dilated_vs_real"), action="append", default=[])
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
-    common = ["--sizes", a.sizes, "--methods", a.methods, "--reps", a.reps, "--timeout", "60"]
+    methods = a.methods.split(",")
+    common = ["--sizes", a.sizes, "--reps", a.reps, "--warmup", a.warmup, "--timeout", "60"]
     res = {"settings": vars(a) | {"json": str(a.json)}, "tolerance": a.tol}
     t = Path(tempfile.mkdtemp(prefix="bench-dilation-"))      # kept: the sweeps' reports and worker logs
     res["folder"] = str(t)
     if "k_vs_2k" not in a.skip:
-        dil = ["--target-rates", a.target, "--workers", a.workers, *common]
-        r1 = sweep(t / "k", *dil, "--dilation", f"{a.k:g}")
-        r2 = sweep(t / "2k", *dil, "--dilation", f"{2 * a.k:g}")
-        res["k_vs_2k"] = compare(r1, r2, a.tol)
+        ks = parse_factors(a.k, methods)
+        dil = ["--target-rates", a.target, "--workers", a.workers, "--profile", a.profile, *common]
+        res["k_vs_2k"] = compare(sweeps(t / "k", ks, 1, *dil), sweeps(t / "2k", ks, 2, *dil), a.tol)
     if "dilated_vs_real" not in a.skip:
         real = sweep(t / "real", "--rates", a.real_rate, "--workers", a.real_workers, "--acc-steps", "0",
-                     "--tp-sizes", "none", *common)
+                     "--tp-sizes", "none", "--methods", a.methods, *common)
         dil = sweep(t / "dil", "--target-rates", a.real_rate, "--workers", a.real_workers, "--dilation",
-                    f"{a.real_k:g}", *common)
+                    f"{a.real_k:g}", "--methods", a.methods, *common)
         res["dilated_vs_real"] = compare(real, dil, a.tol)
     for check in ("k_vs_2k", "dilated_vs_real"):
         for m, c in res.get(check, {}).items():
             print(f"{check:16s} {m:12s} ratio {c['ratio']:.3f} ({c['label_a']} {c['time_a']:.4f} s vs "
-                  f"{c['label_b']} {c['time_b']:.4f} s) {'ok' if c['within'] else 'OUTSIDE'} {a.tol:.0%}")
+                  f"{c['label_b']} {c['time_b']:.4f} s; time/ideal {c['bound_ratio_a']:.3f} vs "
+                  f"{c['bound_ratio_b']:.3f}) {'ok' if c['within'] else 'OUTSIDE'} {a.tol:.0%}")
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
     return 0

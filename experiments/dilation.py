@@ -11,7 +11,7 @@ encode/decode run at this machine's real speed, so under dilation they look K ti
 codecs' share is put back explicitly (:func:`codec_time` measures encode+decode at real speed; the
 end-to-end figure is ``time/K - codec/K + codec at the device speed``, assuming the codec work does
 not overlap the transfer: an upper bound); the per-packet costs are what the ``auto`` probe keeps
-small: it picks K so that a real-time run is link-bound (:func:`auto_factor`).
+small: it picks the smallest K at which a run agrees with the run at 2K (:func:`auto_factor`).
 """
 from __future__ import annotations
 
@@ -19,9 +19,13 @@ import math
 import time
 from dataclasses import dataclass
 
-#: the rates the auto probe tries, fastest first (never above the target)
-PROBE_LADDER = ("1gbit", "500mbit", "200mbit", "100mbit", "50mbit", "20mbit", "10mbit")
-#: a probe passes when its median time is within this fraction above its link-bound ideal
+#: the auto probe's first shaped rate (K0 = target / this, at least 1); then K doubles
+PROBE_FIRST_RATE = "1gbit"
+#: factors the probe tries at most (K0 .. 2**11 K0: 10gbit down to about 0.5 Mbit/s)
+PROBE_STEPS = 12
+#: K passes when the time/ideal ratios at K and 2K agree within this fraction ...
+PROBE_AGREE = 0.05
+#: ... and the one at K is within this fraction above its link-bound ideal
 PROBE_WITHIN = 0.25
 #: the shaped rate must stay within tbf's range (8 kbit .. about 34 gbit)
 MIN_SHAPED_BPS = 8e3
@@ -32,8 +36,9 @@ class DilationError(ValueError):
 
 
 def _bps(rate: str) -> float | None:
+    """A target rate in bit/s (not capped at tbf's 34 gbit: only target/K is shaped)."""
     from ina.net import parse_rate
-    return parse_rate(rate)
+    return parse_rate(rate, tbf_limit=False)
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class Dilation:
         if shaped < MIN_SHAPED_BPS:
             raise DilationError(f"target {target} dilated x{self.factor:g} is {shaped:.0f} bit/s, below tbf's "
                                 f"{MIN_SHAPED_BPS:.0f} bit/s: use a smaller factor")
-        return f"{shaped / 1e3:.6g}kbit"
+        return f"{shaped / 1e3:.10g}kbit"
 
     def stretch(self, seconds: float | None) -> float | None:
         """An emulated delay or a timeout, stretched by K (None stays None)."""
@@ -130,24 +135,40 @@ def codec_time(method: str, n: int, elements: int, device_gbps: float | None = N
     return out
 
 
-def auto_factor(target: str, probe, ladder=PROBE_LADDER, within: float = PROBE_WITHIN) -> tuple[float, list]:
-    """K for ``target`` from a measured CPU-headroom probe. The rule: the highest rate of ``ladder``
-    (at most the target) at which a short real-time run stays within ``within`` of its link-bound
-    ideal (``probe(rate)`` returns the run's median time / ideal time); K = target / that rate.
-    Returns (K, the probe's [rate, ratio] steps). Raises if no rate of the ladder passes."""
+def probe_factors_for(target: str, first_rate: str = PROBE_FIRST_RATE, steps: int = PROBE_STEPS) -> list[float]:
+    """The factors the auto probe tries for ``target``, smallest first: K0 = target / ``first_rate``
+    (at least 1), then 2 K0, 4 K0 ... (``steps`` of them), none shaping below tbf's minimum."""
     tbps = _bps(target)
     if tbps is None:
         raise DilationError(f"rate {target!r}: an unshaped link cannot be dilated")
-    steps = []
-    for rate in ladder:
-        if _bps(rate) > tbps:
-            continue
-        ratio = probe(rate)
-        steps.append([rate, ratio])
-        if ratio is not None and ratio <= 1 + within:
-            return max(1.0, tbps / _bps(rate)), steps
-    raise DilationError(f"auto dilation for {target}: no probe rate of {', '.join(ladder)} stayed within "
-                        f"{within:.0%} of its link-bound ideal (probe: {steps}); give --dilation K")
+    k0 = max(1.0, tbps / _bps(first_rate))
+    return [k0 * 2 ** i for i in range(steps) if tbps / (k0 * 2 ** i) >= MIN_SHAPED_BPS]
+
+
+def auto_factor(target: str, probe, factors=None, within: float = PROBE_WITHIN,
+                agree: float = PROBE_AGREE) -> tuple[float, list]:
+    """K for ``target`` from a measured CPU-headroom probe. ``probe(rate, K)`` runs a short allreduce
+    dilated xK (links shaped at ``rate`` = target/K) and returns its median time / link-bound ideal.
+    The rule: the smallest K of ``factors`` (default :func:`probe_factors_for`: K0, 2 K0, 4 K0 ...) such that the runs at
+    target/K and target/2K agree (their time/ideal ratios within ``agree``, 5%: the consistency a
+    dilated result must have) and the run at K is within ``within`` (25%) of its ideal. A run the
+    emulator's per-packet costs hold back takes about the same real time at K and 2K, so its
+    time/ideal halves from K to 2K; a link-bound one keeps it. Returns (K, the probe's [rate, ratio,
+    K] steps); raises if no pair of the factors agrees."""
+    factors = list(factors or probe_factors_for(target))
+    steps, prev = [], None
+    for k in factors:
+        rate = Dilation(k).shaped_rate(target)
+        ratio = probe(rate, k)
+        steps.append([rate, ratio, k])
+        if prev is not None and prev[1] is not None and ratio is not None and prev[1] <= 1 + within \
+                and abs(ratio / prev[1] - 1) <= agree:
+            return prev[2], steps
+        prev = steps[-1]
+    tried = ", ".join(f"{k:g}" for k in factors)
+    raise DilationError(f"auto dilation for {target}: no two successive factors of {tried} "
+                        f"agreed within {agree:.0%} with the first within {within:.0%} of its link-bound ideal "
+                        f"(probe [rate, time/ideal, K]: {steps}); give --dilation K")
 
 
 def parse_dilation(text: str | None) -> float | str | None:
@@ -171,7 +192,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--dilation", help="time-dilation factor K (links shaped at target/K, delays and timeouts x K, "
                                        "times reported / K) or 'auto' (K from a CPU-headroom probe)")
     ap.add_argument("--probe-within", type=float, default=PROBE_WITHIN,
-                    help="auto dilation: a probe rate passes when its time is within this fraction of its ideal")
+                    help="auto dilation: K passes only if its run's time is within this fraction of its ideal")
+    ap.add_argument("--probe-agree", type=float, default=PROBE_AGREE,
+                    help="auto dilation: K passes when the runs at K and 2K agree within this fraction")
     ap.add_argument("--codec-gbps", type=float, default=None,
                     help="codec speed of the modelled device in GB/s of float32 per pass (default: this CPU, "
                          "measured); end-to-end times include encode+decode at that speed")
@@ -208,6 +231,13 @@ def resolve(ap, args) -> None:
                      "use --tp-sizes none --acc-steps 0 (the defaults under --dilation)")
         args.tp_sizes, args.acc_steps = "none", 0
     k = args.dilation if isinstance(args.dilation, float) else 1.0
+    if args.dilation is None and args.rates:
+        from ina.net import RateError, parse_rate
+        for r in args.rates.split(","):
+            try:
+                parse_rate(r)          # real time: the rate is shaped as given (tbf's cap applies)
+            except RateError as e:
+                ap.error(f"{e}; a faster target needs --target-rates with --dilation")
     args.worker_timeout = Dilation(k).stretch(args.timeout)
     args.max_elements = prof.elements or 8192
 
@@ -250,9 +280,10 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
     into ``meta["dilation_probe"]``."""
     import copy
 
-    from .sweep import WorkerGroup, run_bench
+    from .sweep import SWITCH_PORT, WorkerGroup, run_bench
     pa = copy.copy(args)
-    pa.reps, pa.worker_timeout = 2, args.timeout
+    pa.reps = 2
+    pa.worker_timeout = args.timeout * max(k for r in {p[2] for p in plan} for k in probe_factors_for(r))
     rows: dict = {}
     for wl, _, rate, el, m in plan:
         if wl == "allreduce":
@@ -263,15 +294,17 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
         for (rate, el), methods in rows.items():
             start, k = 0, 1.0
             for m in methods:
-                def probe(r, m=m):
+                def probe(r, kp, m=m):
                     nonlocal job
                     job += 1
                     if bar is not None:
-                        bar.set_postfix_str(f"dilation probe {m} n={n} {r} {el:,}")
+                        bar.set_postfix_str(f"dilation probe {m} n={n} {rate} x{kp:g} {el:,}")
                     topo.set_rate("workers", r)
-                    return run_bench(group, topo, m, n, r, el, pa, job, job)["bound_ratio"]
-                km, steps = auto_factor(rate, probe, PROBE_LADDER[start:], args.probe_within)
-                start = PROBE_LADDER.index(steps[-1][0])      # later methods start at the rate this one passed
+                    set_switch_delay(topo.switch.ip, SWITCH_PORT, args, Dilation(kp))
+                    return run_bench(group, topo, m, n, r, el, pa, job, job, Dilation(kp), rate)["bound_ratio"]
+                factors = probe_factors_for(rate)
+                km, steps = auto_factor(rate, probe, factors[start:], args.probe_within, args.probe_agree)
+                start = factors.index(km)          # later methods start at the factor this one passed
                 k = max(k, km)
                 meta.setdefault("dilation_probe", []).append({"workers": n, "target": rate, "elements": el,
                                                               "method": m, "steps": steps, "factor": km})

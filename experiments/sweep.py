@@ -71,7 +71,7 @@ def parse_size(s: str) -> int:
 
 def rate_bps(rate: str) -> float | None:
     from ina.net import parse_rate
-    return parse_rate(rate)
+    return parse_rate(rate, tbf_limit=False)      # a dilated target may exceed tbf's cap; links check theirs
 
 
 def key_of(rec: dict) -> str:

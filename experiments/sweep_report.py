@@ -26,7 +26,7 @@ def _note_run(records) -> None:
 def rate_name(rate: str) -> str:
     """'10 Gbit/s, dilated x100' (the label of a dilated rate), '100 Mbit/s', 'unshaped'."""
     from ina.net import parse_rate
-    b = parse_rate(rate)
+    b = parse_rate(rate, tbf_limit=False)
     name = RATE_LABEL.get(rate) or (f"{b / 1e9:g} Gbit/s" if b >= 1e9 else f"{b / 1e6:g} Mbit/s")
     ks = _SHOWN["dilated"].get(rate)
     return f"{name}, dilated " + "/".join(f"x{k:g}" for k in sorted(ks)) if ks else name
@@ -34,7 +34,7 @@ def rate_name(rate: str) -> str:
 
 def _rk(rate: str) -> float:
     from ina.net import parse_rate
-    b = parse_rate(rate)
+    b = parse_rate(rate, tbf_limit=False)
     return math.inf if b is None else b
 
 

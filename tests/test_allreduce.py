@@ -307,6 +307,8 @@ def test_sharded_switch_cores_2_is_bit_identical_and_uses_both_shards(tmp_path):
         per_shard = [sh["harvested"] for sh in st["per_shard"]]
         assert len(per_shard) == 2 and all(h > 0 for h in per_shard), per_shard   # both shards aggregated
         assert sum(per_shard) == st["counters"]["harvested"]
+        tm = st["timing"]               # the shards' stage clocks add up, stage by stage and in total
+        assert sum(tm["stage_ns"].values()) == tm["busy_ns"] == sum(sh["busy_ns"] for sh in st["per_shard"])
     finally:
         assert sw.terminate() == 0, sw.log()
 

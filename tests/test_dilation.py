@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.dilation import (PROBE_LADDER, Dilation, DilationError, auto_factor, codec_time, resolve,
+from experiments.dilation import (Dilation, DilationError, auto_factor, codec_time, probe_factors_for, resolve,
                                   switch_delay)
 from experiments.sweep import build_parser, ideal_time, ina_rto, switch_args, wait_estimate
 from ina.net import parse_rate
@@ -24,6 +24,8 @@ def test_shaped_rate_and_times_follow_the_factor():
     d = Dilation(100)
     assert parse_rate(d.shaped_rate("10gbit")) == pytest.approx(1e8)
     assert parse_rate(d.shaped_rate("25gbit")) == pytest.approx(2.5e8)
+    assert parse_rate(Dilation(32000).shaped_rate("100gbit")) == pytest.approx(3.125e6)   # beyond tbf's cap: a target
+    assert parse_rate(Dilation(10).shaped_rate("10gbit")) == pytest.approx(1e9)
     assert d.stretch(0.02) == pytest.approx(2.0) and d.report(3.0) == pytest.approx(0.03)
     assert d.label == "dilated x100" and Dilation().label == "real time"
     assert Dilation().shaped_rate("unlimited") == "unlimited"
@@ -83,6 +85,8 @@ def test_delays_and_timeouts_scale_with_the_factor():
     (["--target-rates", "10gbit", "--dilation", "10", "--tp-sizes", "resnet110"], "cannot be dilated"),
     (["--profile", "asic9"], "unknown switch profile 'asic9'"),
     (["--codec-gbps", "0"], "--codec-gbps 0.0: expected a positive speed"),
+    (["--rates", "100gbit"], "above tbf's 32-bit limit of 34.360gbit (about 34 gbit); a faster target needs "
+                             "--target-rates with --dilation"),
 ])
 def test_bad_dilation_settings_are_named(argv, error, capsys):
     ap = build_parser()
@@ -92,21 +96,42 @@ def test_bad_dilation_settings_are_named(argv, error, capsys):
 
 
 def test_auto_factor_rule():
-    """The highest ladder rate (at most the target) whose probe is within 25% of its ideal sets K."""
-    ratios = {"1gbit": 3.0, "500mbit": 1.6, "200mbit": 1.2, "100mbit": 1.05}
+    """The smallest K (K0 = target / 1 Gbit/s, then doubling) whose run agrees with the run at 2K within
+    5% (time / ideal), and is itself within 25% of its ideal, is the factor."""
+    by_k = {10: 6.0, 20: 3.1, 40: 1.6, 80: 1.12, 160: 1.08, 320: 1.07}
     asked = []
 
-    def probe(rate):
-        asked.append(rate)
-        return ratios[rate]
+    def probe(rate, k):
+        asked.append((rate, k))
+        return by_k[k]
     k, steps = auto_factor("10gbit", probe)
-    assert k == pytest.approx(50) and asked == ["1gbit", "500mbit", "200mbit"]
-    assert steps == [["1gbit", 3.0], ["500mbit", 1.6], ["200mbit", 1.2]]
-    k, _ = auto_factor("300mbit", lambda r: 1.0)          # never probes above the target
-    assert k == pytest.approx(1.5)
-    with pytest.raises(DilationError, match="no probe rate .* stayed within 25%"):
-        auto_factor("10gbit", lambda r: 2.0)
-    assert PROBE_LADDER[0] == "1gbit"
+    assert k == pytest.approx(80)
+    assert [parse_rate(r) for r, _ in asked] == pytest.approx([1e9, 5e8, 2.5e8, 1.25e8, 6.25e7])
+    assert [s[2] for s in steps] == [10, 20, 40, 80, 160] and steps[-1][1] == 1.08
+    # two runs that agree but both far from their ideal (a stalled emulator) do not pass
+    with pytest.raises(DilationError, match="no two successive factors .* agreed within 5%"):
+        auto_factor("10gbit", lambda r, k: 2.0)
+    # a run that halves its time/ideal from K to 2K is held back by per-packet costs: no pass
+    with pytest.raises(DilationError, match="give --dilation K"):
+        auto_factor("10gbit", lambda r, k: 1000 / k, factors=[10, 20, 40])
+    assert probe_factors_for("10gbit")[:3] == [10, 20, 40]
+    assert probe_factors_for("300mbit")[:2] == [1, 2]                 # never shaped above the target
+    assert all(1e5 / k >= 8e3 for k in probe_factors_for("100kbit"))   # never below tbf's minimum
+    assert auto_factor("300mbit", lambda r, k: 1.0)[0] == 1
+
+
+def test_dilation_keeps_the_links_queues_in_bytes():
+    """tbf's bucket and queues are sized from the shaped rate: for the slow rates dilation shapes at
+    (target/K at or below about 72 Mbit/s with MTU 9000) they are the same number of bytes at K and
+    2K, so a dilated link queues and drops the same bytes whatever the factor (in the target's time
+    its buffer is then bytes / target rate, as a switch port's)."""
+    from ina.net.shaping import DOWN_QUEUE_FRAMES, UP_QUEUE_FRAMES, tbf_params
+    for k in (200, 400, 800, 3200):
+        for frames in (UP_QUEUE_FRAMES, DOWN_QUEUE_FRAMES):
+            a = tbf_params(Dilation(k).shaped_rate("10gbit"), 9000, queue_frames=frames)
+            b = tbf_params(Dilation(2 * k).shaped_rate("10gbit"), 9000, queue_frames=frames)
+            assert (a.burst, a.limit) == (b.burst, b.limit) == (2 * 9014, 2 * 9014 + frames * 9014)
+            assert a.rate_bps == pytest.approx(2 * b.rate_bps, rel=1e-5)
 
 
 def test_profile_sets_the_sweeps_switch():
@@ -136,6 +161,10 @@ def test_dilated_sweep_under_the_tofino_profile(tmp_path):
         assert r["ideal_time"] == pytest.approx(ideal_time(m, 2, 60000, "1gbit"))
         assert r["worker_timeout"] == pytest.approx(300)
         assert r["time_end_to_end"] >= r["time_median"]
+    # the switch's stage clock over the timed repetitions: its stages partition its busy time
+    sc = recs["ina:bfp32"]["switch_counters"]
+    stages = {k: v for k, v in sc.items() if k.startswith("ns_")}
+    assert {"ns_rx", "ns_aggregate", "ns_tx"} <= set(stages) and sum(stages.values()) == sc["busy_ns"], sc
     assert recs["ina:bfp32"]["rto"] == pytest.approx(10 * ina_rto("ina:bfp32", "1gbit", 64, 9000, 2, max_elements=64))
     # 64 int32 values (256 bytes) per packet: the headers show in the links' byte counters
     per_packet = 256 + HEADER_SIZE + 28 + 14

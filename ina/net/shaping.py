@@ -29,11 +29,12 @@ class RateError(ValueError):
     """A rate that cannot be used for a link."""
 
 
-def parse_rate(value) -> int | None:
+def parse_rate(value, tbf_limit: bool = True) -> int | None:
     """Parse a link rate into bits per second; ``None``/"unlimited" mean no shaping.
 
     Accepts an int/float (bit/s) or a string with a tc unit: ``"10mbit"``, ``"1gbit"``,
-    ``"2.5gbit"``, ``"500kbit"``, ``"1000000"``.
+    ``"2.5gbit"``, ``"500kbit"``, ``"1000000"``. ``tbf_limit=False`` for a rate that is never
+    shaped itself (a time-dilation target such as 100gbit, shaped at target/K): no 34 gbit cap.
     """
     if value is None:
         return None
@@ -64,7 +65,7 @@ def parse_rate(value) -> int | None:
         raise RateError(f"rate {text}: must be a positive number of bit/s (or 'unlimited')")
     if bps < MIN_RATE_BPS:
         raise RateError(f"rate {text}: below the minimum of {format_rate(MIN_RATE_BPS)}")
-    if bps > MAX_RATE_BPS:
+    if tbf_limit and bps > MAX_RATE_BPS:
         raise RateError(f"rate {text}: above tbf's 32-bit limit of {format_rate(MAX_RATE_BPS)} "
                         "(about 34 gbit)")
     # tbf works in whole bytes per second
