@@ -242,9 +242,10 @@ def wait_estimate(method: str, n: int, elements: int, rate: str, slack: float = 
 
 
 def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements: int, args, job: int, cid: int,
-              dil=None, target: str | None = None) -> dict:
+              dil=None, target: str | None = None, extra: dict | None = None) -> dict:
     """One allreduce configuration on links shaped at ``rate``; with a dilation ``dil``, reported in
-    the time of ``target`` (rate x K): see experiments/dilation.py."""
+    the time of ``target`` (rate x K): see experiments/dilation.py. ``extra``: further fields of the
+    worker's bench command, kept in the record (experiments/bench_sparse.py: sparse, block_sparsity)."""
     from .dilation import Dilation, codec_time
     dil = dil or Dilation()
     reps = args.reps
@@ -252,7 +253,8 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     est = wait_estimate(method, n, elements, rate, slack=dil.stretch(2.0))
     cmd = {"op": "bench", "id": cid, "method": method, "elements": elements, "warmup": args.warmup, "reps": reps,
            "job": job, "rto": ina_rto(method, rate, args.slots, topo.mtu, n, base=dil.stretch(0.02),
-                                      max_elements=args.max_elements), "max_rto": dil.stretch(1.0), "stretch": dil.factor}
+                                      max_elements=args.max_elements), "max_rto": dil.stretch(1.0), "stretch": dil.factor,
+           **(extra or {})}
     t0 = time.monotonic()
     group.send(cmd)
     group.expect_all("ready", f"warm-up of {method} n={n} {rate} {elements} elements", args.timeout + est * args.warmup)
@@ -284,7 +286,8 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     if is_host_method(method):
         rec["aggregation"] = "host (NOT switch-feasible)"
     rec["bound_ratio"] = med / rec["ideal_time"] if rec["ideal_time"] else None
-    rec.update(profile=args.profile, rto=cmd["rto"], max_rto=cmd["max_rto"], worker_timeout=args.worker_timeout)
+    rec.update(profile=args.profile, rto=cmd["rto"], max_rto=cmd["max_rto"], worker_timeout=args.worker_timeout,
+               **(extra or {}))
     target = target or rate
     return dil.apply(rec, target, ideal_time(method, n, elements, target),
                      codec_time(method, n, elements, args.codec_gbps))

@@ -41,15 +41,28 @@ def ina_elements(codec: str, mtu: int, world: int = 2) -> int:
     fragmentation): results are NC8 (1 byte) for NC8 codes, int8 for narrow int8 sums and INT32
     (4 bytes) otherwise, so such an INT8 codec's 1-byte upload needs 4-byte-sized chunks."""
     from ina import compression
-    from ina.wire import HEADER_SIZE, PAYLOAD_WIDTH
+    from ina.wire import HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE
     c = compression.get(codec)
     # results in any state the codec can reach (MQGrad's bits grow during training: int32 sums)
     width = max(1, PAYLOAD_WIDTH[c.payload_type], c.result_width(world, any_state=True))
-    fit = (mtu - 28 - HEADER_SIZE) // width
+    fit = (mtu - 28 - HEADER_SIZE - TRAILER_SIZE) // width     # sparse streaming's trailer too
     e = 1
     while e * 2 <= fit:
         e *= 2
     return min(e, 8192)
+
+
+def bench_input(torch, n: int, rank: int, block_sparsity: float | None = None, block: int | None = None):
+    """The allreduce benchmark's tensor of ``rank``: normal values times 0.01 (seed 1000 + rank); with
+    ``block_sparsity``, each ``block`` of elements is zero with that probability (ranks draw their
+    zero blocks independently, so their non-zero blocks differ)."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1000 + rank)) * 1e-2
+    if block_sparsity:
+        nb = -(-n // block)
+        g = torch.Generator().manual_seed(2000 + rank)
+        zero = torch.rand(nb, generator=g) < float(block_sparsity)
+        x *= (~zero).repeat_interleave(block)[:n].to(x.dtype)
+    return x
 
 
 def synthetic_model(elements: int):
@@ -91,11 +104,12 @@ class Worker:
         return self.clients[key]
 
     def reducer(self, method: str, job: int, rto: float | None = None, shapes=None, max_rto: float | None = None,
-                stretch: float = 1.0):
+                stretch: float = 1.0, sparse: bool = False):
         """(allreduce function, ina.Client or None) for ``method``; ``rto``: the client's minimum
         retransmission timeout for this configuration (from the launcher), ``max_rto`` its largest
         (both stretched by a dilation factor ``stretch``, which also stretches the tail probe's floor);
-        ``shapes``: the model's parameter shapes (PowerSGD compresses each matrix)."""
+        ``shapes``: the model's parameter shapes (PowerSGD compresses each matrix); ``sparse``: INA's
+        sparse block streaming (Client.allreduce(sparse=True))."""
         from . import baselines
         if baselines.is_baseline(method):
             return baselines.reducer(method, self.torch, self.dist, self.a.world, shapes), None
@@ -118,16 +132,16 @@ class Worker:
         if stretch != 1:             # the tail probe's floor: the client's default, stretched
             import inspect
             cl.min_rto = inspect.signature(type(cl)).parameters["min_rto"].default * float(stretch)
-        return (lambda t, average=False, key=None: cl.allreduce(t, codec=method[4:], average=average, key=key)), cl
+        return (lambda t, average=False, key=None: cl.allreduce(t, codec=method[4:], average=average, key=key,
+                                                                sparse=sparse)), cl
 
     # ----------------------------------------------------------------------------------------------
     def bench(self, cmd):
         torch = self.torch
         n = int(cmd["elements"])
         red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), max_rto=cmd.get("max_rto"),
-                               stretch=float(cmd.get("stretch", 1.0)))
-        g = torch.Generator().manual_seed(1000 + self.a.rank)
-        x = torch.randn(n, generator=g) * 1e-2
+                               stretch=float(cmd.get("stretch", 1.0)), sparse=bool(cmd.get("sparse")))
+        x = bench_input(torch, n, self.a.rank, cmd.get("block_sparsity"), cmd.get("sparse_block"))
         ref = x.clone()
         for _ in range(int(cmd["warmup"])):
             x.copy_(ref)
@@ -150,7 +164,7 @@ class Worker:
         # correctness check: the sum over ranks, recomputed here from the same seeds
         want = torch.zeros(n)
         for r in range(self.a.world):
-            want += torch.randn(n, generator=torch.Generator().manual_seed(1000 + r)) * 1e-2
+            want += bench_input(torch, n, r, cmd.get("block_sparsity"), cmd.get("sparse_block"))
         rel = float((x - want).norm() / want.norm())
         res = {"done": cmd["id"], "times": times, "cpu_times": cpu, "rel_error": rel}
         if cl:

@@ -14,6 +14,7 @@ Environment (read when a job starts; the Horovod wrapper and the docs set them):
 ``INA_SLOTS``      the job's share of the switch's slot pool (window of chunks in flight; 64).
 ``INA_ELEMENTS``   elements per packet (1024).
 ``INA_SEED``       seed of the stochastic codecs (each rank derives its own stream); random if unset.
+``INA_SPARSE``     ``1``: sparse block streaming (only chunks with a non-zero code travel); ``0`` (default).
 ``INA_LOG``        ``info`` (default): offload / fallback lines; ``warning``: fallbacks only.
 =================  ===========================================================================
 """
@@ -105,6 +106,7 @@ class InaConfig:
     slots: int = 64
     elements: int = 1024
     seed: int | None = None
+    sparse: bool = False
 
     @classmethod
     def from_env(cls, switch: str | tuple | None = None, codec: str | None = None,
@@ -125,10 +127,12 @@ class InaConfig:
             slots=_env_int("INA_SLOTS", 64, 1, 65535),
             elements=_env_int("INA_ELEMENTS", 1024, 1, 65535),
             seed=_env_int("INA_SEED", None, 0, 2**31 - 1),
+            sparse=bool(_env_int("INA_SPARSE", 0, 0, 1)),
         )
 
     def client_kwargs(self) -> dict:
-        return {"timeout": self.timeout, "slots": self.slots, "elements": self.elements, "seed": self.seed}
+        return {"timeout": self.timeout, "slots": self.slots, "elements": self.elements, "seed": self.seed,
+                "sparse": self.sparse}
 
     def describe(self) -> str:
         return f"switch {self.switch[0]}:{self.switch[1]}, codec {self.codec}, timeout {self.timeout:g}s"

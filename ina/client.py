@@ -20,6 +20,7 @@ many chunks are incomplete).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -29,14 +30,15 @@ import numpy as np
 
 from . import burst as B
 from . import compression, lifetime, staging
+from . import sparse as sparse_mod
 from .compression.base import ScaleContext, native
 from .control import ControlChannel, ControlError
 from .recovery import LossDetector
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
-from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, VERSION, Flag, MsgType, PayloadType, chunk_modulus, header_view,
-                   payload_view, slot_of_chunk)
+from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType, chunk_modulus,
+                   header_view, max_packet_size, payload_view, slot_of_chunk)
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -59,6 +61,8 @@ class ClientStats(WorkerStats):
     timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
     stale_results: int = 0
+    sparse_header_only: int = 0       # sparse streaming: rounds this worker took part in with 24 bytes (zero chunk)
+    sparse_chunks_skipped: int = 0    # sparse streaming: chunks zero at every worker (no packet, no round)
 
 
 class Client(Worker):
@@ -70,19 +74,21 @@ class Client(Worker):
     switch's slot pool, i.e. the window of chunks in flight. ``first_chunk`` is the chunk id the
     job's first packet carries (0; a long-running job's ids wrap to 0 after chunk_modulus - 1). ``codecs``: the codecs
     this job will use, declared at join so that a switch under a hardware profile refuses one it cannot sum.
+    ``sparse``: the default of :meth:`allreduce`'s ``sparse`` for switch-summable codecs (gloo_patch: INA_SPARSE).
     """
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
                  codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
-                 token: str | None = None, timeline: bool = False, codecs: tuple = ()):
+                 token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
         self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
+        self.sparse = bool(sparse)            # allreduce's default: sparse block streaming (ina.sparse)
         self.record_timeline = bool(timeline)  # keep the last allreduce's Timeline in last_timeline
         self.last_timeline: dict | None = None
         self._timeline: Timeline | None = None
@@ -110,7 +116,7 @@ class Client(Worker):
         self.host_aggregator = cfg.get("host_aggregator")  # {"port", "label"} when the service runs one
         self._host: HostAggClient | None = None             # connected on first use
         B.set_recv_timeout(self.sock, 0.002)
-        self.rx = B.RxRing(self.sock, burst=256, stride=HEADER_SIZE + 8 * self.elements)
+        self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
         self.tx = B.TxBatch(self.sock, capacity=1024)
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
         if not 0 <= first_chunk < self.chunk_modulus:
@@ -126,18 +132,24 @@ class Client(Worker):
                  self.slots, self.elements)
 
     # ----------------------------------------------------------------------------------------------
-    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None):
+    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None, sparse: bool | None = None):
         """Sum (or average) ``tensor`` over the job's workers through the switch, in place.
 
         ``tensor`` is a torch tensor (any float dtype, shape and device) or a numpy float array.
         ``key`` names the tensor (e.g. a parameter or bucket name) for codecs with error feedback
         (3lc-3v, bgt, qgt keep one residual per key; without a key they are stateless). Returns
-        the same object.
+        the same object. ``sparse=True`` streams only the chunks whose codes are not all zero
+        (OmniReduce-style sparse block streaming, :mod:`ina.sparse`; every worker of the allreduce must
+        pass the same value); None: the client's ``sparse`` (which host-aggregated codecs ignore).
         """
         self._check_usable()
         c = self.codec(codec)
         if not c.switch_summable:
+            if sparse:
+                raise ValueError(f"sparse=True streams a switch-summable codec's chunks; codec {codec!r} goes "
+                                 "through the host aggregator (variable-length messages): use sparse=False")
             return self._host_allreduce(tensor, c, key, average)
+        sparse = self.sparse if sparse is None else bool(sparse)
         x32 = staging.to_host(tensor)        # CUDA tensors: through a pinned host buffer
         n = x32.size
         if n == 0:
@@ -158,7 +170,7 @@ class Client(Worker):
                 tl.mark("negotiated")
             ctx = ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=c.next_seed(),
                                agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
-            out = self._reduce(c, x32, ctx, kw)
+            out = self._reduce(c, x32, ctx, kw, sparse)
         except AllreduceError as e:
             self._break(str(e))
             raise
@@ -199,7 +211,7 @@ class Client(Worker):
         self.stats.elements += int(np.prod(np.shape(tensor)))
         return tensor
 
-    def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict) -> np.ndarray:
+    def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False) -> np.ndarray:
         """Encode, stream and decode, pipelined: a block of ``slots`` chunks is encoded when its first
         chunk is about to be sent, and each burst of results is decoded as it arrives, so the codec's
         CPU time overlaps the link time instead of adding to it. Codecs with error feedback encode the
@@ -233,8 +245,18 @@ class Client(Worker):
                 tl.rx_bursts += 1
                 tl.results += chunks.size
 
+        streams = None
+        if sparse:        # every chunk's codes first: a worker announces its next non-zero chunk
+            codes = np.concatenate([encode_block(b) for b in range(math.ceil(n_chunks / block))])
+            zero = c.decode_sum(sparse_mod.zero_sums(res_type, E), ctx, raw=raw)    # an all-zero chunk's sum
+
+            def fill_zero(chunks: np.ndarray) -> None:
+                out2d[chunks] = zero
+            streams = functools.partial(sparse_mod.SparseStream, codes=codes, streams=S, modulus=self.chunk_modulus,
+                                        ptype=ptype, result_type=res_type, fill_zero=fill_zero)
+            encode_block = sparse_mod.encoded_blocks(codes, block)      # the codes are ready
         self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n,
-                     encode_block=encode_block, block=block, decode=decode)
+                     encode_block=encode_block, block=block, decode=decode, sparse=streams)
         return out[:n]
 
     # ----------------------------------------------------------------------------------------------
@@ -244,7 +266,7 @@ class Client(Worker):
         return self._next_chunk
 
     def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
-                count: int = 0, encode_block=None, block: int = 1, decode=None):
+                count: int = 0, encode_block=None, block: int = 1, decode=None, sparse=None):
         """Send ``n_chunks`` chunks through the job's slots and collect their results.
 
         Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
@@ -252,11 +274,13 @@ class Client(Worker):
         ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads)`` takes each burst of
         results. Packets live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is
         done, which is sent only after c is done, so a row is never reused while its chunk is pending.
+        ``sparse(c0)``, if given, makes the :class:`~ina.sparse.SparseStream` of a sparse data stream
+        (one round in flight per stream, so the ring's rule holds too).
         """
         c0 = self._next_chunk
         self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
         return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encode_block, block,
-                         decode).run()
+                         decode, sparse(c0) if sparse else None).run()
 
     def _rtt_sample(self, r: float) -> None:
         if self.srtt is None:
@@ -296,7 +320,7 @@ class Client(Worker):
                 rows, shard = np.asarray(rows)[order], shard[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
-        self.stats.bytes_sent += len(rows) * pkt_len
+        self.stats.bytes_sent += int(np.broadcast_to(pkt_len, (len(rows),)).sum())
 
     def _stall_message(self, n_chunks, n_done, c0) -> str:
         msg = (f"job {self.job} rank {self.rank}: no progress for {self.timeout:g} s; "
@@ -343,13 +367,14 @@ class _Transfer:
     """One :meth:`Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
 
     def __init__(self, cl: Client, c0: int, n_chunks: int, ptype: PayloadType, codec_id: int, exponent,
-                 result_type: PayloadType, count: int, encode_block, block: int, decode):
+                 result_type: PayloadType, count: int, encode_block, block: int, decode, sparse=None):
         self.cl, self.c0, self.n_chunks = cl, c0, n_chunks
+        self.sparse = sparse          # an ina.sparse.SparseStream: chunks zero everywhere are skipped
         self.E = E = cl.elements if ptype != PayloadType.NONE else 0
         self.S = cl.slots
         self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
         self.R = min(n_chunks, 2 * self.S)
-        self.pkts = np.zeros((self.R, max(self.pkt_len, HEADER_SIZE)), np.uint8)
+        self.pkts = np.zeros((self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0)), np.uint8)
         hv = self.hv = header_view(self.pkts)
         hv["version"] = VERSION
         hv["msg_type"] = int(MsgType.DATA)
@@ -398,17 +423,23 @@ class _Transfer:
                 self.left_in_block[b] -= int(np.count_nonzero(sel))
                 if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
                     del self.blocks[b], self.left_in_block[b]
+        if self.sparse:
+            self.cl.stats.sparse_header_only += self.sparse.load(self.pkts, hv, rows, chunks)
         return rows
+
+    def send_rows(self, rows: np.ndarray) -> None:
+        lens = self.sparse.lengths(self.hv, rows) if self.sparse else self.pkt_len
+        self.cl._send(self.pkts, rows, lens)
 
     def send_new(self, chunks: np.ndarray, witness: np.ndarray | bool = True) -> None:
         """Send chunks for the first time (their packets are loaded into the ring first). ``witness``:
         whether a chunk's result may show the loss of chunks sent before it (ina.recovery)."""
         if not chunks.size:
             return
-        self.cl._send(self.pkts, self.load(chunks), self.pkt_len)
+        self.send_rows(self.load(chunks))
         self.ld.sent(chunks, time.monotonic(), witness)
         self.n_sent += chunks.size
-        self.max_sent = max(self.max_sent, int(chunks[-1]))
+        self.max_sent = max(self.max_sent, int(chunks.max()))     # sparse rounds come in any order
         if self.tl:
             self.tl.mark("first_send")
             if self.n_sent >= min(self.S, self.n_chunks):
@@ -457,9 +488,12 @@ class _Transfer:
                 why = lifetime.abort_reason(cl.ctl, cl.job, int(ab["rank"][0]))
                 raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
                                      f"{n_chunks - self.n_done} of {n_chunks} chunks incomplete")
-        ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (cl.rx.lens[:k] == self.res_len)
+        lens = cl.rx.lens[:k]
         j = (h["chunk"].astype(np.int64) - self.c0) % cl.chunk_modulus
-        ok &= j < n_chunks
+        ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (j < n_chunks)
+        if self.E:
+            sparse_mod.check_agreement(h["flags"][ok], bool(self.sparse), cl.job)
+        ok &= self.sparse.result_ok(lens) if self.sparse else lens == self.res_len
         stale = int(np.count_nonzero(~ok))
         jj = j[ok]
         if jj.size:
@@ -478,8 +512,11 @@ class _Transfer:
         E = self.E
         if self.tl:
             self.tl.mark("first_result")
+        sp = self.sparse
+        lens = self.cl.rx.lens[:len(buf)]
         if E:
-            self.decode(jj, native(payload_view(buf, self.result_type, E)[idx]))   # copies payloads only
+            # copies payloads only (sparse: zeros for header-only results)
+            self.decode(jj, sp.payloads(buf, idx, lens) if sp else native(payload_view(buf, self.result_type, E)[idx]))
         ld = self.ld
         first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
         if first_try.size:
@@ -494,10 +531,16 @@ class _Transfer:
         self.done[jj] = True
         ld.delivered(jj, ld.pending(self.low, self.max_sent, self.done), now)
         self.n_done += jj.size
+        if sp:            # the streams' next rounds; the chunks in between are zero everywhere
+            skipped, nxt = sp.advance(buf, idx, lens, jj)
+            self.done[skipped] = True
+            self.n_done += skipped.size
+            self.cl.stats.sparse_chunks_skipped += skipped.size
+        else:
+            nxt = jj + self.S                     # self-clocking: each result frees its slot
         self.last_progress = now
         if self.tl and self.n_done == self.n_chunks:
             self.tl.mark("last_result")
-        nxt = jj + self.S                         # self-clocking: each result frees its slot
         follows = nxt < self.n_chunks
         self.retransmit_lost(now)                 # resends go out ahead of the new chunks: a peer that
         self.checked = True                       # waits for one of ours gets it before what follows it
@@ -535,7 +578,7 @@ class _Transfer:
         if lost.size:                            # every sent, not-done chunk still owns its ring row
             rows = lost % self.R
             self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
-            cl._send(self.pkts, rows, self.pkt_len)
+            self.send_rows(rows)
             self.ld.resent(lost, now)
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size

@@ -17,8 +17,8 @@ Use :func:`bind_port` when a switch listens on another port than the default.
 from __future__ import annotations
 
 import numpy as np
-from scapy.fields import (BitField, ByteEnumField, ByteField, Field, FlagsField, IntField, LongField,
-                          ShortEnumField, ShortField, SignedByteField, SignedIntField, SignedLongField,
+from scapy.fields import (BitField, ByteEnumField, ByteField, ConditionalField, Field, FlagsField, IntField,
+                          LongField, ShortEnumField, ShortField, SignedByteField, SignedIntField, SignedLongField,
                           SignedShortField)
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_bottom_up, bind_layers
@@ -81,6 +81,15 @@ def _header_fields() -> list[Field]:
     return fields
 
 
+def _sparse(pkt) -> bool:
+    return bool(int(pkt.flags or 0) & int(wire.Flag.SPARSE))
+
+
+def _trailer_fields() -> list[Field]:
+    """The fields of :data:`ina.wire.SPARSE_TRAILER`, present when the SPARSE flag is set."""
+    return [ConditionalField(_FIELD_FOR_DTYPE[f.dtype](f.name, 0), _sparse) for f in wire.SPARSE_TRAILER]
+
+
 class CodesField(Field):
     """The fixed-length chunk of codes: a list whose element dtype follows ``pkt.payload_type``.
 
@@ -105,7 +114,8 @@ class CodesField(Field):
         dt = self._dtype(pkt)
         if dt is None:
             return s, []
-        n = len(s) // dt.itemsize
+        keep = wire.TRAILER_SIZE if _sparse(pkt) else 0      # the SPARSE trailer follows the codes
+        n = max(0, len(s) - keep) // dt.itemsize
         return s[n * dt.itemsize:], np.frombuffer(s[: n * dt.itemsize], dt).tolist()
 
     def addfield(self, pkt, s, val):
@@ -129,10 +139,11 @@ class CodesField(Field):
 
 
 class INA(Packet):
-    """One INA packet: the header of :data:`ina.wire.HEADER` followed by the chunk of codes."""
+    """One INA packet: the header of :data:`ina.wire.HEADER` followed by the chunk of codes (and, with
+    the SPARSE flag, the fields of :data:`ina.wire.SPARSE_TRAILER`)."""
 
     name = "INA"
-    fields_desc = _header_fields() + [CodesField("codes")]
+    fields_desc = _header_fields() + [CodesField("codes")] + _trailer_fields()
 
     def mysummary(self):
         return self.sprintf("INA %INA.msg_type% job=%INA.job% rank=%INA.rank% slot=%INA.shadow%/%INA.pool_index% "

@@ -33,6 +33,7 @@ class Flag(enum.IntFlag):
     OVERFLOW = 0x0002     # switch: a register saturated while aggregating this slot; the result is not exact
     REPLAY = 0x0004       # switch: unicast replay of an already completed slot to a retransmitting worker
     RAW_SUM = 0x0008      # switch: payload is the raw integer register sums (not re-encoded codes)
+    SPARSE = 0x0010       # sparse block streaming: the 4-byte SPARSE_TRAILER (`next`) follows the payload
 
 
 class PayloadType(enum.IntEnum):
@@ -84,6 +85,35 @@ def chunk_newer(chunk, than, modulus):
     return 0 < d < modulus // 2
 
 
+# --- sparse streaming: the rounds of a stream, the one rule client and switch share -----------------
+# The chunks of a job with S pool slots form S streams (chunk ids c, c + S, c + 2S, ... share pool index
+# c % S). A sparse packet of chunk c announces ``next``, the chunk id of its sender's next round in the
+# stream; the round's result carries the min over the round's packets, so rounds skip the chunks that
+# are zero at every worker. Consecutive rounds of a stream are an odd number of steps S apart, so that
+# they alternate between the slot's two shadow sets as dense chunks do (the stored result of one round
+# survives while the next aggregates, for replays).
+
+def sparse_next_ok(chunk, nxt, pool_slots, modulus):
+    """Whether ``nxt`` is a valid announcement in a sparse packet of chunk ``chunk``: newer, in the same
+    stream and an odd number of steps ``pool_slots`` ahead (modulo ``modulus``)."""
+    d = (nxt - chunk) % modulus        # & rather than and: numpy arrays too
+    return (nxt < modulus) & (d > 0) & (d < modulus // 2) & (d % pool_slots == 0) & ((d // pool_slots) % 2 == 1)
+
+
+def sparse_announce(chunk, nonzero, pool_slots):
+    """The ``next`` a sender announces in chunk ``chunk``'s packet, as a chunk position (not wrapped):
+    ``nonzero``, the position of its next non-zero chunk of the stream (or the stream's first position
+    past the tensor), if it is an odd number of steps ahead, else the position one step before it
+    (a round where this sender is zero: it sends a header-only packet there)."""
+    steps = (nonzero - chunk) // pool_slots
+    return nonzero - pool_slots * (1 - steps % 2)         # plain arithmetic: numpy arrays too
+
+
+def max_packet_size(elements: int) -> int:
+    """The longest packet of a job with ``elements`` per packet: INT64 sums and the sparse trailer."""
+    return HEADER_SIZE + 8 * elements + TRAILER_SIZE
+
+
 def result_type(payload_type: int, raw: bool, register_bits: int) -> int:
     """The payload type a slot's result comes back in: the one rule of result widths.
 
@@ -115,7 +145,7 @@ class Field:
 HEADER: tuple[Field, ...] = (
     Field("version", "u1", "protocol version, always 1"),
     Field("msg_type", "u1", "MsgType: 1 DATA, 2 RESULT, 3 ABORT"),
-    Field("flags", ">u2", "Flag bits: 0x1 RETRANSMIT, 0x2 OVERFLOW, 0x4 REPLAY, 0x8 RAW_SUM"),
+    Field("flags", ">u2", "Flag bits: 0x1 RETRANSMIT, 0x2 OVERFLOW, 0x4 REPLAY, 0x8 RAW_SUM, 0x10 SPARSE"),
     Field("job", ">u2", "job id, chosen by the workers and registered at the switch"),
     Field("rank", ">u2", "sending worker's rank; 0xFFFF in packets from the switch (ABORT: the rank that left)"),
     Field("slot", ">u2", "bit 15: shadow set (0/1); bits 0-14: pool index of the aggregator slot",
@@ -128,7 +158,15 @@ HEADER: tuple[Field, ...] = (
           "chunk_modulus(slots)"),
 )
 
+#: What a packet with the SPARSE flag carries after its payload (payload NONE: right after the header).
+SPARSE_TRAILER: tuple[Field, ...] = (
+    Field("next", ">u4", "sparse streaming: chunk id of the sender's next round in this chunk's stream (its next "
+          "non-zero chunk, or the one before it, see sparse_announce); in results, the min over the round's packets"),
+)
+
 HEADER_DTYPE = np.dtype([(f.name, f.dtype) for f in HEADER])
+TRAILER_DTYPE = np.dtype([(f.name, f.dtype) for f in SPARSE_TRAILER])
+TRAILER_SIZE = TRAILER_DTYPE.itemsize
 HEADER_SIZE = HEADER_DTYPE.itemsize
 OFFSET = {f.name: HEADER_DTYPE.fields[f.name][1] for f in HEADER}
 SHADOW_BIT = 0x8000
@@ -136,6 +174,7 @@ POOL_INDEX_MASK = 0x7FFF
 SWITCH_RANK = 0xFFFF
 
 assert HEADER_SIZE == 20, HEADER_SIZE
+assert TRAILER_SIZE == 4, TRAILER_SIZE
 
 
 class WireError(ValueError):
@@ -148,14 +187,17 @@ def slot_field(pool_index: int, shadow: int) -> int:
     return (int(shadow) & 1) << 15 | pool_index
 
 
-def packet_size(payload_type: int, elements: int) -> int:
-    return HEADER_SIZE + PAYLOAD_WIDTH[PayloadType(payload_type)] * elements
+def packet_size(payload_type: int, elements: int, sparse: bool = False) -> int:
+    return HEADER_SIZE + PAYLOAD_WIDTH[PayloadType(payload_type)] * elements + (TRAILER_SIZE if sparse else 0)
 
 
 def pack(*, msg_type: int, job: int, rank: int, pool_index: int = 0, shadow: int = 0, codec: int = 0,
          payload_type: int = PayloadType.NONE, count: int = 0, exponent: int = 0, chunk: int = 0,
-         flags: int = 0, payload=None, elements: int | None = None) -> bytes:
-    """One packet as bytes. ``payload`` is an array of codes; it is padded to ``elements``."""
+         flags: int = 0, payload=None, elements: int | None = None, next: int | None = None) -> bytes:
+    """One packet as bytes. ``payload`` is an array of codes; it is padded to ``elements``. ``next``
+    (sparse streaming) sets the SPARSE flag and appends the trailer."""
+    if next is not None:
+        flags = int(flags) | Flag.SPARSE
     ptype = PayloadType(payload_type)
     hdr = np.zeros(1, HEADER_DTYPE)
     values = dict(version=VERSION, msg_type=int(msg_type), flags=int(flags), job=job, rank=rank,
@@ -173,6 +215,8 @@ def pack(*, msg_type: int, job: int, rank: int, pool_index: int = 0, shadow: int
         padded = np.zeros(n, PAYLOAD_DTYPE[ptype])
         padded[: arr.size] = arr
         body = padded.tobytes()
+    if int(flags) & Flag.SPARSE:
+        body += np.array([(0 if next is None else next,)], TRAILER_DTYPE).tobytes()
     return hdr.tobytes() + body
 
 
@@ -192,6 +236,7 @@ class Packet:
     exponent: int
     chunk: int
     payload: np.ndarray
+    next: int | None = None     # the SPARSE trailer's field (None without the SPARSE flag)
 
 
 def unpack(data: bytes | memoryview) -> Packet:
@@ -210,7 +255,14 @@ def unpack(data: bytes | memoryview) -> Packet:
         ptype = PayloadType(int(h["payload_type"]))
     except ValueError:
         raise WireError(f"unknown payload_type {int(h['payload_type'])}") from None
-    body = len(buf) - HEADER_SIZE
+    end, nxt = len(buf), None
+    if int(h["flags"]) & Flag.SPARSE:
+        if end < HEADER_SIZE + TRAILER_SIZE:
+            raise WireError(f"truncated packet: {end} bytes, the header and the SPARSE trailer are "
+                            f"{HEADER_SIZE + TRAILER_SIZE}")
+        end -= TRAILER_SIZE
+        nxt = int(np.frombuffer(buf[end:], TRAILER_DTYPE)[0]["next"])
+    body = end - HEADER_SIZE
     width = PAYLOAD_WIDTH[ptype]
     if width == 0:
         if body:
@@ -219,14 +271,14 @@ def unpack(data: bytes | memoryview) -> Packet:
     else:
         if body % width:
             raise WireError(f"payload of {body} bytes is not a whole number of {width}-byte elements")
-        payload = np.frombuffer(buf[HEADER_SIZE:], PAYLOAD_DTYPE[ptype])
+        payload = np.frombuffer(buf[HEADER_SIZE:end], PAYLOAD_DTYPE[ptype])
         if int(h["count"]) > payload.size:
             raise WireError(f"count {int(h['count'])} exceeds the {payload.size} elements carried")
     slot = int(h["slot"])
     return Packet(version=int(h["version"]), msg_type=mtype, flags=Flag(int(h["flags"])), job=int(h["job"]),
                   rank=int(h["rank"]), shadow=slot >> 15, pool_index=slot & POOL_INDEX_MASK,
                   codec=int(h["codec"]), payload_type=ptype, count=int(h["count"]),
-                  exponent=int(h["exponent"]), chunk=int(h["chunk"]), payload=payload)
+                  exponent=int(h["exponent"]), chunk=int(h["chunk"]), payload=payload, next=nxt)
 
 
 def header_view(burst: np.ndarray) -> np.ndarray:

@@ -28,8 +28,8 @@ import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from ina.wire import (HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, VERSION, Flag, MsgType, PayloadType, chunk_newer,
-                      result_type, slot_of_chunk)
+from ina.wire import (HEADER_SIZE, MAX_WORKERS, OFFSET, SWITCH_RANK, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType,
+                      chunk_newer, result_type, slot_of_chunk, sparse_next_ok)
 
 # --- header offsets, from the one declaration in ina/wire.py ---------------------------------------
 O_VERSION = OFFSET["version"]
@@ -49,6 +49,8 @@ RESULT = int(MsgType.RESULT)
 F_OVERFLOW = int(Flag.OVERFLOW)
 F_REPLAY = int(Flag.REPLAY)
 F_RAW = int(Flag.RAW_SUM)
+F_SPARSE = int(Flag.SPARSE)
+TRL = TRAILER_SIZE
 P_NONE, P_NC8, P_INT32, P_INT64, P_INT8 = (int(PayloadType.NONE), int(PayloadType.NC8), int(PayloadType.INT32),
                                            int(PayloadType.INT64), int(PayloadType.INT8))
 P_INT8N = int(PayloadType.INT8_NARROW)
@@ -75,6 +77,7 @@ class Verdict(IntEnum):
     SLOT_BUSY = 13             # newer chunk while the slot's round is incomplete (protocol violation)
     RETRANSMIT_PENDING = 14    # retransmission while the round is still waiting for other workers
     FOREIGN_SOURCE = 15        # source address is not the one the rank joined from (checked last in parse)
+    BAD_NEXT = 16              # sparse packet whose `next` is not an odd number of its stream's steps ahead
 
 
 class Action(IntEnum):
@@ -102,8 +105,10 @@ SET = np.dtype([("round_chunk", np.int64),   # the chunk id of the round it hold
                 ("codec", np.int64),         # the round's codec id (echoed in the result)
                 ("nvalid", np.int64),        # max count of the round's packets
                 ("result_len", np.int64),    # bytes of the result packet in its results row
+                ("next_dist", np.int64),     # sparse rounds: min over the packets of (next - chunk) mod M
                 ("complete", np.uint8),      # every worker's packet is in
-                ("overflow", np.uint8)], align=True)   # a register saturated in this round
+                ("overflow", np.uint8),      # a register saturated in this round
+                ("sparse", np.uint8)], align=True)   # a packet of the round had the SPARSE flag
 # one job-table entry, derived from a pipeline.Job record (Job.table_row): the fields of the same names.
 # pool_slots is the job's whole pool (pool indices 0..pool_slots-1 in packets); with --cores N the pool
 # is sharded: pool index p lives in shard p % shards at local slot slot_lo + p // shards.
@@ -150,7 +155,7 @@ class DataPlane(NamedTuple):
         """Forget the rounds of slots lo..lo+slots-1 (both sets): a new job starts from chunk 0."""
         s = self.sets[2 * lo: 2 * (lo + slots)]
         s["round_chunk"] = -1
-        for name in ("complete", "bitmap", "count", "overflow"):
+        for name in ("complete", "bitmap", "count", "overflow", "sparse"):
             s[name] = 0
 
 
@@ -212,7 +217,8 @@ def _check_header(jobs, peers, src, buf, lens, i):
     job = jobs[j]
     if job.active == 0:
         return Verdict.UNKNOWN_JOB, 0, 0, 0
-    if ln != HDR + _width(pt) * job.elements:
+    sparse = (_rd16(buf, i, O_FLAGS) & F_SPARSE) != 0
+    if ln != HDR + _width(pt) * job.elements + (TRL if sparse else 0):
         return Verdict.BAD_LENGTH, 0, 0, 0
     cnt = _rd16(buf, i, O_COUNT)
     if cnt > job.elements or (pt == P_NONE and cnt != 0):
@@ -230,6 +236,8 @@ def _check_header(jobs, peers, src, buf, lens, i):
         return Verdict.SLOT_CHUNK_MISMATCH, 0, 0, 0
     if pool % job.shards != job.shard:
         return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0             # a pool index of another shard
+    if sparse and not _sparse_next_ok(c, _rd32(buf, i, ln - TRL), job.pool_slots, job.chunk_modulus):
+        return Verdict.BAD_NEXT, 0, 0, 0
     if src[i] != peers[job.addr_base + r]:
         return Verdict.FOREIGN_SOURCE, 0, 0, 0
     return Verdict.OK, j, r, (job.slot_lo + pool // job.shards) * 2 + shadow
@@ -275,6 +283,7 @@ def _harvest_pending(pkts, i, s):
 
 _slot_of_chunk = njit(inline="always")(slot_of_chunk)   # ina.wire's rules of chunk ids, shared with clients
 _chunk_newer = njit(inline="always")(chunk_newer)
+_sparse_next_ok = njit(inline="always")(sparse_next_ok)     # ina.wire's rule of sparse rounds
 
 
 @njit(inline="always")
@@ -323,9 +332,15 @@ def aggregate(dp, buf, n):
         bit = np.uint64(1) << np.uint64(p.rank)
         c = _rd32(buf, i, O_CHUNK)
         pt = np.int64(buf[i, O_PTYPE])
-        a, first = _protocol(sets, pkts, i, c, bit, jobs[p.job].chunk_modulus)
+        job = jobs[p.job]
+        a, first = _protocol(sets, pkts, i, c, bit, job.chunk_modulus)
+        sparse = (_rd16(buf, i, O_FLAGS) & F_SPARSE) != 0
+        adopt = False            # a sparse round's first data packet after header-only (zero) packets
         if a == Action.ABSORBED and not first and pt != m.ptype:
-            a = Verdict.PAYLOAD_TYPE_MISMATCH
+            if sparse and m.sparse != 0 and (pt == P_NONE or m.ptype == P_NONE):
+                adopt = m.ptype == P_NONE
+            else:
+                a = Verdict.PAYLOAD_TYPE_MISMATCH
         p.action = a
         if a != Action.ABSORBED:
             if a != Action.REPLAY:
@@ -335,7 +350,12 @@ def aggregate(dp, buf, n):
         if e >= 0x8000:
             e -= 0x10000
         cnt = _rd16(buf, i, O_COUNT)
+        dist = job.pool_slots        # a dense packet's next round is the stream's next chunk
+        if sparse:
+            dist = (_rd32(buf, i, HDR + _width(pt) * job.elements) - c) % job.chunk_modulus
         if first:
+            m.sparse = np.uint8(1) if sparse else np.uint8(0)
+            m.next_dist = dist
             m.round_chunk = c
             m.bitmap = np.uint64(0)
             m.count = 0
@@ -350,7 +370,14 @@ def aggregate(dp, buf, n):
                 m.maxexp = e
             if cnt > m.nvalid:
                 m.nvalid = cnt
-        E = jobs[p.job].elements
+            if sparse:
+                m.sparse = np.uint8(1)
+            if dist < m.next_dist:
+                m.next_dist = dist
+            if adopt:
+                m.ptype = pt
+                m.codec = np.int64(buf[i, O_CODEC])
+        E = job.elements
         # decode the chunk's codes into signed integers (scratch row vals), checking they are in range
         o = False
         if pt == P_NC8:
@@ -397,7 +424,7 @@ def aggregate(dp, buf, n):
                     if regs[s, k] > hi or regs[s, k] < lo:
                         regs[s, k] = hi if regs[s, k] > 0 else lo
                         o = True
-        else:
+        elif pt != P_NONE:            # a header-only packet (a sparse round's zero chunk) adds nothing
             acc = np.int64(0)
             mn = np.int64(0)
             mxv = np.int64(0)
@@ -420,7 +447,7 @@ def aggregate(dp, buf, n):
             counters[C_OVERFLOW] += 1
         m.bitmap |= bit
         m.count += 1
-        if m.count >= jobs[p.job].n_workers:
+        if m.count >= job.n_workers:
             m.complete = 1
             p.action = Action.HARVEST
 
@@ -525,8 +552,14 @@ def _write_result(dp, s, j):
                 results[s, HDR + w * k + b] = np.uint8((v >> (8 * (w - 1 - b))) & 0xFF)
     if o:
         flags |= F_OVERFLOW
-    _wr16(results, s, O_FLAGS, flags)
     m.result_len = HDR + _width(out_pt) * E
+    if m.sparse != 0:            # the min of the round's announcements: every worker learns the next round
+        flags |= F_SPARSE
+        nxt = (c + m.next_dist) % job.chunk_modulus
+        for b in range(4):
+            results[s, m.result_len + b] = np.uint8((nxt >> (24 - 8 * b)) & 0xFF)
+        m.result_len += TRL
+    _wr16(results, s, O_FLAGS, flags)
 
 
 @njit(cache=True)

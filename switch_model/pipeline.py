@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ina import burst as B
-from ina.wire import HEADER_SIZE, MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, pack
+from ina.wire import MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, max_packet_size, pack
 
 from . import dataplane as D
 from .impair import Impairment, ImpairmentConfig
@@ -92,9 +92,10 @@ class SwitchConfig:
 
     def register_memory(self) -> int:
         """Bytes of switch SRAM: registers of both sets plus per-set metadata
-        (64-bit worker bitmap, counter, max exponent, round chunk id: 8 + 4 + 2 + 4 bytes)."""
+        (64-bit worker bitmap, counter, max exponent, round chunk id, sparse streaming's min next
+        distance: 8 + 4 + 2 + 4 + 4 bytes)."""
         sets = self.slots * 2
-        return sets * self.elements * self.register_bits // 8 + sets * 18
+        return sets * self.elements * self.register_bits // 8 + sets * 22
 
     def validate(self) -> None:
         if self.register_bits not in (32, 64):
@@ -150,7 +151,7 @@ class Switch:
         self.sock = sock or B.udp_socket(cfg.host, cfg.port)
         self.port = self.sock.getsockname()[1]
         B.set_recv_timeout(self.sock, 0.02)
-        stride = HEADER_SIZE + 8 * cfg.elements
+        stride = max_packet_size(cfg.elements)     # INT64 sums, and the sparse trailer
         self.rx = B.RxRing(self.sock, cfg.burst, stride)
         self.txq = B.TxBatch(self.sock, capacity=cfg.burst * MAX_WORKERS)
         # --- the data-plane state: registers, per-set metadata, job table, counters, burst scratch ---

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from hypothesis import strategies as st
 
-from ina.wire import HEADER_DTYPE, HEADER_SIZE, VERSION, MsgType, chunk_modulus
+from ina.wire import HEADER_DTYPE, HEADER_SIZE, TRAILER_SIZE, VERSION, Flag, MsgType, chunk_modulus, sparse_next_ok
 
 HDR = HEADER_SIZE
 WIDTH = {0: 0, 1: 1, 2: 4, 3: 8, 4: 1, 5: 1}    # bytes per element by payload type (NONE NC8 INT32 INT64 INT8 INT8_NARROW)
@@ -58,7 +58,8 @@ def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int, joined_source: b
     j = jobs.get(int(h["job"]))
     if j is None:
         return "unknown_job"
-    if ln != HDR + WIDTH[pt] * j.elements:
+    sparse = bool(int(h["flags"]) & Flag.SPARSE)
+    if ln != HDR + WIDTH[pt] * j.elements + (TRAILER_SIZE if sparse else 0):
         return "bad_length"
     if h["count"] > j.elements or (pt == 0 and h["count"] != 0):
         return "bad_count"
@@ -70,11 +71,14 @@ def classify(pkt: bytes, jobs: dict[int, JobSpec], stride: int, joined_source: b
     c = int(h["chunk"])
     if c >= chunk_modulus(j.slots) or c % j.slots != pool or (c // j.slots) & 1 != shadow:
         return "slot_chunk_mismatch"
+    if sparse and not sparse_next_ok(c, int.from_bytes(pkt[-TRAILER_SIZE:], "big"), j.slots, chunk_modulus(j.slots)):
+        return "bad_next"
     return "ok" if joined_source else "foreign_source"
 
 
 PARSE_REASONS = ("truncated", "bad_version", "bad_msg_type", "bad_payload_type", "unknown_job", "bad_length",
-                 "bad_count", "unknown_worker", "slot_out_of_range", "slot_chunk_mismatch", "foreign_source")
+                 "bad_count", "unknown_worker", "slot_out_of_range", "slot_chunk_mismatch", "bad_next",
+                 "foreign_source")
 PROTOCOL_REASONS = ("payload_type_mismatch", "stale", "slot_busy", "retransmit_pending")
 
 
@@ -172,6 +176,16 @@ def bad_packets(jobs: dict[int, JobSpec], stride: int):
         return "slot_chunk_mismatch", header(**f) + fill(WIDTH[pt] * j.elements, draw(seeds))
 
     @st.composite
+    def bad_next(draw):        # a sparse packet whose announcement breaks the rule of rounds
+        j = jobs[draw(job_st)]
+        pt = draw(ptype_st)
+        f = valid_fields(draw, j, pt)
+        m = chunk_modulus(j.slots)
+        nxt = draw(u32.filter(lambda x: not sparse_next_ok(f["chunk"], x, j.slots, m)))
+        return "bad_next", (header(**f, flags=int(Flag.SPARSE)) + fill(WIDTH[pt] * j.elements, draw(seeds))
+                            + nxt.to_bytes(TRAILER_SIZE, "big"))
+
+    @st.composite
     def foreign_source(draw):
         """A packet valid in every field, claiming a joined rank, sent from another address."""
         j = jobs[draw(job_st)]
@@ -187,8 +201,8 @@ def bad_packets(jobs: dict[int, JobSpec], stride: int):
         return reason, pkt
 
     return st.one_of(truncated(), bad_version(), bad_msg_type(), bad_payload_type(), unknown_job(), bad_length(),
-                     bad_count(), unknown_worker(), slot_out_of_range(), slot_chunk_mismatch(), foreign_source(),
-                     random_packet())
+                     bad_count(), unknown_worker(), slot_out_of_range(), slot_chunk_mismatch(), bad_next(),
+                     foreign_source(), random_packet())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from sw_harness import (PY, ROOT, SwitchProc, Workers, bfp_reference, control, e
 
 from ina.client import AllreduceError, Client  # noqa: E402
 from switch_model.dataplane import source_key  # noqa: E402
-from ina.wire import HEADER_DTYPE, HEADER_SIZE, Flag, MsgType  # noqa: E402
+from ina.wire import HEADER_DTYPE, HEADER_SIZE, Flag, MsgType, max_packet_size  # noqa: E402
 
 INA_SWITCH = str(Path(PY).parent / "ina-switch")
 
@@ -307,7 +307,7 @@ def test_fuzz_bad_packets_counted_by_reason_while_allreduce_runs(switch, tmp_pat
     fields, and well-formed packets claiming a rank of either running job from a foreign address.
     Each is counted under its documented drop reason; the switch stays up and both jobs stay exact."""
     port = switch.port
-    stride = HEADER_SIZE + 8 * 64
+    stride = max_packet_size(64)
     # the real job: two worker processes streaming bfp32 allreduces until told to stop
     ops = [{"codec": "bfp32", "shape": [1500], "seed": 90}, {"codec": "bfp32", "shape": [3, 333], "seed": 91}]
     stop = tmp_path / "stop"

@@ -177,7 +177,7 @@ def test_scapy_field_names_come_from_the_declaration():
     expected = []
     for f in wire.HEADER:
         expected.extend(n for n, _ in f.bits) if f.bits else expected.append(f.name)
-    assert names == expected + ["codes"]
+    assert names == expected + ["codes"] + [f.name for f in wire.SPARSE_TRAILER]   # the trailer: SPARSE only
     layer = INA(_hex(GOLDEN[0][1]))
     assert layer.sprintf("%INA.msg_type%") == "DATA"
     assert layer.sprintf("%INA.payload_type%") == "NC8"
