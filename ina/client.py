@@ -318,6 +318,8 @@ class Client(Worker):
             if self.tx.gso:                      # each shard's packets in a row: one GSO message each
                 order = np.argsort(shard, kind="stable")
                 rows, shard = np.asarray(rows)[order], shard[order]
+                if np.ndim(pkt_len):             # per-packet lengths (sparse rounds) follow their rows
+                    pkt_len = np.asarray(pkt_len)[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += int(np.broadcast_to(pkt_len, (len(rows),)).sum())

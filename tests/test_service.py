@@ -323,8 +323,15 @@ def test_control_limits_from_the_command_line(limits_switch):
             held.append(s)
             s.sendall(json.dumps({"op": "join", "job": 5, "rank": r, "world_size": 5, "udp_port": 9,
                                   "elements": 16, "slots": 2, "timeout": 6}).encode() + b"\n")
-        reply = wait_until(lambda: (lambda b: b if b"control connections" in b else None)(
-            _exchange(port, b'{"op": "stats"}\n')), 10, "a connection beyond the 4 to be refused")
+        replies = []
+
+        def refused():
+            replies.append(_exchange(port, b'{"op": "stats"}\n'))
+            return replies[-1] if b"control connections" in replies[-1] else None
+        try:
+            reply = wait_until(refused, 10, "a connection beyond the 4 to be refused")
+        except AssertionError as e:     # say what the switch answered instead (its connection count)
+            raise AssertionError(f"{e}; its last answer: {replies[-1][:600]!r}") from None
         assert b"4 control connections are already open" in reply, reply
         for s in held:                                          # their rendezvous time out after 6 s
             assert b"timed out after 6 s waiting for ranks" in s.makefile("rb").readline()
