@@ -285,9 +285,13 @@ def test_host_aggregator_hello_without_the_token_is_refused_and_counted(token_sw
 
 @pytest.fixture(scope="module")
 def limits_switch(tmp_path_factory):
-    sw = SwitchProc("--slots", "8", "--elements", "16", "--max-line", "4096", "--max-connections", "4",
-                    "--idle-timeout", "1", "--host-agg-port", "0", "--host-agg-max-body", "65536",
-                    log_path=tmp_path_factory.mktemp("swl") / "switch.log")
+    # without a token: an earlier test that started a switch beyond loopback exported one (INA_TOKEN)
+    # to this process, and this test's joins carry none
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("INA_TOKEN", raising=False)
+        sw = SwitchProc("--slots", "8", "--elements", "16", "--max-line", "4096", "--max-connections", "4",
+                        "--idle-timeout", "1", "--host-agg-port", "0", "--host-agg-max-body", "65536",
+                        log_path=tmp_path_factory.mktemp("swl") / "switch.log")
     yield sw
     assert sw.terminate() == 0, sw.log()
 
