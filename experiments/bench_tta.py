@@ -251,6 +251,7 @@ def main(argv=None) -> int:
 
     for rate in [] if a.report_only else a.rates.split(","):
         run_rate(rate, a, results, save)
+    summarise(results["runs"], a.target_margin)
     stats = seed_statistics(results["runs"], a.target_margin)
     results["seed_statistics"] = stats
     save()
