@@ -254,7 +254,8 @@ def main(argv=None) -> int:
     summarise(results["runs"], a.target_margin)
     stats = seed_statistics(results["runs"], a.target_margin)
     results["seed_statistics"] = stats
-    save()
+    if not a.report_only:
+        save()
     print(run_table(results["runs"]))
     print()
     print(seed_table(stats, a.target_margin))
