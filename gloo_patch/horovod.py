@@ -127,6 +127,9 @@ class _HorovodIna:
         self.stale = None          # an agreement round that timed out, completed before the next one
         self.fallbacks = FallbackLog("[ina horovod rank ?]")
         self.rounds = 0
+        # where the worker's time goes (seconds, since init): waiting for agreement rounds, the switch
+        # allreduces (fuse, stream, unfuse), Horovod's own allreduces; and the worker thread's CPU
+        self.seconds = {"agreement_wait": 0.0, "switch": 0.0, "native": 0.0, "worker_cpu": 0.0}
         self.switch_failed = False   # an allreduce through the switch failed: the client is latched broken
 
     # -- switch connection ---------------------------------------------------------------------------
@@ -263,21 +266,35 @@ class _HorovodIna:
 
     def _work(self) -> None:
         """The worker: one agreement round per bucket, in sealing order; names a round leaves undecided (the
-        ranks' buckets differ) go into the next round."""
+        ranks' buckets differ) go into the next round. When the next bucket is already sealed (and nothing
+        is carried over), its round starts before this bucket streams, so its Gloo latency is hidden."""
         carry: list[InaHandle] = []
+        early = None        # (batch, Horovod handle) of the next round, started before the current one streamed
         while True:
             with self.lock:
-                while not self.buckets and not carry and not self.stopping:
+                while not self.buckets and not carry and early is None and not self.stopping:
                     self.cond.wait(1.0)
                 if self.stopping:
                     return
-                batch = carry + (self.buckets.pop(0) if self.buckets else [])
+                if early is None:
+                    batch = carry + (self.buckets.pop(0) if self.buckets else [])
+                    started = None
+                else:
+                    (batch, started), early = early, None
+            cpu = time.thread_time()
             try:
-                done = self._round(batch)
+                ready, native, ag = self._decide(batch, started)
+                with self.lock:     # nothing carried over: the next sealed bucket's round starts now
+                    nxt = self.buckets.pop(0) if self.buckets and len(ready) == len(batch) else None
+                if nxt is not None:
+                    early = (nxt, self._start_round(nxt))
+                self._run_round(ready, native, ag)
+                done = ready
             except Exception as e:  # noqa: BLE001 - each handle raises it from its synchronize
                 for h in batch:
                     h.error = h.error or e
                 done = batch
+            self.seconds["worker_cpu"] += time.thread_time() - cpu
             with self.lock:
                 carry, now = [h for h in batch if h not in done], time.monotonic()
                 for h in carry:
@@ -292,20 +309,30 @@ class _HorovodIna:
                         del self.active[h.name]
                 self.cond.notify_all()
 
-    def _round(self, batch) -> list[InaHandle]:
+    def _start_round(self, batch):
+        """This rank's agreement vector for ``batch`` into Horovod's allreduce (not waited for)."""
         batch = sorted(batch, key=lambda h: (h.name, h.seq))
         entries = [(h.name, h.desc, agreement.nonfinite(h.tensors)) for h in batch]
-        total = self._native_wait(self._native_allreduce(agreement.local_vector(entries, self.client_unusable()),
-                                                         AGREE_NAME), "the agreement round")
+        return self._native_allreduce(agreement.local_vector(entries, self.client_unusable()), AGREE_NAME)
+
+    def _decide(self, batch, started=None):
+        """Wait for the batch's agreement round (``started``: its handle if already started): (the handles
+        decided now, {name: why it goes to Horovod's allreduce}, the agreement)."""
+        t0 = time.perf_counter()
+        total = self._native_wait(started if started is not None else self._start_round(batch), "the agreement round")
+        self.seconds["agreement_wait"] += time.perf_counter() - t0
         ag = agreement.read(total)
         self.rounds += 1
-        size = self.M.size()
-        if ag.present < size:            # a rank has joined: Horovod's allreduce, joined ranks add zeros
-            ready, native = batch, {h.name: "a rank has joined (hvd.join)" for h in batch}
-        elif ag.agree:
-            ready, native = batch, {}
-        else:
-            ready, native = self._reconcile(batch)
+        batch = sorted(batch, key=lambda h: (h.name, h.seq))
+        if ag.present < self.M.size():     # a rank has joined: Horovod's allreduce, joined ranks add zeros
+            return batch, {h.name: "a rank has joined (hvd.join)" for h in batch}, ag
+        if ag.agree:
+            return batch, {}, ag
+        return (*self._reconcile(batch), ag)
+
+    def _run_round(self, ready, native, ag) -> None:
+        """The decided handles: through Horovod's allreduce (``native`` and what the switch cannot take), the
+        rest through the switch."""
         if ag.unusable:
             native.update({h.name: "a rank's switch client failed earlier" for h in ready if h.name not in native})
         for h in ready:
@@ -314,9 +341,12 @@ class _HorovodIna:
                 why = "NaN/Inf on some rank (Gloo propagates them)"
             if why is not None:
                 native[h.name] = why
+        t1 = time.perf_counter()
         self._run_native([h for h in ready if h.name in native], native)
+        t2 = time.perf_counter()
         self._run_switch([h for h in ready if h.name not in native])
-        return ready
+        self.seconds["native"] += t2 - t1
+        self.seconds["switch"] += time.perf_counter() - t2
 
     def _reconcile(self, batch):
         """The ranks' batches differ: exchange the descriptions. Names queued on every rank run now (through
@@ -481,6 +511,7 @@ class _HorovodIna:
         d = self.fallbacks.counters.as_dict()
         d["job"] = self.job
         d["agreement_rounds"] = self.rounds
+        d["seconds"] = dict(self.seconds)
         d["client"] = self.client.stats.as_dict() if self.client is not None else None
         return d
 
