@@ -138,6 +138,7 @@ class _Lane:
             tensors, average, result, fut, key, ready, submitted, decide = item
             started, cpu = time.perf_counter(), time.thread_time()
             try:
+                staging.wait_ready(ready)     # CUDA: the caller's streams wrote the tensors (Gloo or switch reads them)
                 if decide is not None and decide():
                     fut.set_result(result)
                     continue
@@ -148,7 +149,6 @@ class _Lane:
                 fut.set_exception(self._error)
                 continue
             try:
-                staging.wait_ready(ready)
                 codec_s = 0.0
                 with torch.no_grad():
                     for i, t in enumerate(tensors):
