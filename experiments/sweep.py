@@ -323,7 +323,7 @@ def run_throughput(group: WorkerGroup, topo, method: str, n: int, rate: str, ele
     compute = sorted(x for r in res for x in r["compute_times"])
     return {"workload": "throughput", "method": method, "workers": n, "rate": rate, "rate_bps": rate_bps(rate),
             "elements": elements, "params": res[0]["params"], "tensors": res[0].get("tensors"),
-            "buckets": res[0].get("buckets"), "steps": steps, "batch": BATCH,
+            "buckets": res[0].get("buckets"), "bucket_bytes": res[0].get("bucket_bytes"), "steps": steps, "batch": BATCH,
             "step_times": step_times, "time_median": sorted(step_times)[steps // 2],
             "compute_time": compute[len(compute) // 2], "samples_per_s": n * BATCH * steps / total,
             "ideal_time": ideal_time(method, n, elements, rate),

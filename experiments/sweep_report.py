@@ -452,7 +452,7 @@ def _md_throughput(meta, tp, ar, methods, rates, sizes) -> list[str]:
           f"Measured: data-parallel SGD with synthetic data (batch {meta.get('batch', 32)} per worker) of a "
           + (("ResNet with that parameter count and a real conv net's per-tensor layout (``sweep_worker.layout_model``"
               ": ResNet-110 itself at its 1.7 M; 3x4x4 inputs); per step forward+backward, the gradients allreduced "
-              "in buckets of the integrations' size (512 KiB, one fused buffer each, in backward's order), SGD step; ")
+              "in buckets of the integrations' size (one fused buffer each, in backward's order), SGD step; ")
              if all("tensors" in r for r in tp) else      # rows measured before the per-tensor layout
              "fully connected model with that parameter count; per step forward+backward, one allreduce of all "
              "gradients, SGD step; ") +

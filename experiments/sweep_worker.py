@@ -286,11 +286,12 @@ class Worker:
         params = list(model.parameters())
         opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
         red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), shapes=[p.shape for p in params])
+        from gloo_patch.horovod import DEFAULT_BUCKET_BYTES
+        bucket_bytes = int(cmd.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
         if cmd["method"] == "powersgd":
-            buckets = [params]              # PowerSGD compresses the model's matrices: one buffer of all of them
+            buckets, bucket_bytes = [params], None    # PowerSGD compresses the model's matrices: one buffer of all
         else:
-            from gloo_patch.horovod import DEFAULT_BUCKET_BYTES
-            buckets = gradient_buckets(params, int(cmd.get("bucket_bytes", DEFAULT_BUCKET_BYTES)))
+            buckets = gradient_buckets(params, bucket_bytes)
         flats = [torch.zeros(sum(p.numel() for p in b)) for b in buckets]
         g = torch.Generator().manual_seed(2000 + self.a.rank)
         batch = int(cmd.get("batch", 32))
@@ -324,7 +325,8 @@ class Worker:
         total = time.perf_counter() - t_all
         self.dist.barrier()
         _out({"done": cmd["id"], "step_times": step_times, "compute_times": compute_times, "total": total,
-              "params": sum(p.numel() for p in params), "tensors": len(params), "buckets": len(buckets)})
+              "params": sum(p.numel() for p in params), "tensors": len(params), "buckets": len(buckets),
+              "bucket_bytes": bucket_bytes})
 
     def serve(self):
         _out({"hello": self.a.rank})
