@@ -6,7 +6,8 @@
 For every workload (``experiments.tta_workloads``: ``resnet``, a ResNet-style conv net on 3x32x32 colour
 digits; ``embedding``, an EmbeddingBag text classifier on a synthetic topic corpus), framework
 (``horovod``: ``hvd.DistributedOptimizer`` through ``horovodrun``; ``ddp``: DDP through ``torchrun``,
-backend ``gloo`` for the baseline and ``ina`` for the INA methods), link rate and method (``gloo``, or an
+backend ``gloo`` for the baseline and ``ina`` for the INA methods, except that codecs with error feedback,
+3lc-3v, bgt, qgt, go through DDP's comm hook on a Gloo group: only the hook keys their residuals), link rate and method (``gloo``, or an
 INA codec: ``nc``, ``bfp32``, ``nd``, ``3lc-3v``, ``terngrad``, ...) and seed (``--seeds``: the model's
 initialisation, every rank's batches, the stochastic codecs' draws), ``--ranks`` (2) ranks train the same number
 of steps, each in its own network namespace behind a shaped link (``ina.net.Topology``, tbf/htb;
@@ -42,6 +43,14 @@ from switch_model.launch import free_port, start_switch
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 LR = {"resnet": 0.1, "embedding": 1.0}          # SGD, momentum 0.9, linear decay to 0 over the run
+HOOK = "gloo+ina-hook"     # DDP on a Gloo group with gloo_patch.torch_backend.ina_allreduce_hook
+
+
+def ddp_path(codec: str) -> str:
+    """How DDP reaches the switch: backend 'ina', except for codecs with error feedback, whose residuals
+    only the comm hook keys (per bucket; backend 'ina' runs them without: gloo_patch.torch_backend)."""
+    from ina import compression  # noqa: PLC0415
+    return HOOK if compression.get(codec).keeps_residuals else "ina"
 
 
 # ---- the ranks ----------------------------------------------------------------------------------------------
@@ -59,10 +68,14 @@ def setup(framework: str, backend: str, model):
     import torch.distributed as dist  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-    if backend == "ina":
-        import gloo_patch.torch_backend  # noqa: F401, PLC0415 - registers backend 'ina'
-    dist.init_process_group(backend)
-    return dist.get_rank(), DDP(model), torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    import gloo_patch.torch_backend as tb  # noqa: PLC0415 - registers backend 'ina'
+
+    dist.init_process_group("gloo" if backend == HOOK else backend)
+    ddp = DDP(model)
+    if backend == HOOK:     # Gloo group, buckets through the switch by the comm hook (keyed: error feedback)
+        ddp.ina_hook_state = tb.InaHookState()
+        ddp.register_comm_hook(ddp.ina_hook_state, tb.ina_allreduce_hook)
+    return dist.get_rank(), ddp, torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
 
 
 def finish(framework: str) -> None:
@@ -75,10 +88,10 @@ def finish(framework: str) -> None:
     dist.destroy_process_group()
 
 
-def ina_stats(framework: str, backend: str, windows) -> dict | None:
+def ina_stats(framework: str, backend: str, model, windows) -> dict | None:
     """Rank 0's INA counters (what went through the switch, what fell back to Gloo; DDP: the overlap of
     the switch with backward over the steps' ``windows``), None without INA."""
-    if backend != "ina":
+    if backend == "gloo":
         return None
     if framework == "horovod":
         import gloo_patch.horovod  # noqa: PLC0415
@@ -86,8 +99,8 @@ def ina_stats(framework: str, backend: str, windows) -> dict | None:
     import torch.distributed as dist  # noqa: PLC0415
 
     from experiments.bench_frameworks import overlap  # noqa: PLC0415
-    pg = dist.distributed_c10d._get_default_group()
-    return {**pg.stats(), "overlap": overlap(pg.timeline(), windows)}
+    src = model.ina_hook_state if backend == HOOK else dist.distributed_c10d._get_default_group()
+    return {**src.stats(), "overlap": overlap(src.timeline(), windows), "ddp_path": backend}
 
 
 def worker(a) -> None:
@@ -99,7 +112,7 @@ def worker(a) -> None:
     rank_env = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
     module, train, test = make(a.workload, a.seed, rank_env)
     rank, model, opt = setup(a.framework, a.backend, module)
-    lr0 = LR[a.workload]
+    lr0 = float(a.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr0 * (1 - s / a.steps))
     checkpoints, step_times, windows = [], [], []
     t0 = time.perf_counter()
@@ -117,7 +130,7 @@ def worker(a) -> None:
             print(f"[bench_tta] step {step}/{a.steps} {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     train_s = time.perf_counter() - t0
     checksum = float(sum(float(p.detach().double().sum()) for p in module.parameters()))
-    ina = ina_stats(a.framework, a.backend, windows[len(windows) // 5:])
+    ina = ina_stats(a.framework, a.backend, model, windows[len(windows) // 5:])
     finish(a.framework)
     if rank != 0:
         return
@@ -139,10 +152,10 @@ def run_one(workload: str, framework: str, method: str, seed: int, switch: str |
     backend = "gloo"
     if method != "gloo":
         env.update(INA_SWITCH=switch, INA_CODEC=method, INA_SEED=str(7 + seed), INA_TIMEOUT="60", INA_LOG="warning")
-        backend = "ina"
+        backend = ddp_path(method) if framework == "ddp" else "ina"
     me = [PY, "-m", "experiments.bench_tta", "--worker", "--workload", workload, "--framework", framework,
           "--backend", backend, "--steps", str(a.steps[workload]), "--batch", str(a.batch),
-          "--eval-every", str(a.eval_every), "--seed", str(seed), "--out", str(out)]
+          "--eval-every", str(a.eval_every), "--seed", str(seed), "--lr", str(a.lr[workload]), "--out", str(out)]
     shim = [PY, "-m", "gloo_patch.netns_rank", "--prefix", topo.prefix, "--"] if topo else []
     if framework == "horovod":
         cmd = [PY, "-m", "gloo_patch.rendezvous_fix", "-np", str(a.ranks), "-H", f"localhost:{a.ranks}", "--gloo",
@@ -155,7 +168,7 @@ def run_one(workload: str, framework: str, method: str, seed: int, switch: str |
     if p.returncode != 0 or not out.exists():
         raise RuntimeError(f"{workload} {framework} {method} failed ({p.returncode}):\n"
                            f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return {**json.loads(out.read_text()), "launch_s": time.monotonic() - t0}
+    return {**json.loads(out.read_text()), "launch_s": time.monotonic() - t0, "lr": a.lr[workload]}
 
 
 def switch_for(topo):
@@ -210,6 +223,8 @@ def main(argv=None) -> int:
                     help="gloo and INA codecs (nc, bfp32, nd, 3lc-3v, terngrad, ...)")
     ap.add_argument("--rates", default="100mbit,1gbit", help="link rates; 'loopback': no namespaces, no shaping")
     ap.add_argument("--steps", default="resnet=400,embedding=400", help="steps per workload (same for every method)")
+    ap.add_argument("--lr", default=",".join(f"{k}={v:g}" for k, v in LR.items()),
+                    help="initial learning rate per workload (every method of a run the same)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16, help="per-rank batch")
     ap.add_argument("--eval-every", type=int, default=50)
@@ -238,6 +253,7 @@ def main(argv=None) -> int:
     if bad := [f for f in a.frameworks if f not in ("horovod", "ddp")]:
         ap.error(f"unknown framework {bad[0]!r} (expected horovod, ddp)")
     a.steps = {k: int(v) for k, v in (kv.split("=") for kv in a.steps.split(","))}
+    a.lr = {**LR, **{k: float(v) for k, v in (kv.split("=") for kv in a.lr.split(","))}}
     a.seeds = [int(x) for x in a.seeds.split(",")]
     results = {"emulated": f"{a.ranks} ranks, each in its own network namespace behind a shaped link (tbf/htb), switch "
                            "in host sw; Gloo's ring crosses the same links", "args": sys.argv[1:], "runs": []}

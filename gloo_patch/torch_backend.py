@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ina import staging
+from ina import compression, staging
 
 from . import agreement
 from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
@@ -187,6 +187,38 @@ def _agree_job_via_store(store, rank: int, config: InaConfig) -> int:
     return int(store.get(key).decode())   # bounded by the store's timeout
 
 
+# Which allreduces of an error-feedback codec (``Codec.keeps_residuals``: 3lc-3v, bgt, qgt) share a residual.
+# The rule, in one place:
+# * DDP comm hook: one residual per bucket, keyed by the bucket's index and its parameters' shapes
+#   (``ina_allreduce_hook``), so DDP's rebuild of its buckets after the first iteration starts new residuals.
+# * Horovod: one residual per fused buffer, keyed by its tensors' names (``gloo_patch.horovod``).
+# * Backend 'ina' (``InaProcessGroup.allreduce``): NO key, so no error feedback. A process group sees tensors,
+#   not parameters: DDP's reducer hands it bucket buffers that it reallocates when it rebuilds the buckets,
+#   a plain ``dist.all_reduce`` loop may hand it freshly allocated gradients every step (``zero_grad()``
+#   sets them to None), tensors of one shape and dtype may carry different parameters, and nothing marks
+#   where a step begins. A key made of (shape, dtype, position in the sequence of calls) or of the storage
+#   address would then hand one tensor's residual to another (a biased sum) or grow without bound, silently;
+#   so the group keys nothing, and says so once per codec.
+_NO_FEEDBACK_WARNED: set[str] = set()
+
+
+def warn_if_error_feedback_off(codec: str, rank: int) -> bool:
+    """True if ``codec`` keeps error-feedback residuals, which backend 'ina' does not apply; then (rank 0,
+    once per codec per process) a warning saying so and naming the path that does."""
+
+    if not compression.get(codec).keeps_residuals:
+        return False
+    if rank == 0 and codec not in _NO_FEEDBACK_WARNED:
+        _NO_FEEDBACK_WARNED.add(codec)
+        log.warning("[ina rank 0] backend 'ina' with codec %s: error feedback is OFF. %s keeps a residual per "
+                    "tensor, but a process group cannot tell which tensor (or DDP bucket) an allreduce carries, "
+                    "so every allreduce is encoded without its residual (3lc-3v's sums then have a large "
+                    "deterministic error). For error feedback keep backend 'gloo' and register the DDP comm hook "
+                    "(model.register_comm_hook(InaHookState(), ina_allreduce_hook)), which keys each bucket",
+                    codec, codec)
+    return True
+
+
 class InaProcessGroup(dist.ProcessGroup):
     """``torch.distributed`` process group: allreduce through the INA switch, the rest through Gloo."""
 
@@ -204,6 +236,7 @@ class InaProcessGroup(dist.ProcessGroup):
         self.job = _agree_job_via_store(store, rank, self.config)
         self.fallbacks = FallbackLog(f"[ina rank {rank}] process group:", announce=rank == 0)
         self._lane = _Lane(self.config, rank, size, self.job)
+        self.error_feedback = not warn_if_error_feedback_off(self.config.codec, rank)
         if rank == 0:
             log.info("[ina rank 0] torch.distributed backend 'ina': %d ranks, job %d, %s; allreduce of %s "
                      "with SUM/AVG goes through the switch, everything else through Gloo", size, self.job,
@@ -218,6 +251,7 @@ class InaProcessGroup(dist.ProcessGroup):
         d = self.fallbacks.counters.as_dict()
         d["client"] = self._lane.client.stats.as_dict()
         d["job"] = self.job
+        d["error_feedback"] = self.error_feedback
         return d
 
     def timeline(self) -> list[tuple]:
