@@ -18,7 +18,8 @@ probability each, seeded per round. Every result is compared bit for bit with th
 mismatch fails the benchmark. The client counters say how each loss was recovered: fast
 retransmissions (a later chunk's result arrived first), tail probes or timeouts; ``needed_resends``
 is what the switch's drop counts make necessary (a lost data packet: one resend per worker, none
-can tell whose packet it was; a lost result: one), so resends above it are spurious. ``tail_s`` is
+can tell whose packet it was; a lost result: one), so resends above it are spurious, or answer a
+reordered packet (held back 1 ms, five loopback round trips: a resend overtakes it, as TCP's would). ``tail_s`` is
 the mean time from a stream's last first-time send to its last result (where a tail loss shows).
 The "impairment path on, no loss" setting runs the impairment stages without dropping anything:
 what the emulator's impairment path costs by itself. Progress goes to stderr.
@@ -60,6 +61,7 @@ def switch_counts(host: str, port: int) -> dict:
     imp = st["impairments"]
     return {"ingress_dropped": imp["ingress"]["dropped"], "egress_dropped": imp["egress"]["dropped"],
             "ingress_duplicated": imp["ingress"]["duplicated"], "egress_duplicated": imp["egress"]["duplicated"],
+            "ingress_reordered": imp["ingress"]["reordered"], "egress_reordered": imp["egress"]["reordered"],
             "replays": st["counters"]["replays"], "retransmit_pending": st["drops"]["retransmit_pending"]}
 
 
