@@ -59,6 +59,7 @@ class LossDetector:
         self.tries = np.zeros(n, np.int64)         # resends so far (Karn: no RTT sample from these)
         self.witness = np.ones(n, bool)            # its result may count against chunks sent before it
         self._next_seq = 1
+        self.unsent = n                            # chunks never sent yet
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
         self.probes = 0                            # tail probes since then (the probe timer's backoff)
         self.probe_base = 0.0                      # when the probe timer last started: an arrival or a probe
@@ -68,6 +69,7 @@ class LossDetector:
         chunk went out here later than at the peers (its send waited for a replay of a result this rank
         lost), so its result may come back before those of chunks sent here earlier without a loss."""
         k = len(chunks)
+        self.unsent -= int(np.count_nonzero(self.seq[chunks] == 0))
         self.witness[chunks] = witness
         if self._next_seq == 1:
             self.last_arrival = self.probe_base = now
@@ -101,8 +103,10 @@ class LossDetector:
         trips that vary, on a loaded machine, make a late chunk no sign of a loss)."""
         if not len(pending):
             return pending, pending, pending
-        age = now - self.sent_at[pending]
         later = self.later[pending]
+        if not later.any() and now - self.last_arrival <= min(rto, max_rto) and not self._probe_due(now, pto, max_rto):
+            return pending[:0], pending[:0], pending[:0]       # no evidence, no silence: the common turn
+        age = now - self.sent_at[pending]
         backoff = 2.0 ** self.tries[pending]
         fast = later >= self._threshold(pending, later)
         if srtt is not None:
@@ -118,11 +122,14 @@ class LossDetector:
         limit = np.minimum(rto * backoff, max_rto)
         timed_out = ~fast & (age > limit) & (now - self.last_arrival > limit)
         probe = np.zeros_like(fast)
-        if pto is not None and now - self.probe_base > min(pto * 2.0 ** self.probes, max_rto):
+        if self._probe_due(now, pto, max_rto):
             cand = np.flatnonzero(~fast & ~timed_out & (age > pto))
             if cand.size:      # the chunk resent least often, oldest send first
                 probe[cand[np.lexsort((self.seq[pending[cand]], self.tries[pending[cand]]))[0]]] = True
         return pending[fast], pending[probe], pending[timed_out]
+
+    def _probe_due(self, now: float, pto: float | None, max_rto: float) -> bool:
+        return pto is not None and now - self.probe_base > min(pto * 2.0 ** self.probes, max_rto)
 
     @staticmethod
     def reordering_window(srtt: float, rttvar: float) -> float:
@@ -138,18 +145,18 @@ class LossDetector:
             return t
         if pto is not None:     # the probe timer, and a chunk out for longer than pto
             t = max(self.probe_base + min(pto * 2.0 ** self.probes, max_rto), float(self.sent_at[pending].min()) + pto)
-        if srtt is not None:
-            seen = pending[self.later[pending] > 0]
-            if seen.size:
-                wait = self.reordering_window(srtt, rttvar) * 2.0 ** np.maximum(self.tries[seen] - 1, 0)
-                t = min(t, float((self.sent_at[seen] + wait).min()))
+        later = self.later[pending]
+        if srtt is not None and later.any():         # rule 2's window (backed off for a resent chunk)
+            seen = pending[later > 0]
+            wait = self.reordering_window(srtt, rttvar) * 2.0 ** np.maximum(self.tries[seen] - 1, 0)
+            t = min(t, float((self.sent_at[seen] + wait).min()))
         return t
 
     def _threshold(self, pending: np.ndarray, later: np.ndarray) -> int:
         """DUPTHRESH, or less at the stream's end (early retransmit, RFC 5827): once every chunk went
         out and fewer than DUPTHRESH + 1 are outstanding (the pending ones and the results that came
         after the oldest), one less than that many."""
-        if self.seq[-1] == 0 or not (self.seq > 0).all():
+        if self.unsent:
             return DUPTHRESH
         outstanding = len(pending) + int(later[np.argmin(self.seq[pending])])
         return max(1, min(DUPTHRESH, outstanding - 1))
