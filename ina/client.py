@@ -81,7 +81,7 @@ class Client(Worker):
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
-                 rto: float = 0.02, min_rto: float = 0.0003, max_rto: float = 1.0, seed: int | None = None,
+                 rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
                  codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
                  token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())

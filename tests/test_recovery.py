@@ -89,7 +89,7 @@ N = 4
 # before it. Only tail losses (the negotiation packet, the last chunks of a stream: about 3 of the 62
 # packets a rank sends per allreduce) need the tail probe, and ranks waiting for the rank that
 # recovers one send a few backed-off probes; so probes and timeouts stay a small share of the resends.
-# The probe's floor is 20 ms here (its default is a fraction of a millisecond): a rank that waits for
+# The probe's floor is 20 ms here (its default is 1 ms): a rank that waits for
 # a peer the loaded machine did not schedule sees the same silence as a tail loss, and these tests
 # count how losses in the stream are recovered, not the scheduler's pauses
 SLOW_TIMEOUT = {"elements": 64, "slots": 16, "timeout": 60.0, "rto": 0.3, "min_rto": 0.02, "max_rto": 0.6}
