@@ -108,20 +108,23 @@ def test_frameworks_pool_per_seed_so_pairs_stay_independent():
 @pytest.mark.timeout(600)
 def test_short_run_through_torchrun_with_two_seeds(tmp_path):
     """bench_tta end to end on loopback (DDP through torchrun, the embedding model, 6 steps): every method
-    trains from every seed, each run is paired with its seed's Gloo run, and the report has the statistics."""
+    trains from every seed, each run is paired with its seed's Gloo run, and the report has the statistics;
+    an error-feedback codec (3lc-3v) goes through DDP's comm hook, the path that keys its residuals."""
     out = tmp_path / "tta.json"
     p = subprocess.run([sys.executable, "-m", "experiments.bench_tta", "--rates", "loopback", "--workloads", "embedding",
-                        "--frameworks", "ddp", "--methods", "gloo,nc", "--seeds", "0,1", "--steps", "embedding=6",
+                        "--frameworks", "ddp", "--methods", "gloo,nc,3lc-3v", "--seeds", "0,1", "--steps", "embedding=6",
                         "--eval-every", "3", "--json", str(out), "--plot", str(tmp_path / "tta.png"), "--timeout", "300"],
                        cwd=ROOT, capture_output=True, text=True, timeout=560)
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads(out.read_text())
     runs = {(r["method"], r["seed"]): r for r in data["runs"]}
-    assert set(runs) == {("gloo", 0), ("gloo", 1), ("nc", 0), ("nc", 1)}
+    assert set(runs) == {("gloo", 0), ("gloo", 1), ("nc", 0), ("nc", 1), ("3lc-3v", 0), ("3lc-3v", 1)}
     assert runs["gloo", 0]["curve"] != runs["gloo", 1]["curve"]          # the seed changes the training
     for s in (0, 1):
         assert runs["nc", s]["gloo_final_accuracy"] == runs["gloo", s]["final_accuracy"]
         assert [c["step"] for c in runs["nc", s]["curve"]] == [3, 6]
+        assert runs["nc", s]["ina"]["ddp_path"] == "ina" and runs["3lc-3v", s]["ina"]["ddp_path"] == "gloo+ina-hook"
+        assert runs["3lc-3v", s]["ina"]["offloaded_calls"] == 6 and runs["3lc-3v", s]["ina"]["fallback_reasons"] == {}
     nc = next(r for r in data["seed_statistics"] if r["method"] == "nc")
     assert nc["seeds"] == [0, 1] and nc["vs_gloo"]["n"] == 2 and nc["vs_gloo"]["ci95"] is not None
     assert "within 0.5 pt of Gloo" in p.stdout and (tmp_path / "tta.png").read_bytes()[:4] == b"\x89PNG"
