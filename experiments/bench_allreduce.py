@@ -107,9 +107,9 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
     dist.destroy_process_group()
 
 
-def run(workers, sizes_mb, codecs, reps, elements, slots):
-    sw = start_switch(None, "--slots", "512", "--elements", str(elements), "--sram-mb", "512", "--log-level",
-                      "WARNING")
+def run(workers, sizes_mb, codecs, reps, elements, slots, cores="1"):
+    sw = start_switch(None if cores == "1" else free_port(), "--slots", "512", "--elements", str(elements),
+                      "--sram-mb", "512", "--log-level", "WARNING", "--cores", cores)
     port = sw.port
     try:
         rows = []
@@ -151,12 +151,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--elements", type=int, default=8192, help="elements per packet")
     ap.add_argument("--slots", type=int, default=32, help="window (the job's slots)")
+    ap.add_argument("--cores", default="1", help="the switch's --cores (N shards, or auto)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    rows = run(a.workers, a.sizes_mb, a.codecs, a.reps, a.elements, a.slots)
+    rows = run(a.workers, a.sizes_mb, a.codecs, a.reps, a.elements, a.slots, a.cores)
     if a.json:
         print(json.dumps({"benchmark": "allreduce_loopback", "reference": "torch.distributed gloo allreduce (fp32)",
-                          "elements_per_packet": a.elements, "window": a.slots, "results": rows}, indent=2))
+                          "elements_per_packet": a.elements, "window": a.slots, "switch_cores": a.cores, "results": rows}, indent=2))
     else:
         print(f"{'n':>2} {'MB':>6} {'gloo ms':>9} " + " ".join(f"{c + ' ms':>10} {'x gloo':>7} {'Gb/s in':>8}"
                                                            for c in a.codecs))
