@@ -107,7 +107,7 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
     dist.destroy_process_group()
 
 
-def run(workers, sizes_mb, codecs, reps, elements, slots, cores="1"):
+def run(workers, sizes_mb, codecs, reps, elements, slots, cores="auto"):
     sw = start_switch(None if cores == "1" else free_port(), "--slots", "512", "--elements", str(elements),
                       "--sram-mb", "512", "--log-level", "WARNING", "--cores", cores)
     port = sw.port
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--elements", type=int, default=8192, help="elements per packet")
     ap.add_argument("--slots", type=int, default=32, help="window (the job's slots)")
-    ap.add_argument("--cores", default="1", help="the switch's --cores (N shards, or auto)")
+    ap.add_argument("--cores", default="auto", help="the switch's --cores (N shards, or auto: its default)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     rows = run(a.workers, a.sizes_mb, a.codecs, a.reps, a.elements, a.slots, a.cores)

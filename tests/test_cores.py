@@ -1,0 +1,92 @@
+"""The switch's shard count (--cores N | auto) and its poll loop's burst bookkeeping with real sockets."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sw_harness import PY, ROOT, SwitchProc  # noqa: E402
+
+from ina import burst as B  # noqa: E402
+from ina.wire import MsgType, PayloadType, max_packet_size, pack, unpack  # noqa: E402
+from switch_model.shards import auto_shards, available_cpus, parse_cores  # noqa: E402
+
+
+@pytest.mark.parametrize("cpus, shards", [(1, 1), (2, 1), (3, 1), (4, 1), (7, 1), (8, 2), (12, 3), (16, 4),
+                                          (64, 4)])
+def test_auto_shards_follows_the_stated_rule(cpus, shards):
+    """auto: one shard below 8 CPUs (measured on 2: a second shard costs CPU and saves no time),
+    then one per 4 CPUs, at most 4."""
+    assert auto_shards(cpus) == shards
+    assert parse_cores("auto", cpus) == shards == parse_cores(" AUTO ", cpus)
+
+
+@pytest.mark.parametrize("value, error", [("0", ">= 1"), ("-2", ">= 1"), ("two", "shard count or 'auto'")])
+def test_bad_cores_values_are_refused_by_name(value, error):
+    with pytest.raises(ValueError, match=error):
+        parse_cores(value)
+    r = subprocess.run([PY, "-m", "switch_model", "serve", "--port", "0", "--cores", value], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--cores" in r.stderr and error in r.stderr, r.stderr
+
+
+def test_serve_defaults_to_the_auto_rule_of_this_machine(tmp_path):
+    """Without --cores the service runs auto_shards(the CPUs it may use) shards, and logs the rule's choice."""
+    want = auto_shards(available_cpus())
+    sw = SwitchProc(log_path=tmp_path / "switch.log")
+    try:
+        st = sw.stats()
+        assert st["config"].get("shards", 1) == want
+        assert f"--cores auto: {want} shard(s) on {available_cpus()} available CPUs" in sw.log()
+    finally:
+        assert sw.terminate() == 0, sw.log()
+
+
+def test_poll_loop_groups_each_workers_results_and_counts_the_burst():
+    """One poll of a burst from three real worker sockets (chunks interleaved by rank): every
+    packet is accepted (the source addresses the rx stage derives match the joined ones), the rx
+    counters count it, and each worker receives every result in chunk order with the exact sums,
+    as one GSO message per worker where the kernel has UDP GSO."""
+    from switch_model.pipeline import Switch, SwitchConfig
+    workers, slots, E, chunks = 3, 8, 64, 5
+    sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=slots, elements=E, burst=64))
+    socks = [B.udp_socket("127.0.0.1", 0) for _ in range(workers)]
+    try:
+        sw.install_job(5, workers, slots, E, True, [s.getsockname() for s in socks])
+        rng = np.random.default_rng(3)
+        vals = rng.integers(-2**20, 2**20, (chunks, workers, E)).astype(np.int32)
+        sent = 0
+        for c in range(chunks):
+            for r in range(workers):
+                p = pack(msg_type=MsgType.DATA, job=5, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                         payload_type=PayloadType.INT32, count=E, chunk=c, payload=vals[c, r], elements=E)
+                socks[r].sendto(p, ("127.0.0.1", sw.port))
+                sent += len(p)
+        n = 0
+        while n < chunks * workers:
+            k = sw.poll_once()
+            assert k, f"the switch received {n} of {chunks * workers} packets"
+            n += k
+        st = sw.stats()
+        assert st["counters"]["parsed_ok"] == st["counters"]["rx_packets"] == chunks * workers, st["drops"]
+        assert st["counters"]["rx_bytes"] == sent and st["counters"]["harvested"] == chunks
+        if sw.txq.gso:
+            assert st["counters"]["tx_messages"] == workers          # one message per worker
+        want = vals.astype(np.int64).sum(axis=1)
+        for r, s in enumerate(socks):
+            s.settimeout(5)
+            got = [unpack(s.recv(max_packet_size(E))) for _ in range(chunks)]
+            assert [g.chunk for g in got] == list(range(chunks))
+            for g in got:
+                assert g.msg_type == MsgType.RESULT and g.job == 5
+                assert (g.pool_index, g.shadow) == (g.chunk % slots, (g.chunk // slots) & 1)
+                assert np.array_equal(np.asarray(g.payload, np.int64)[:E], want[g.chunk]), (r, g.chunk)
+    finally:
+        sw.sock.close()
+        for s in socks:
+            s.close()
+
