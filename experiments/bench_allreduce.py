@@ -10,7 +10,8 @@ Every configuration is measured in the same run against Gloo's allreduce of the 
 for natural compression with 4 workers): it says whether the emulator, not the links, sets the pace.
 Progress goes to stderr. Per method, ``<method>_worker_cpu_ms``: the CPU time of one worker
 process per allreduce (median, mean over the workers; the primary figure on a shared machine).
-``INA_GSO=0`` in the environment turns UDP GSO off in workers and switch (to measure against it). Per codec, rank 0's timeline of its last allreduce (``<codec>_timeline``:
+``INA_GSO=0`` in the environment turns UDP GSO off in workers and switch (to measure against it);
+``--cores N|auto`` is the switch's shard count (default auto, the switch's own rule). Per codec, rank 0's timeline of its last allreduce (``<codec>_timeline``:
 negotiation, first send, window sent, first/last result, done; encode/decode CPU) and the switch's
 stage clock per allreduce (``<codec>_switch``: ms per stage, busy and waiting; mean burst) say where
 the time goes (docs/performance.md). ``<codec>_negotiation`` splits rank 0's negotiation mark into
