@@ -272,23 +272,39 @@ class Switch:
         return m
 
     def stage_tx(self, m: int) -> None:
-        """Send harvest's plan (grouped by destination there: one GSO message per worker and burst)."""
+        """Send harvest's plan (grouped by destination there: one GSO message per worker and burst).
+        Replays (negative length) go out with the REPLAY flag: set in the stored row only for their
+        own send (after the burst's multicasts), or on copies when egress impairments may hold them."""
         plan = self.state.tx[:m]
         rows, lens, addr = plan["set_id"], plan["length"], plan["addr"]
         buf = self.state.results
-        if m and self._replays:     # replays: copy the stored result and set the REPLAY flag
-            buf = self._replay_buf if m <= self._replay_buf.shape[0] else np.zeros((m, buf.shape[1]), np.uint8)
-            buf[:m] = self.state.results[rows]
+        if m and self._replays and not self.egress.active:
             rep = lens < 0
+            self._send(buf, rows[~rep], lens[~rep], addr[~rep])
+            rows, lens, addr = rows[rep], -lens[rep], addr[rep]
+            flags = buf[:, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]     # a view: in place
+            flags[rows] |= int(Flag.REPLAY)
+            try:
+                self._send(buf, rows, lens, addr)
+            finally:
+                flags[rows] &= ~int(Flag.REPLAY) & 0xFFFF
+            return
+        if m and self._replays:      # copies (the impairments may hold them): only the bytes sent
+            width = int(np.abs(lens).max())
+            buf = self._replay_buf if m <= self._replay_buf.shape[0] else np.zeros((m, buf.shape[1]), np.uint8)
+            buf[:m, :width] = self.state.results[rows, :width]
             fl = buf[:m, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]
-            fl[rep] |= int(Flag.REPLAY)
+            fl[lens < 0] |= int(Flag.REPLAY)
             rows, lens = np.arange(m), np.abs(lens)
         if self.egress.active:
             buf, rows, lens, addr = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30)
-        if len(rows):
-            if self.egress.active and self.txq.gso and len(rows) > 1:     # delayed packets join the plan
+            if self.txq.gso and len(rows) > 1:     # delayed packets join the plan: one run per worker again
                 order = np.argsort(addr, kind="stable")
                 rows, lens, addr = rows[order], np.asarray(lens)[order], addr[order]
+        self._send(buf, rows, lens, addr)
+
+    def _send(self, buf, rows, lens, addr) -> None:
+        if len(rows):
             self.txq.send(buf, rows, lens, self.addrs, addr)
             self.counters[C_TX_PACKETS] += len(rows)
             self.counters[C_TX_BYTES] += int(np.sum(lens))

@@ -90,3 +90,62 @@ def test_poll_loop_groups_each_workers_results_and_counts_the_burst():
         for s in socks:
             s.close()
 
+
+
+def test_replays_carry_the_replay_flag_and_leave_the_stored_result_unflagged():
+    """A retransmission to a completed slot is answered with the stored result flagged REPLAY, in
+    the same burst as another slot's multicast (which is not flagged); the stored row stays
+    unflagged, so a later replay and the next round's result are right too."""
+    from ina.wire import OFFSET, Flag
+    from switch_model.pipeline import Switch, SwitchConfig
+    workers, slots, E = 2, 4, 32
+    sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=slots, elements=E, burst=64))
+    socks = [B.udp_socket("127.0.0.1", 0) for _ in range(workers)]
+    vals = np.arange(2 * workers * E, dtype=np.int32).reshape(2, workers, E) - 40
+
+    def send(r, c, flags=0):
+        socks[r].sendto(pack(msg_type=MsgType.DATA, job=6, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                             payload_type=PayloadType.INT32, count=E, chunk=c, payload=vals[c, r], elements=E,
+                             flags=flags), ("127.0.0.1", sw.port))
+
+    def poll(n):
+        got = 0
+        while got < n:
+            k = sw.poll_once()
+            assert k, f"the switch received {got} of {n} packets"
+            got += k
+
+    def recv(r):
+        socks[r].settimeout(5)
+        return unpack(socks[r].recv(max_packet_size(E)))
+
+    try:
+        sw.install_job(6, workers, slots, E, True, [s.getsockname() for s in socks])
+        send(0, 0)
+        send(1, 0)
+        poll(2)
+        first = [recv(r) for r in range(workers)]
+        assert all(not p.flags & Flag.REPLAY for p in first)
+        send(0, 0, Flag.RETRANSMIT)           # a replay and the next chunk's completion in one burst
+        send(0, 1)
+        send(1, 1)
+        poll(3)
+        got0 = sorted((recv(0) for _ in range(2)), key=lambda p: p.chunk)
+        got1 = recv(1)
+        assert [p.chunk for p in got0] == [0, 1] and got1.chunk == 1
+        assert got0[0].flags & Flag.REPLAY and not got0[1].flags & Flag.REPLAY and not got1.flags & Flag.REPLAY
+        want = vals.astype(np.int64).sum(axis=1)
+        assert np.array_equal(np.asarray(got0[0].payload, np.int64)[:E], want[0])
+        assert np.array_equal(np.asarray(got1.payload, np.int64)[:E], want[1])
+        send(1, 0, Flag.RETRANSMIT)           # the stored row was left unflagged: flagged again only for this send
+        poll(1)
+        again = recv(1)
+        assert again.chunk == 0 and again.flags & Flag.REPLAY
+        assert np.array_equal(np.asarray(again.payload, np.int64)[:E], want[0])
+        stored = sw.state.results[:, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]
+        assert not (stored & int(Flag.REPLAY)).any()
+        assert sw.stats()["counters"]["replays"] == 2
+    finally:
+        sw.sock.close()
+        for s in socks:
+            s.close()
