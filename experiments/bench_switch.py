@@ -18,8 +18,9 @@ in this process send one packet each per chunk (not timed), the switch's thread 
 is measured around ``poll_once``, then the workers' sockets are drained (not timed). On loopback
 the sender's ``sendmmsg`` runs the receivers' UDP receive path too, as it does in an allreduce.
 Scenarios ``poll4`` / ``poll8`` (4 / 8 workers, 16 / 8 chunks of 8192 NC codes per burst: 64
-packets in, 64 results out per worker) and ``poll-small`` (2 workers, one 256-element chunk per
-burst: the fixed cost of a burst).
+packets in, 64 results out per worker), ``poll-small`` (2 workers, one 256-element chunk per
+burst: the fixed cost of a burst) and ``poll8-replay`` (poll8 plus one retransmission per burst,
+answered by a replay).
 
 The reference, measured in the same run, is numpy adding the same number of int64 values into a
 register row (``np.add(row, vals, out=row)``) per packet: ``x numpy`` is the stages' time over it.
@@ -35,7 +36,7 @@ import time
 import numpy as np
 
 from ina import burst as B
-from ina.wire import HEADER_SIZE, MsgType, PayloadType, header_view, max_packet_size, pack, slot_field
+from ina.wire import HEADER_SIZE, Flag, MsgType, PayloadType, header_view, max_packet_size, pack, slot_field
 from switch_model.dataplane import source_key
 from switch_model.pipeline import Switch, SwitchConfig
 
@@ -110,11 +111,14 @@ POLL_SCENARIOS = {   # name: (workers, chunks per burst, elements per packet)
     "poll4": (4, 16, 8192),
     "poll8": (8, 8, 8192),
     "poll-small": (2, 1, 256),
+    "poll8-replay": (8, 8, 8192, True),
 }
 
 
-def run_poll(workers: int, chunks: int, elements: int, seconds: float, cores_note: str = "") -> dict:
-    """Thread CPU and wall time of ``Switch.poll_once`` per burst, real loopback sockets both ways."""
+def run_poll(workers: int, chunks: int, elements: int, seconds: float, replay: bool = False) -> dict:
+    """Thread CPU and wall time of ``Switch.poll_once`` per burst, real loopback sockets both ways.
+    ``replay``: each burst also carries rank 0's retransmission of the previous burst's last chunk
+    (answered by a unicast replay), as in a burst after a spurious timeout."""
     slots = 64
     sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=slots, elements=elements, burst=64, sram_mb=512))
     socks = [B.udp_socket("127.0.0.1", 0) for _ in range(workers)]
@@ -134,18 +138,20 @@ def run_poll(workers: int, chunks: int, elements: int, seconds: float, cores_not
         per_burst = []
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline or n_bursts < 10:
-            for c in range(chunk, chunk + chunks):      # this burst's packets (not timed)
-                for r in range(workers):
-                    h = header_view(np.frombuffer(frames[r], np.uint8)[None, :])
-                    h["chunk"] = c
-                    h["slot"] = slot_field(c % slots, (c // slots) & 1)
-                    socks[r].sendto(frames[r], dst)
+            burst = [(c, r, 0) for c in range(chunk, chunk + chunks) for r in range(workers)]
+            if replay and chunk:
+                burst.append((chunk - 1, 0, int(Flag.RETRANSMIT)))
+            for c, r, flags in burst:                   # this burst's packets (not timed)
+                h = header_view(np.frombuffer(frames[r], np.uint8)[None, :])
+                h["chunk"], h["flags"] = c, flags
+                h["slot"] = slot_field(c % slots, (c // slots) & 1)
+                socks[r].sendto(frames[r], dst)
             t, c0 = time.perf_counter_ns(), time.thread_time_ns()
             n = 0
-            while n < chunks * workers:
+            while n < len(burst):
                 k = sw.poll_once()
                 if not k:
-                    raise RuntimeError(f"the switch received {n} of {chunks * workers} packets of a burst")
+                    raise RuntimeError(f"the switch received {n} of {len(burst)} packets of a burst")
                 n += k
             if chunk >= warm:                          # the first pass over the pool touches fresh pages
                 per_burst.append(time.thread_time_ns() - c0)
@@ -192,7 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.poll:
-        _print({name: run_poll(*POLL_SCENARIOS[name], a.seconds) for name in POLL_SCENARIOS},
+        _print({name: run_poll(*sc[:3], a.seconds, *sc[3:]) for name, sc in POLL_SCENARIOS.items()},
                {"benchmark": "switch_poll_loop"}, a.json,
                f"{'scenario':<11} {'CPU us/burst':>12} {'p10':>7} {'median':>7} {'wall us/burst':>13} {'CPU us/pkt in':>13} "
                f"{'tx msgs':>8}",
