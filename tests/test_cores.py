@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sw_harness import PY, ROOT, SwitchProc  # noqa: E402
+from sw_harness import PY, ROOT, SwitchProc, client_threads  # noqa: E402
 
 from ina import burst as B  # noqa: E402
 from ina.wire import MsgType, PayloadType, max_packet_size, pack, unpack  # noqa: E402
@@ -149,3 +149,34 @@ def test_replays_carry_the_replay_flag_and_leave_the_stored_result_unflagged():
         sw.sock.close()
         for s in socks:
             s.close()
+
+
+def test_nc_and_bfp32_results_are_bit_identical_with_one_and_two_shards(tmp_path):
+    """The same allreduces (nc's stochastic re-encoding included: its random numbers depend on the
+    job, the chunk and the switch's seed, not on the shard) give the same bits through a switch of
+    one shard and one of two."""
+    rng = np.random.default_rng(11)
+    world, n = 3, 256 * 13 + 7                     # 14 chunks: both shards serve several
+    inputs = rng.standard_normal((world, n)).astype(np.float32)
+
+    def body(r, cl):
+        out = []
+        for codec in ("nc", "bfp32", "nc"):
+            x = inputs[r].copy()
+            cl.allreduce(x, codec=codec)
+            out.append(x)
+        return out
+
+    got = {}
+    for cores in ("1", "2"):
+        sw = SwitchProc("--slots", "32", "--elements", "256", "--cores", cores, log_path=tmp_path / f"sw{cores}.log")
+        try:
+            got[cores] = client_threads(sw.port, world, 41, body, elements=256, slots=8, timeout=60,
+                                        rank_options=lambda r: {"seed": 100 + r})   # the codecs' random numbers
+            assert sw.stats()["config"].get("shards", 1) == int(cores)
+        finally:
+            assert sw.terminate() == 0, sw.log()
+    for r in range(world):
+        for a, b in zip(got["1"][r], got["2"][r]):
+            assert a.tobytes() == b.tobytes(), r
+    assert not np.array_equal(got["1"][0][0], inputs[0])       # something was summed
