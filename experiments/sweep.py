@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip a configuration whose link-bound time exceeds this many seconds per allreduce")
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--slots", type=int, default=64, help="INA window (slots per job)")
+    ap.add_argument("--switch-cores", default="auto", help="the switch's --cores: shards (N, or auto: its rule)")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound of every wait (seconds)")
     from .dilation import add_arguments
     add_arguments(ap)
@@ -425,6 +426,7 @@ def _meta(args, argv, out: Path, st: dict) -> dict:
             "acc_steps": args.acc_steps, "acc_rate": args.acc_rate, "acc_workers": st["acc_workers"], "batch": BATCH,
             "started": _dt.datetime.now().isoformat(timespec="seconds"), "tp_sizes": st["tp_sizes"],
             "tp_steps": args.tp_steps, "dilation": args.dilation or 1, "profile": args.profile,
+            "switch_cores": args.switch_cores,
             "profile_skipped": st["skipped"], "codec_device": "this CPU" if args.codec_gbps is None else
             f"{args.codec_gbps:g} GB/s", "switch_delay_ms": args.switch_delay_ms, "losses": st["losses"],
             "impairment": "switch user-space packet loss, each direction, for switch-summable INA methods only"}
@@ -467,7 +469,7 @@ def switch_args(args) -> list[str]:
     """ina-switch serve's arguments of the sweep: its profile, which sets the registers per slot (else
     SWITCH_ELEMENTS). Its emulated delay is set per dilation factor (dilation.set_switch_delay)."""
     from ina.profiles import get_profile
-    a = ["--slots", str(SWITCH_SLOTS), "--profile", args.profile]
+    a = ["--slots", str(SWITCH_SLOTS), "--profile", args.profile, "--cores", getattr(args, "switch_cores", "auto")]
     if get_profile(args.profile).elements is None:
         a += ["--elements", str(SWITCH_ELEMENTS)]
     return a
