@@ -31,6 +31,12 @@ PROBE_WITHIN = 0.25
 MIN_SHAPED_BPS = 8e3
 
 
+#: record fields left in real seconds under dilation (not divided by K): the client's timeline, the
+#: switch's stage clock, CPU seconds and the configuration's wall time
+REAL_SECONDS_FIELDS = ("timeline_rank0", "switch_counters", "worker_cpu_per_allreduce", "wall", "rto", "max_rto",
+                       "worker_timeout")
+
+
 class DilationError(ValueError):
     """A dilation that cannot be set up (the message names the setting)."""
 
@@ -92,6 +98,8 @@ class Dilation:
             rec["times"] = [self.report(t) for t in rec["times"]]
         rec.update(rate=target, rate_bps=_bps(target), shaped_rate_bps=shaped_bps, dilation=self.factor,
                    dilation_label=self.label)
+        if self.on:       # the instruments' own clocks: real seconds on the shaped links, as measured
+            rec["real_seconds_fields"] = [k for k in REAL_SECONDS_FIELDS if k in rec]
         if not rec.get("ideal_from_measured_bytes"):
             rec["ideal_time"] = ideal
         elif rec.get("ideal_time") is not None:
@@ -203,6 +211,9 @@ def add_arguments(ap) -> None:
                          "packets are sized for it, codecs it cannot sum are skipped")
     ap.add_argument("--switch-delay-ms", type=float, default=None,
                     help="one-way delay the switch adds to every packet (ms, emulated; stretched x K)")
+    ap.add_argument("--tcp-cc", help="TCP congestion control in the workers' namespaces (e.g. cubic, bbr; default: "
+                                     "the machine's). BBR's 10 s and 200 ms clocks are real time and do not dilate: "
+                                     "see docs/performance.md")
 
 
 def resolve(ap, args) -> None:
@@ -271,6 +282,18 @@ def set_switch_delay(host: str, port: int, args, dil: Dilation) -> None:
     if msg is not None:
         from ina.control import request
         request(host, port, msg, timeout=10.0)
+
+
+def tcp_congestion_control(topo, n: int, want: str | None) -> str:
+    """Set (``want``) and return the TCP congestion control of the first ``n`` workers' namespaces
+    (Gloo's ring and the Gloo process group run over it); the sweep records it (meta ``tcp_cc``)."""
+    key = "net.ipv4.tcp_congestion_control"
+    for w in topo.workers[:n] if want else ():
+        p = topo.run(w, ["sysctl", "-qw", f"{key}={want}"], timeout=10.0)
+        if p.returncode != 0:
+            raise DilationError(f"--tcp-cc {want}: sysctl in {w.name} failed: {p.stderr.strip()}")
+    got = {topo.run(w, ["sysctl", "-n", key], timeout=10.0).stdout.strip() for w in topo.workers[:n]}
+    return ",".join(sorted(got))
 
 
 def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> dict:
