@@ -492,7 +492,7 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
 
     from ina.net import Topology
 
-    from .dilation import Dilation, probe_factors, set_switch_delay, tcp_congestion_control
+    from .dilation import Dilation, probe_factors, set_switch_delay, set_tcp_rto_min, tcp_congestion_control
     from .sweep_loss import set_loss, stamp
     plan = [p for pl in plans.values() for p in pl]
     fixed = args.dilation if isinstance(args.dilation, float) else 1.0
@@ -521,6 +521,7 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
                         if (shaped, dil) != cur:
                             topo.set_rate("workers", shaped)
                             set_switch_delay(topo.switch.ip, SWITCH_PORT, args, dil)
+                            meta.setdefault("tcp_rto_min_s", {})[dil.label] = set_tcp_rto_min(topo, dil)
                             cur = (shaped, dil)
                         bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,} {dil.label} loss {loss:g}")
                         job += 1

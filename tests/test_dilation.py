@@ -168,18 +168,41 @@ def test_profile_sets_the_sweeps_switch():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+@pytest.mark.timeout(120)
+def test_tcp_retransmission_floor_is_stretched_on_the_workers_links():
+    """TCP's 200 ms RTO floor is real time: dilated, the workers' link routes carry it x K (at most
+    TCP's 120 s), on the route so that connections already open (Gloo's) follow; real time restores
+    the kernel's route."""
+    from experiments.dilation import set_tcp_rto_min, tcp_congestion_control
+    from ina.net import Topology
+    with Topology(workers=2, rate="10mbit") as topo:
+        def routes():
+            return [topo.run(w, ["ip", "-4", "route", "show", "dev", w.ifname]).stdout for w in topo.workers]
+        assert set_tcp_rto_min(topo, Dilation(50)) == pytest.approx(10.0)
+        assert all("rto_min lock 10s" in r for r in routes()), routes()
+        assert set_tcp_rto_min(topo, Dilation(6400)) == pytest.approx(120.0)
+        assert all("rto_min lock 120s" in r for r in routes()), routes()
+        assert set_tcp_rto_min(topo, Dilation()) == pytest.approx(0.2)
+        assert not any("rto_min" in r for r in routes()) and all("scope link" in r for r in routes()), routes()
+        assert tcp_congestion_control(topo, 2, "reno") == "reno"
+        with pytest.raises(DilationError, match="--tcp-cc no-such-cc: sysctl in w0 failed"):
+            tcp_congestion_control(topo, 2, "no-such-cc")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
 @pytest.mark.timeout(300)
 def test_dilated_sweep_under_the_tofino_profile(tmp_path):
     out = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(out), "--target-rates", "1gbit",
                         "--dilation", "10", "--profile", "tofino", "--workers", "2", "--sizes", "60000",
-                        "--methods", "gloo,ina:nc,ina:bfp32", "--reps", "2", "--timeout", "30", "--tcp-cc", "cubic"],
+                        "--methods", "gloo,ina:nc,ina:bfp32", "--reps", "2", "--timeout", "30", "--tcp-cc", "reno"],
                        cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "skipping ina:nc: not feasible under switch profile 'tofino'" in p.stderr
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["profile"] == "tofino" and data["meta"]["dilation"] == 10
-    assert data["meta"]["tcp_cc"] == "cubic"          # the workers' TCP (Gloo's ring), set in their namespaces
+    assert data["meta"]["tcp_cc"] == "reno"          # the workers' TCP (Gloo's ring), set in their namespaces
+    assert data["meta"]["tcp_rto_min_s"] == {"dilated x10": pytest.approx(2.0)}    # TCP's 200 ms floor x K
     recs = {r["method"]: r for r in data["records"]}
     assert set(recs) == {"gloo", "ina:bfp32"}
     for m, r in recs.items():
@@ -200,5 +223,5 @@ def test_dilated_sweep_under_the_tofino_profile(tmp_path):
     assert 0.97 * 60000 / 64 * per_packet < up < 1.15 * 60000 / 64 * per_packet, up
     report = (out / "report.md").read_text()
     assert "Switch profile: tofino" in report and "1 Gbit/s, dilated x10" in report and "**Time-dilated**" in report
-    assert "Workers' TCP (Gloo): cubic." in report
+    assert "Workers' TCP (Gloo): reno." in report
     assert "dilated x10" in (out / "results.csv").read_text()
