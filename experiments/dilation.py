@@ -304,22 +304,17 @@ TCP_RTO_MIN, TCP_RTO_MAX = 0.2, 120.0
 
 def set_tcp_rto_min(topo, dil: Dilation) -> float:
     """Stretch the workers' TCP retransmission-timeout floor (200 ms) by K, up to TCP's largest RTO
-    (120 s): a locked ``rto_min`` on each worker's link route, which TCP reads on every timer, so it
-    reaches the Gloo connections already open; real time (K = 1): the kernel's route, no floor of
-    ours. Returns the floor (seconds). Not stretched, the floor is a real-time constant: at target/K
-    a queue of a few frames outlasts it (a 9 kB frame takes 46 ms at 1.56 Mbit/s), and TCP
-    retransmits spuriously and cuts its window, the more often the larger K (docs/performance.md:
-    Gloo's ring with 16 workers)."""
+    (120 s), in their namespaces (net.ipv4.tcp_rto_min_us); returns the floor (seconds). A socket
+    takes the floor when it is opened, so the sweep sets it before it starts a worker group, for the
+    largest K that group runs. Not stretched, the floor is a real-time constant: at target/K a queue
+    of a few frames outlasts it (a 9 kB frame takes 46 ms at 1.56 Mbit/s), and TCP retransmits
+    spuriously and cuts its window, the more often the larger K (docs/performance.md: Gloo's ring
+    with 16 workers)."""
     floor = min(dil.stretch(TCP_RTO_MIN), TCP_RTO_MAX)
     for w in topo.workers:
-        show = topo.run(w, ["ip", "-4", "route", "show", "dev", w.ifname, "scope", "link"], timeout=10.0)
-        dst = show.stdout.split()[0] if show.returncode == 0 and show.stdout.strip() else None
-        cmd = ["ip", "-4", "route", "replace", str(dst), "dev", w.ifname, "proto", "kernel", "scope", "link",
-               "src", w.ip, *(["rto_min", f"{round(floor * 1e3)}ms"] if dil.on else [])]
-        p = topo.run(w, cmd, timeout=10.0) if dst else show
-        if p.returncode != 0 or not dst:
-            raise DilationError(f"setting TCP's RTO floor in {w.name} to {floor:g} s failed ({' '.join(cmd)}): "
-                                f"{p.stderr.strip() or 'no link route'}")
+        p = topo.run(w, ["sysctl", "-qw", f"net.ipv4.tcp_rto_min_us={round(floor * 1e6)}"], timeout=10.0)
+        if p.returncode != 0:
+            raise DilationError(f"setting TCP's RTO floor in {w.name} to {floor:g} s failed: {p.stderr.strip()}")
     return floor
 
 
@@ -339,6 +334,7 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
         if wl == "allreduce":
             rows.setdefault((rate, el), []).append(m)
     ks, job = {}, 50000 + n * 1000
+    set_tcp_rto_min(topo, Dilation(pa.worker_timeout / args.timeout))      # the largest K probed
     group = WorkerGroup(topo, n, out, pa)
     try:
         for (rate, el), methods in rows.items():
@@ -351,7 +347,6 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
                         bar.set_postfix_str(f"dilation probe {m} n={n} {rate} x{kp:g} {el:,}")
                     topo.set_rate("workers", r)
                     set_switch_delay(topo.switch.ip, SWITCH_PORT, args, Dilation(kp))
-                    set_tcp_rto_min(topo, Dilation(kp))
                     return run_bench(group, topo, m, n, r, el, pa, job, job, Dilation(kp), rate)["bound_ratio"]
                 factors = probe_factors_for(rate)
                 km, steps = auto_factor(rate, probe, factors[start:], args.probe_within, args.probe_agree)

@@ -510,6 +510,7 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
                     continue
                 ks = probe_factors(topo, n, mine, args, out, meta, bar) if args.dilation == "auto" else {}
                 args.worker_timeout = args.timeout * max(ks.values(), default=fixed)
+                meta["tcp_rto_min_s"] = set_tcp_rto_min(topo, Dilation(max(ks.values(), default=fixed)))
                 bar.set_postfix_str(f"starting {n} workers")
                 group = WorkerGroup(topo, n, out, args)
                 cur = None
@@ -521,7 +522,6 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
                         if (shaped, dil) != cur:
                             topo.set_rate("workers", shaped)
                             set_switch_delay(topo.switch.ip, SWITCH_PORT, args, dil)
-                            meta.setdefault("tcp_rto_min_s", {})[dil.label] = set_tcp_rto_min(topo, dil)
                             cur = (shaped, dil)
                         bar.set_postfix_str(f"{wl} {m} n={n} {rate} {el:,} {dil.label} loss {loss:g}")
                         job += 1
