@@ -128,7 +128,8 @@ def main(argv=None) -> int:
                     help="elements of the allreduce that measures the per-allreduce fixed cost in each run "
                          "(0: not measured; the check is then decided on the raw ratio)")
     ap.add_argument("--real-sizes", help="sizes of the dilated_vs_real check (default --sizes)")
-    ap.add_argument("--tcp-cc", help="TCP congestion control of the workers (ina-sweep --tcp-cc)")
+    ap.add_argument("--tcp-cc", default="reno", help="TCP congestion control of the workers in every run, real "
+                                                     "time too (ina-sweep --tcp-cc; the dilated default)")
     ap.add_argument("--skip", choices=("k_vs_2k", "dilated_vs_real"), action="append", default=[])
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)

@@ -27,6 +27,9 @@ PROBE_STEPS = 12
 PROBE_AGREE = 0.05
 #: ... and the one at K is within this fraction above its link-bound ideal
 PROBE_WITHIN = 0.25
+#: the workers' TCP under dilation: loss-based and clocked by ACKs, its one timer (the RTO) stretched;
+#: BBR (this machine's default) paces by a 10 s min-RTT window and 200 ms ProbeRTT held in real time
+DILATED_TCP_CC = "reno"
 #: the shaped rate must stay within tbf's range (8 kbit .. about 34 gbit)
 MIN_SHAPED_BPS = 8e3
 
@@ -211,10 +214,10 @@ def add_arguments(ap) -> None:
                          "packets are sized for it, codecs it cannot sum are skipped")
     ap.add_argument("--switch-delay-ms", type=float, default=None,
                     help="one-way delay the switch adds to every packet (ms, emulated; stretched x K)")
-    ap.add_argument("--tcp-cc", help="TCP congestion control in the workers' namespaces (e.g. reno, bbr: those in "
-                                     "net.ipv4.tcp_allowed_congestion_control; default: "
-                                     "the machine's). BBR's 10 s and 200 ms clocks are real time and do not dilate: "
-                                     "see docs/performance.md")
+    ap.add_argument("--tcp-cc", help="TCP congestion control in the workers' namespaces (those in "
+                                     "net.ipv4.tcp_allowed_congestion_control, e.g. reno, bbr; default: the machine's "
+                                     f"in real time, {DILATED_TCP_CC} under --dilation: BBR's 10 s and 200 ms clocks are "
+                                     "real time and do not dilate, see docs/performance.md)")
 
 
 def resolve(ap, args) -> None:
@@ -242,6 +245,7 @@ def resolve(ap, args) -> None:
             ap.error("the throughput and accuracy workloads compute at real speed and cannot be dilated: "
                      "use --tp-sizes none --acc-steps 0 (the defaults under --dilation)")
         args.tp_sizes, args.acc_steps = "none", 0
+        args.tcp_cc = args.tcp_cc or DILATED_TCP_CC
     k = args.dilation if isinstance(args.dilation, float) else 1.0
     if args.dilation is None and args.rates:
         from ina.net import RateError, parse_rate

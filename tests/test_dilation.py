@@ -73,6 +73,7 @@ def test_delays_and_timeouts_scale_with_the_factor():
     resolve(ap, args)
     assert args.rates == "10gbit,25gbit" and args.dilation == 50 and args.worker_timeout == pytest.approx(1500)
     assert args.tp_sizes == "none" and args.acc_steps == 0        # real-speed workloads are off under dilation
+    assert args.tcp_cc == "reno"                                  # BBR's real-time clocks do not dilate
     msg = switch_delay(args, Dilation(50))
     assert msg["ingress"]["delay_ms"] == pytest.approx(10) and msg["egress"]["delay_ms"] == pytest.approx(10)
     assert switch_delay(ap.parse_args([]), Dilation(50)) is None
