@@ -495,12 +495,13 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
 
     from ina.net import Topology
 
-    from .dilation import Dilation, probe_factors, set_switch_delay
+    from .dilation import Dilation, probe_factors, set_switch_delay, set_tcp_rto_min, tcp_congestion_control
     from .sweep_loss import set_loss, stamp
     plan = [p for pl in plans.values() for p in pl]
     fixed = args.dilation if isinstance(args.dilation, float) else 1.0
     first = Dilation(fixed).shaped_rate(st["rates"][0]) if args.dilation != "auto" else "1gbit"   # (then probed)
     with Topology(workers=max(p[1] for p in plan), rate=first, mtu=args.mtu) as topo:
+        meta["tcp_cc"] = tcp_congestion_control(topo, len(topo.workers), args.tcp_cc)
         sw = _start_switch(topo, out, args)
         bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
         job = int(time.time()) % 1000 * 10
@@ -512,6 +513,7 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
                     continue
                 ks = probe_factors(topo, n, mine, args, out, meta, bar) if args.dilation == "auto" else {}
                 args.worker_timeout = args.timeout * max(ks.values(), default=fixed)
+                meta["tcp_rto_min_s"] = set_tcp_rto_min(topo, Dilation(max(ks.values(), default=fixed)))
                 bar.set_postfix_str(f"starting {n} workers")
                 group = WorkerGroup(topo, n, out, args)
                 cur = None
