@@ -12,7 +12,8 @@ the inner group is registered as this group's CPU backend, so broadcast, allgath
 scatter, all-to-all, reduce-scatter, barrier and send/recv reach Gloo through PyTorch's own dispatch
 (the Python counterpart of the patched ProcessGroupGloo SwitchML shipped for PyTorch 1.7; no rebuild).
 An allreduce that cannot be offloaded (MIN/MAX/PRODUCT/bitwise/PREMUL_SUM, integer or float64 tensors,
-sparse tensors) goes to the inner Gloo group, with one log line per distinct reason.
+sparse tensors) goes to the inner Gloo group, with one log line per distinct reason. Codecs with error
+feedback (3lc-3v, bgt, qgt) run without it here (no key; see ``warn_if_error_feedback_off``): use the hook.
 
 DDP communication hook, for users who keep the ``gloo`` backend::
 
