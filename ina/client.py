@@ -414,14 +414,17 @@ class _Transfer:
         SK.fill_headers(self.pkts, rows, chunks, self.c0, self.cl.chunk_modulus, self.S, self.exps_in, self.count, E)
         if E:
             bs = chunks // self.block
-            for b in np.unique(bs):
-                b = int(b)
+            lo, hi = int(bs.min()), int(bs.max())
+            for b in range(lo, hi + 1) if hi > lo else (lo,):
+                sel = slice(None) if hi == lo else bs == b       # one block: no mask
+                here = chunks[sel]
+                if not here.size:
+                    continue
                 if b not in self.blocks:
                     self.blocks[b] = self.encode_block(b)
                     self.left_in_block[b] = self.blocks[b].shape[0]
-                sel = bs == b
-                self.pv[rows[sel]] = self.blocks[b][chunks[sel] - b * self.block]
-                self.left_in_block[b] -= int(np.count_nonzero(sel))
+                self.pv[rows[sel]] = self.blocks[b][here - b * self.block]
+                self.left_in_block[b] -= here.size
                 if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
                     del self.blocks[b], self.left_in_block[b]
         if self.sparse:
