@@ -23,7 +23,9 @@ import logging
 import struct
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 log = logging.getLogger("ina.burst")
 
@@ -42,6 +44,7 @@ UDP_SEGMENT = 103             # setsockopt / cmsg: GSO segment size of a send (L
 UDP_GRO = 104                 # setsockopt / cmsg: receive coalesced datagrams (Linux 5.0+)
 GSO_MAX_SEGMENTS = 64         # UDP_MAX_SEGMENTS of Linux before 6.x (later kernels allow 128)
 GSO_MAX_BYTES = 65507         # one IPv4 datagram's payload: the most a GSO message may carry
+GRO_LANDING = 16              # coalesced messages a receive takes at most (64 kB each)
 
 # struct iovec { void *base; size_t len; }
 IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
@@ -96,42 +99,112 @@ def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
 
 
-class RxRing:
-    """A preallocated pool of ``burst`` receive buffers of ``stride`` bytes and their msghdrs."""
+def _msghdrs(buf: np.ndarray, src: np.ndarray, control: np.ndarray | None = None):
+    """Receive msghdrs of the rows of ``buf`` (one iovec each), their sources into ``src`` and, with
+    ``control``, a cmsg buffer per row. Returns (iovecs, msghdrs, msghdrs as (n, 8) u64 words)."""
+    n, stride = buf.shape
+    iov = np.zeros(n, IOVEC)
+    iov["base"] = _ptr(buf) + np.arange(n, dtype=np.uint64) * stride
+    iov["len"] = stride
+    msg = np.zeros(n, MMSGHDR)
+    msg["name"] = _ptr(src) + np.arange(n, dtype=np.uint64) * SOCKADDR_IN.itemsize
+    msg["namelen"] = SOCKADDR_IN.itemsize
+    msg["iov"] = _ptr(iov) + np.arange(n, dtype=np.uint64) * IOVEC.itemsize
+    msg["iovlen"] = 1
+    if control is not None:
+        msg["control"] = _ptr(control) + np.arange(n, dtype=np.uint64) * control.shape[1]
+        msg["controllen"] = control.shape[1]
+    return iov, msg, msg.view(np.uint64).reshape(n, 8)
 
-    def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048):
+
+def gro_enable(sock: socket.socket) -> str | None:
+    """Turn UDP GRO on for ``sock`` (the kernel then may hand over several datagrams of one sender as
+    one coalesced message); None when it did, else why not."""
+    try:
+        sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+        return None
+    except OSError as e:
+        return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+
+
+class RxRing:
+    """A preallocated pool of ``burst`` receive buffers of ``stride`` bytes and their msghdrs.
+
+    UDP GRO (``gro``; default: on where the kernel has it, unless the environment sets ``INA_GRO=0``):
+    the kernel may deliver a sender's GSO message (or datagrams it coalesced) as one message, with a
+    cmsg naming the segment size. Such messages land in ``GRO_LANDING`` buffers of 64 kB and are cut
+    into their datagrams, one row each, so callers see exactly the rows a per-datagram receive gives
+    (segments that do not fit this burst's rows come first in the next). ``gro_refused``: why the
+    kernel refused it (then every message is one datagram, received straight into the rows).
+    ``messages`` counts what the kernel handed over, ``packets`` the rows.
+    """
+
+    def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048, gro: bool | None = None):
         self.sock = sock
         self.fd = sock.fileno()
         self.burst = burst
         self.stride = stride
         self.buf = np.zeros((burst, stride), np.uint8)
         self.src = np.zeros(burst, SOCKADDR_IN)
-        self._iov = np.zeros(burst, IOVEC)
-        self._iov["base"] = _ptr(self.buf) + np.arange(burst, dtype=np.uint64) * stride
-        self._iov["len"] = stride
-        self._msg = np.zeros(burst, MMSGHDR)
-        self._msg["name"] = _ptr(self.src) + np.arange(burst, dtype=np.uint64) * SOCKADDR_IN.itemsize
-        self._msg["iov"] = _ptr(self._iov) + np.arange(burst, dtype=np.uint64) * IOVEC.itemsize
-        self._msg["iovlen"] = 1
-        self._msg["namelen"] = SOCKADDR_IN.itemsize
+        self._iov, self._msg, self._msg64 = _msghdrs(self.buf, self.src)
         self._msgp = _ptr(self._msg)
-        self._msg64 = self._msg.view(np.uint64).reshape(burst, 8)
         self.lens = np.zeros(burst, np.int64)
+        self.messages = self.packets = 0
+        if gro is None:                          # INA_GRO=0 turns it off (to measure against it)
+            gro = os.environ.get("INA_GRO", "1") != "0"
+        self.gro_refused = gro_enable(sock) if gro else None
+        self.gro = bool(gro) and self.gro_refused is None
+        if self.gro:
+            m = min(burst, GRO_LANDING)
+            self._land = np.zeros((m, 1 << 16), np.uint8)      # a whole UDP datagram's payload
+            self._land_src = np.zeros(m, SOCKADDR_IN)
+            self._land_ctl = np.zeros((m, 64), np.uint8)
+            self._land_iov, self._land_msg, self._land_msg64 = _msghdrs(self._land, self._land_src, self._land_ctl)
+            self._land_msgp = _ptr(self._land_msg)
+            self._land_src8 = self._land_src.view(np.uint8).reshape(m, SOCKADDR_IN.itemsize)
+            self._src8 = self.src.view(np.uint8).reshape(burst, SOCKADDR_IN.itemsize)
+            self._land_state = np.zeros(3, np.int64)        # landed messages, next message, next byte in it
 
     def recv(self, wait: bool = True) -> int:
         """Receive up to a burst. With ``wait`` block until one packet or the socket's timeout.
 
         Returns the number of packets; ``self.buf[:n]`` holds them, ``self.lens[:n]`` their sizes
-        (a size above ``stride`` means the datagram was truncated). 0 on timeout.
+        (a size above ``stride`` means the datagram was truncated), ``self.src[:n]`` their senders.
+        0 on timeout.
         """
+        if self.gro:
+            return self._recv_gro(wait)
         n = _recvmmsg(self.fd, self._msgp, self.burst, MSG_WAITFORONE if wait else MSG_DONTWAIT, None)
         if n < 0:
-            e = ctypes.get_errno()
-            if e in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                return 0
-            raise OSError(e, f"recvmmsg: {os.strerror(e)}")
+            return self._recv_error()
         _take_lengths(self._msg64, n, self.stride, self.lens)
+        self.messages += n
+        self.packets += n
         return n
+
+    def _recv_gro(self, wait: bool) -> int:
+        st = self._land_state
+        n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
+                          self._src8, 0)
+        if n == 0 or (n < self.burst and st[1] >= st[0]):        # every landed message is cut: receive more
+            flags = MSG_WAITFORONE if wait and n == 0 else MSG_DONTWAIT
+            got = _recvmmsg(self.fd, self._land_msgp, self._land.shape[0], flags, None)
+            if got < 0:
+                if n == 0:
+                    return self._recv_error()
+            else:
+                st[0], st[1], st[2] = got, 0, 0
+                self.messages += got
+                n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf,
+                                  self.lens, self._src8, n)
+        self.packets += n
+        return n
+
+    def _recv_error(self) -> int:
+        e = ctypes.get_errno()
+        if e in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+            return 0
+        raise OSError(e, f"recvmmsg: {os.strerror(e)}")
 
 
 @njit(cache=True)
@@ -143,6 +216,67 @@ def _take_lengths(msg, n, stride, lens):
         lens[i] = stride + 1 if truncated else np.int64(msg[i, 7] & np.uint64(0xFFFFFFFF))
         msg[i, 1] = 16                                          # namelen: sockaddr_in
         msg[i, 6] = 0
+
+
+@njit(cache=True)
+def _segment_size(ctl, controllen, length):
+    """The UDP_GRO cmsg's segment size in a message's control buffer (``length``: no such cmsg)."""
+    at = 0
+    while at + 20 <= controllen:
+        clen = np.int64(ctl[at]) | (np.int64(ctl[at + 1]) << 8) | (np.int64(ctl[at + 2]) << 16) | \
+            (np.int64(ctl[at + 3]) << 24)
+        level = np.int64(ctl[at + 8]) | (np.int64(ctl[at + 9]) << 8)
+        kind = np.int64(ctl[at + 12]) | (np.int64(ctl[at + 13]) << 8)
+        if level == 17 and kind == 104 and clen >= 20:          # SOL_UDP, UDP_GRO: an int
+            seg = np.int64(ctl[at + 16]) | (np.int64(ctl[at + 17]) << 8) | (np.int64(ctl[at + 18]) << 16)
+            return seg if seg > 0 else length
+        if clen < 16:
+            break
+        at += (clen + 7) // 8 * 8
+    return length
+
+
+@intrinsic
+def _copy_bytes(typingctx, dst, dst_at, src, src_at, count):
+    """memcpy of ``count`` bytes from flat byte ``src_at`` of C-contiguous uint8 array ``src`` to
+    ``dst_at`` of ``dst`` (numba's slice assignment is an element loop; this is LLVM's memcpy)."""
+    def codegen(context, builder, signature, args):
+        d, da, s, sa, c = args
+        dp = builder.gep(context.make_array(signature.args[0])(context, builder, d).data, [da])
+        sp = builder.gep(context.make_array(signature.args[2])(context, builder, s).data, [sa])
+        cgutils.raw_memcpy(builder, dp, sp, c, 1)
+        return context.get_dummy_value()
+    return types.void(dst, dst_at, src, src_at, count), codegen
+
+
+@njit(cache=True)
+def _cut_segments(land, msg, ctl, land_src, st, buf, lens, src, n):
+    """Cut landed messages into datagrams, one row of ``buf`` each, from row ``n`` on until the rows run
+    out. ``st``: (landed messages, next message, byte offset in it), kept for the next call; each
+    message's msghdr is made ready for the next receive once it is cut. Returns the rows filled."""
+    stride = buf.shape[1]
+    while st[1] < st[0] and n < buf.shape[0]:
+        q = st[1]
+        length = np.int64(msg[q, 7] & np.uint64(0xFFFFFFFF))
+        seg = _segment_size(ctl[q], np.int64(msg[q, 5]), length)
+        off = st[2]
+        while off < length and n < buf.shape[0]:
+            size = min(seg, length - off)
+            take = min(size, stride)
+            _copy_bytes(buf, n * stride, land, q * land.shape[1] + off, take)
+            lens[n] = size if size <= stride else stride + 1
+            src[n, :] = land_src[q, :]
+            off += size
+            n += 1
+        if off < length:
+            st[2] = off
+            break
+        msg[q, 1] = 16                                          # namelen
+        msg[q, 5] = ctl.shape[1]                                # controllen
+        msg[q, 6] = 0
+        st[1] += 1
+        st[2] = 0
+    return n
 
 
 def gso_supported(sock: socket.socket) -> bool:
