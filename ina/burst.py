@@ -117,11 +117,11 @@ def _msghdrs(buf: np.ndarray, src: np.ndarray, control: np.ndarray | None = None
     return iov, msg, msg.view(np.uint64).reshape(n, 8)
 
 
-def gro_enable(sock: socket.socket) -> str | None:
-    """Turn UDP GRO on for ``sock`` (the kernel then may hand over several datagrams of one sender as
-    one coalesced message); None when it did, else why not."""
+def gro_enable(sock: socket.socket, on: bool = True) -> str | None:
+    """Turn UDP GRO on (or off) for ``sock`` (on: the kernel may hand over several datagrams of one
+    sender as one coalesced message); None when it did, else why not."""
     try:
-        sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+        sock.setsockopt(SOL_UDP, UDP_GRO, int(on))
         return None
     except OSError as e:
         return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
@@ -260,7 +260,7 @@ def _cut_segments(land, msg, ctl, land_src, st, buf, lens, src, n):
         length = np.int64(msg[q, 7] & np.uint64(0xFFFFFFFF))
         seg = _segment_size(ctl[q], np.int64(msg[q, 5]), length)
         off = st[2]
-        while off < length and n < buf.shape[0]:
+        while n < buf.shape[0]:
             size = min(seg, length - off)
             take = min(size, stride)
             _copy_bytes(buf, n * stride, land, q * land.shape[1] + off, take)
@@ -268,6 +268,8 @@ def _cut_segments(land, msg, ctl, land_src, st, buf, lens, src, n):
             src[n, :] = land_src[q, :]
             off += size
             n += 1
+            if off >= length:                                   # (an empty datagram is one empty row)
+                break
         if off < length:
             st[2] = off
             break
@@ -306,8 +308,8 @@ def _plan_messages(lens, aidx, pos, k, gso, max_segments, max_bytes, starts):
         j = i + 1
         while j < k and j - i < per and aidx[0 if one_dest else j] == dest and lens[0 if one_len else j] == seg:
             j += 1
-        if j < k and j - i < per and aidx[0 if one_dest else j] == dest and lens[0 if one_len else j] < seg:
-            j += 1                            # a shorter last entry closes the run
+        if j < k and j - i < per and aidx[0 if one_dest else j] == dest and 0 < lens[0 if one_len else j] < seg:
+            j += 1                            # a shorter (not empty: that is no segment) last entry closes the run
         i = j
     starts[m] = k
     return m
