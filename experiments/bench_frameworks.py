@@ -75,21 +75,28 @@ def timed_steps(model, opt, x, y, warmup: int, steps: int, windows: list | None 
 def overlap(timeline, windows) -> dict:
     """How much of the switch time ran during backward. Per step: the buckets submitted in the step; the
     last submission is when backward's last gradient was ready (the end of its compute); the switch time
-    of each bucket before that point overlapped with backward, the rest is exposed."""
-    busy = inside = exposed = 0.0
+    of each bucket before that point overlapped with backward, the rest is exposed (``backward_s_per_step``:
+from the step's start to that point: forward and backward as they ran beside the streaming). Also the lane's CPU
+    per step (agreement, encode, stream, decode) and the codec's share of it (encode + decode)."""
+    busy = inside = exposed = cpu = codec = backward = 0.0
     n = 0
     for lo, hi in windows:
         mine = [e for e in timeline if lo <= e[0] <= hi]
         if not mine:
             continue
         last = max(e[0] for e in mine)
-        busy += sum(fin - st for _, st, fin in mine)
-        inside += sum(max(0.0, min(fin, last) - st) for _, st, fin in mine)
-        exposed += max(fin for *_, fin in mine) - last
+        busy += sum(e[2] - e[1] for e in mine)
+        inside += sum(max(0.0, min(e[2], last) - e[1]) for e in mine)
+        exposed += max(e[2] for e in mine) - last
+        backward += last - lo
+        cpu += sum(e[3] for e in mine)
+        codec += sum(e[4] for e in mine)
         n += 1
-    return {"buckets_per_step": len([e for e in timeline if windows[0][0] <= e[0] <= windows[-1][1]]) / max(n, 1),
-            "switch_s_per_step": busy / max(n, 1), "overlapped_fraction": inside / busy if busy else 0.0,
-            "exposed_s_per_step": exposed / max(n, 1)}
+    n = max(n, 1)
+    return {"buckets_per_step": len([e for e in timeline if windows[0][0] <= e[0] <= windows[-1][1]]) / n,
+            "switch_s_per_step": busy / n, "overlapped_fraction": inside / busy if busy else 0.0,
+            "exposed_s_per_step": exposed / n, "backward_s_per_step": backward / n,
+            "lane_cpu_s_per_step": cpu / n, "codec_cpu_s_per_step": codec / n}
 
 
 def worker(kind: str, out: str, warmup: int, steps: int) -> None:
@@ -116,6 +123,7 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
         if kind == "ddp-ina":
             from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook  # noqa: PLC0415
             hook = InaHookState()
+            hook.lane.client.record_timeline = True      # the codec's encode/decode time per bucket
             model.register_comm_hook(hook, ina_allreduce_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = batch(rank)
@@ -129,6 +137,11 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
         if kind == "ddp-ina":
             res["overlap"] = overlap(hook.timeline(), windows)
             res["client"] = hook.stats()["client"]
+        if kind == "horovod" and os.environ.get("INA_SWITCH"):
+            from gloo_patch import horovod as patch  # noqa: PLC0415
+            st = patch.stats()       # the worker's seconds since init: per step, over all warm-up + timed steps
+            res["worker_s_per_step"] = {k: v / (warmup + steps) for k, v in st["seconds"].items()}
+            res["agreement_rounds_per_step"] = st["agreement_rounds"] / (warmup + steps)
         Path(out).write_text(json.dumps(res))
 
 
@@ -175,6 +188,22 @@ def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dic
     res = json.loads(out.read_text())
     res["wall_s"] = time.monotonic() - t0
     return res
+
+
+def breakdown(r: dict) -> str:
+    """Where a step's time went. DDP: the lane's timeline over the timed steps; Horovod: the INA worker
+    thread's seconds per step, averaged over all steps (warm-up included)."""
+    ov, w = r.get("overlap"), r.get("worker_s_per_step")
+    if ov:
+        return (f"  {ov['buckets_per_step']:.1f} buckets/step, forward+backward {ov['backward_s_per_step'] * 1e3:.1f} "
+                f"ms, switch {ov['switch_s_per_step'] * 1e3:.1f} ms/step, {100 * ov['overlapped_fraction']:.0f}% of it "
+                f"during backward, exposed {ov['exposed_s_per_step'] * 1e3:.1f} ms; lane CPU "
+                f"{ov['lane_cpu_s_per_step'] * 1e3:.1f} ms/step (codec {ov['codec_cpu_s_per_step'] * 1e3:.1f})")
+    if w:
+        return (f"  {r['agreement_rounds_per_step']:.1f} rounds/step; worker per step: agreement wait "
+                f"{w['agreement_wait'] * 1e3:.1f} ms, switch {w['switch'] * 1e3:.1f} ms, Gloo {w['native'] * 1e3:.1f} "
+                f"ms, CPU {w['worker_cpu'] * 1e3:.1f} ms")
+    return ""
 
 
 def target(rate: str | None) -> str:
@@ -233,14 +262,9 @@ def main(argv=None) -> int:
                     results["runs"].append({"framework": fw, "codec": codec, **r, "ratio_to_gloo": ratio,
                                             "speedup_vs_gloo": 1 / ratio, "meets_target": meets(ratio, a.rate)})
                     if not a.json:
-                        ov = r.get("overlap")
                         print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step  "
                               f"{ratio:.2f}x Gloo's time ({base['median_s'] * 1e3:.1f} ms; target {target(a.rate)}: "
-                              f"{'met' if meets(ratio, a.rate) else 'not met'})" + (
-                                  f"  {ov['buckets_per_step']:.1f} buckets/step, switch "
-                                  f"{ov['switch_s_per_step'] * 1e3:.1f}"
-                                  f" ms/step, {100 * ov['overlapped_fraction']:.0f}% of it during backward, exposed "
-                                  f"{ov['exposed_s_per_step'] * 1e3:.1f} ms" if ov else ""), flush=True)
+                              f"{'met' if meets(ratio, a.rate) else 'not met'})" + breakdown(r), flush=True)
         finally:
             sw.stop(timeout=10)
     finally:

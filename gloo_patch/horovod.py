@@ -22,7 +22,7 @@ What is patched (see docs/frameworks.md):
 Horovod's contract. Every allreduce of the global process set is queued, whatever its op and dtype,
 after Horovod's own argument checks (``_check_function``: supported tensor type, contiguity; a name
 already in flight raises Horovod's duplicate-name ``ValueError``). Queued allreduces form buckets: a bucket
-is sealed when ``INA_BUCKET_BYTES`` (default 512 KiB) are queued, so streaming starts while backward still
+is sealed when ``INA_BUCKET_BYTES`` (default 256 KiB) are queued, so streaming starts while backward still
 runs, and whatever is queued when a rank waits for one (``synchronize``/``poll``). Every rank of the same
 model queues the same gradients in the same order, so every rank seals the same buckets. A worker thread
 runs each bucket through one agreement round (``gloo_patch.agreement``: a small Gloo allreduce of a digest
@@ -58,7 +58,7 @@ _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.opt
 DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
                   "is currently being processed.  If you want to request another tensor, use a different tensor name.")
 DEFAULT_FUSION_BYTES = 128 * 1024 * 1024     # Horovod's default HOROVOD_FUSION_THRESHOLD
-DEFAULT_BUCKET_BYTES = 512 * 1024
+DEFAULT_BUCKET_BYTES = 256 * 1024
 AGREE_NAME, DETAIL_NAME = "ina.agree", "ina.agree.detail"
 
 
@@ -127,6 +127,9 @@ class _HorovodIna:
         self.stale = None          # an agreement round that timed out, completed before the next one
         self.fallbacks = FallbackLog("[ina horovod rank ?]")
         self.rounds = 0
+        # where the worker's time goes (seconds, since init): waiting for agreement rounds, the switch
+        # allreduces (fuse, stream, unfuse), Horovod's own allreduces; and the worker thread's CPU
+        self.seconds = {"agreement_wait": 0.0, "switch": 0.0, "native": 0.0, "worker_cpu": 0.0}
         self.switch_failed = False   # an allreduce through the switch failed: the client is latched broken
 
     # -- switch connection ---------------------------------------------------------------------------
@@ -263,21 +266,35 @@ class _HorovodIna:
 
     def _work(self) -> None:
         """The worker: one agreement round per bucket, in sealing order; names a round leaves undecided (the
-        ranks' buckets differ) go into the next round."""
+        ranks' buckets differ) go into the next round. When the next bucket is already sealed (and nothing
+        is carried over), its round starts before this bucket streams, so its Gloo latency is hidden."""
         carry: list[InaHandle] = []
+        early = None        # (batch, Horovod handle) of the next round, started before the current one streamed
         while True:
             with self.lock:
-                while not self.buckets and not carry and not self.stopping:
+                while not self.buckets and not carry and early is None and not self.stopping:
                     self.cond.wait(1.0)
                 if self.stopping:
                     return
-                batch = carry + (self.buckets.pop(0) if self.buckets else [])
+                if early is None:
+                    batch = carry + (self.buckets.pop(0) if self.buckets else [])
+                    started = None
+                else:
+                    (batch, started), early = early, None
+            cpu = time.thread_time()
             try:
-                done = self._round(batch)
+                ready, native, ag = self._decide(batch, started)
+                with self.lock:     # nothing carried over: the next sealed bucket's round starts now
+                    nxt = self.buckets.pop(0) if self.buckets and len(ready) == len(batch) else None
+                if nxt is not None:
+                    early = (nxt, self._start_round(nxt))
+                self._run_round(ready, native, ag)
+                done = ready
             except Exception as e:  # noqa: BLE001 - each handle raises it from its synchronize
                 for h in batch:
                     h.error = h.error or e
                 done = batch
+            self.seconds["worker_cpu"] += time.thread_time() - cpu
             with self.lock:
                 carry, now = [h for h in batch if h not in done], time.monotonic()
                 for h in carry:
@@ -292,20 +309,30 @@ class _HorovodIna:
                         del self.active[h.name]
                 self.cond.notify_all()
 
-    def _round(self, batch) -> list[InaHandle]:
+    def _start_round(self, batch):
+        """This rank's agreement vector for ``batch`` into Horovod's allreduce (not waited for)."""
         batch = sorted(batch, key=lambda h: (h.name, h.seq))
         entries = [(h.name, h.desc, agreement.nonfinite(h.tensors)) for h in batch]
-        total = self._native_wait(self._native_allreduce(agreement.local_vector(entries, self.client_unusable()),
-                                                         AGREE_NAME), "the agreement round")
+        return self._native_allreduce(agreement.local_vector(entries, self.client_unusable()), AGREE_NAME)
+
+    def _decide(self, batch, started=None):
+        """Wait for the batch's agreement round (``started``: its handle if already started): (the handles
+        decided now, {name: why it goes to Horovod's allreduce}, the agreement)."""
+        t0 = time.perf_counter()
+        total = self._native_wait(started if started is not None else self._start_round(batch), "the agreement round")
+        self.seconds["agreement_wait"] += time.perf_counter() - t0
         ag = agreement.read(total)
         self.rounds += 1
-        size = self.M.size()
-        if ag.present < size:            # a rank has joined: Horovod's allreduce, joined ranks add zeros
-            ready, native = batch, {h.name: "a rank has joined (hvd.join)" for h in batch}
-        elif ag.agree:
-            ready, native = batch, {}
-        else:
-            ready, native = self._reconcile(batch)
+        batch = sorted(batch, key=lambda h: (h.name, h.seq))
+        if ag.present < self.M.size():     # a rank has joined: Horovod's allreduce, joined ranks add zeros
+            return batch, {h.name: "a rank has joined (hvd.join)" for h in batch}, ag
+        if ag.agree:
+            return batch, {}, ag
+        return (*self._reconcile(batch), ag)
+
+    def _run_round(self, ready, native, ag) -> None:
+        """The decided handles: through Horovod's allreduce (``native`` and what the switch cannot take), the
+        rest through the switch."""
         if ag.unusable:
             native.update({h.name: "a rank's switch client failed earlier" for h in ready if h.name not in native})
         for h in ready:
@@ -314,9 +341,12 @@ class _HorovodIna:
                 why = "NaN/Inf on some rank (Gloo propagates them)"
             if why is not None:
                 native[h.name] = why
+        t1 = time.perf_counter()
         self._run_native([h for h in ready if h.name in native], native)
+        t2 = time.perf_counter()
         self._run_switch([h for h in ready if h.name not in native])
-        return ready
+        self.seconds["native"] += t2 - t1
+        self.seconds["switch"] += time.perf_counter() - t2
 
     def _reconcile(self, batch):
         """The ranks' batches differ: exchange the descriptions. Names queued on every rank run now (through
@@ -481,6 +511,7 @@ class _HorovodIna:
         d = self.fallbacks.counters.as_dict()
         d["job"] = self.job
         d["agreement_rounds"] = self.rounds
+        d["seconds"] = dict(self.seconds)
         d["client"] = self.client.stats.as_dict() if self.client is not None else None
         return d
 

@@ -91,8 +91,12 @@ def agree(gather, tensors, op_name: str, unusable: bool, what: str) -> str | Non
     """One all_gather of a row per rank (``gloo_patch.agreement``) before an allreduce: raises RuntimeError
     on every rank if the ranks disagree (shapes, dtypes, op); else why every rank must take Gloo for this
     one (NaN/Inf on some rank, a failed client somewhere), or None. ``gather(out, mine)`` all-gathers."""
-    mine = agreement.row(tensors, _OPS.index(op_name) if op_name in _OPS else len(_OPS), unusable)
-    rows = gather(mine)
+    return judged(gather(agreement.row(tensors, _OPS.index(op_name) if op_name in _OPS else len(_OPS), unusable)),
+                  what)
+
+
+def judged(rows, what: str) -> str | None:
+    """What :func:`agree` decides from every rank's row."""
     err, nonfinite, failed = agreement.judge(rows, dict(enumerate(_OPS)))
     if err is not None:
         raise RuntimeError(f"{what}: {err}")
@@ -109,17 +113,21 @@ class _Lane:
         self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, **config.client_kwargs())
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        # (submitted, started, finished) of the last allreduces, time.perf_counter(): how much of the
-        # switch time ran while the caller still computed (DDP: backward), see timeline()
+        # (submitted, started, finished, lane CPU s, codec CPU s) of the last allreduces, time.perf_counter():
+        # how much of the switch time ran while the caller still computed (DDP: backward), see timeline();
+        # the codec's encode+decode time only with ``client.record_timeline`` on, else 0
         self.timeline: collections.deque = collections.deque(maxlen=4096)
         self._t = threading.Thread(target=self._run, name=f"ina-lane-r{rank}-j{job}", daemon=True)
         self._t.start()
 
-    def submit(self, tensors: list[torch.Tensor], average: bool, result, key=None) -> torch.futures.Future:
+    def submit(self, tensors: list[torch.Tensor], average: bool, result, key=None,
+               decide: Callable[[], bool] | None = None) -> torch.futures.Future:
         """Queue an allreduce of ``tensors``; ``key`` names them for codecs with error feedback (a
-        residual per (key, i)); without one such codecs are stateless."""
+        residual per (key, i)); without one such codecs are stateless. ``decide()``, if given, runs on the
+        lane first (the agreement, off the caller's thread): True if it did the allreduce another way
+        (Gloo), False to go through the switch; what it raises reaches the future, the lane stays usable."""
         fut, ready = staging.handoff(tensors)     # CUDA: a CUDA-aware future, events of the caller's streams
-        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter()))
+        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter(), decide))
         return fut
 
     def _run(self) -> None:
@@ -127,18 +135,28 @@ class _Lane:
             item = self._q.get()
             if item is None:
                 return
-            tensors, average, result, fut, key, ready, submitted = item
+            tensors, average, result, fut, key, ready, submitted, decide = item
+            started, cpu = time.perf_counter(), time.thread_time()
+            try:
+                staging.wait_ready(ready)     # CUDA: the caller's streams wrote the tensors (Gloo or switch reads them)
+                if decide is not None and decide():
+                    fut.set_result(result)
+                    continue
+            except BaseException as e:  # noqa: BLE001 - a disagreement or a Gloo error: this allreduce only
+                fut.set_exception(e)
+                continue
             if self._error is not None:
                 fut.set_exception(self._error)
                 continue
             try:
-                started = time.perf_counter()
-                staging.wait_ready(ready)
+                codec_s = 0.0
                 with torch.no_grad():
                     for i, t in enumerate(tensors):
                         self.client.allreduce(t, codec=self.config.codec, average=average,
                                               key=None if key is None else (key, i))
-                self.timeline.append((submitted, started, time.perf_counter()))
+                        tl = self.client.last_timeline if self.client.record_timeline else None
+                        codec_s += tl["encode_s"] + tl["decode_s"] if tl else 0.0
+                self.timeline.append((submitted, started, time.perf_counter(), time.thread_time() - cpu, codec_s))
                 fut.set_result(result)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting rank
                 self._error = e
@@ -202,8 +220,9 @@ class InaProcessGroup(dist.ProcessGroup):
         d["job"] = self.job
         return d
 
-    def timeline(self) -> list[tuple[float, float, float]]:
-        """(submitted, started, finished) of the last switch allreduces (``time.perf_counter()``)."""
+    def timeline(self) -> list[tuple]:
+        """(submitted, started, finished, lane CPU s, codec CPU s) of the last switch allreduces
+        (``time.perf_counter()``)."""
         return list(self._lane.timeline)
 
     # -- allreduce --------------------------------------------------------------------------------
@@ -326,15 +345,29 @@ class InaHookState:
             t = torch.tensor([new_job_id() if rank == 0 else 0], dtype=torch.int64)
             self.process_group.broadcast(t, 0).wait()
             job = int(t.item())
+        # the agreement rounds get a Gloo group of their own: the hook starts one per bucket without waiting
+        # (backward goes on), the lane waits for it; Gloo fallbacks run on the lane, on ``process_group``
+        self.agree_group = dist.new_group(dist.get_process_group_ranks(self.process_group), backend="gloo",
+                                          use_local_synchronization=True)
         self.fallbacks = FallbackLog(f"[ina rank {rank}] DDP comm hook:", announce=rank == 0)
         self.lane = _Lane(self.config, rank, size, job)
         if rank == 0:
             log.info("[ina rank 0] DDP comm hook: %d ranks, job %d, %s", size, job, self.config.describe())
 
-    def gather(self, mine: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.zeros_like(mine) for _ in range(self.process_group.size())]
-        dist.all_gather(out, mine, group=self.process_group)
-        return out
+    def agree_later(self, tensors, what: str) -> Callable[[], str | None]:
+        """Start this rank's agreement row for an allreduce (Average) of ``tensors`` on the agreement group,
+        without waiting; the returned function waits (bounded by INA_TIMEOUT) and returns what :func:`agree`
+        returns, or raises the same RuntimeError on every rank if the ranks disagree."""
+        mine = agreement.row(tensors, _OPS.index("AVG"), self.lane.unusable())
+        out = [torch.zeros_like(mine) for _ in range(self.agree_group.size())]
+        work = dist.all_gather(out, mine, group=self.agree_group, async_op=True)
+
+        def decided() -> str | None:
+            if not work.wait(datetime.timedelta(seconds=self.config.timeout)):
+                raise RuntimeError(f"{what}: the agreement round did not complete within {self.config.timeout:g} s "
+                                   "(INA_TIMEOUT)")
+            return judged(out, what)
+        return decided
 
     def stats(self) -> dict:
         d = self.fallbacks.counters.as_dict()
@@ -342,8 +375,9 @@ class InaHookState:
         d["job"] = self.lane.job
         return d
 
-    def timeline(self) -> list[tuple[float, float, float]]:
-        """(submitted, started, finished) of the last switch allreduces (``time.perf_counter()``)."""
+    def timeline(self) -> list[tuple]:
+        """(submitted, started, finished, lane CPU s, codec CPU s) of the last switch allreduces
+        (``time.perf_counter()``)."""
         return list(self.lane.timeline)
 
     def close(self) -> None:
@@ -355,22 +389,26 @@ class InaHookState:
 
 
 def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes)."""
-    buf = bucket.buffer()
-    why = tensors_not_offloadable([buf])
-    shared = agree(state.gather, [buf], "AVG", state.lane.unusable(),
-                   f"[ina rank {state.process_group.rank()}] DDP bucket {bucket.index()}")
-    why = why or shared
-    if why:
-        state.fallbacks.fallback("DDP bucket", why, f"bucket {bucket.index()}")
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415
-        return allreduce_hook(state.process_group, bucket)
-    state.fallbacks.offloaded(1, buf.numel())
+    """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes, NaN/Inf).
+    Returns at once: the agreement round and the allreduce run on the lane while backward goes on."""
+    buf, index = bucket.buffer(), bucket.index()
+    pending = state.agree_later([buf], f"[ina rank {state.process_group.rank()}] DDP bucket {index}")
+
+    def decide() -> bool:
+        why = pending() or tensors_not_offloadable([buf])
+        if why is None:
+            state.fallbacks.offloaded(1, buf.numel())
+            return False
+        state.fallbacks.fallback("DDP bucket", why, f"bucket {index}")
+        dist.all_reduce(buf, group=state.process_group)   # on the lane: the hook's thread issues no collective here
+        buf.div_(state.process_group.size())
+        return True
+
     # the residual of an error-feedback codec belongs to the bucket's parameters: DDP rebuilds its buckets
     # after the first iteration, so the index alone may name other parameters (or another size) later;
     # the parameters' shapes name the layout the same way on every rank (the host aggregator checks)
     layout = ",".join("x".join(map(str, p.shape)) for p in bucket.parameters())
-    return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{bucket.index()}:{layout}")
+    return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide)
 
 
 HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]
