@@ -32,14 +32,14 @@ from . import burst as B
 from . import compression, lifetime, staging
 from . import sparse as sparse_mod
 from . import stream_kernels as SK
-from .compression.base import ScaleContext, native
+from .compression.base import ScaleContext
 from .control import ControlChannel, ControlError
 from .recovery import LossDetector
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
 from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType, chunk_modulus,
-                   header_view, max_packet_size, payload_view, slot_of_chunk)
+                   header_view, max_packet_size, payload_view)
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -272,9 +272,10 @@ class Client(Worker):
 
         Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
         holds the switch's maxima. With payload, ``encode_block(b)`` gives the codes of chunks
-        ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads, which)`` takes each burst of
-        results (``payloads[which]``: their payload rows; which None: all rows, in order). Packets live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is
-        done, which is sent only after c is done, so a row is never reused while its chunk is pending.
+        ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads, which)`` takes each burst
+        of results (``payloads[which]``: their payload rows; which None: all rows, in order). Packets
+        live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is done, which is
+        sent only after c is done, so a row is never reused while its chunk is pending.
         ``sparse(c0)``, if given, makes the :class:`~ina.sparse.SparseStream` of a sparse data stream
         (one round in flight per stream, so the ring's rule holds too).
         """
