@@ -1,22 +1,26 @@
 """Time-to-accuracy through horovodrun and torchrun: real models, locally generated data, emulated links.
 
-    python -m experiments.bench_tta --rates 100mbit,1gbit --json out.json --plot docs/figures/tta.png
+    python -m experiments.bench_tta --rates 100mbit --seeds 0,1,2 --json out.json --plot docs/img/tta.png
     python -m experiments.bench_tta --workloads embedding --frameworks ddp --methods gloo,nc --rates 100mbit
 
 For every workload (``experiments.tta_workloads``: ``resnet``, a ResNet-style conv net on 3x32x32 colour
 digits; ``embedding``, an EmbeddingBag text classifier on a synthetic topic corpus), framework
 (``horovod``: ``hvd.DistributedOptimizer`` through ``horovodrun``; ``ddp``: DDP through ``torchrun``,
 backend ``gloo`` for the baseline and ``ina`` for the INA methods), link rate and method (``gloo``, or an
-INA codec: ``nc``, ``bfp32``, ``nd``, ``3lc-3v``, ``terngrad``, ...), ``--ranks`` (2) ranks train the same number of
-steps from the same seed, each in its own network namespace behind a shaped link (``ina.net.Topology``,
-tbf/htb; ``gloo_patch.netns_rank``), the switch in host ``sw``; Gloo's ring traffic crosses the same
-links. Rate ``loopback``: no namespaces, no shaping.
+INA codec: ``nc``, ``bfp32``, ``nd``, ``3lc-3v``, ``terngrad``, ...) and seed (``--seeds``: the model's
+initialisation, every rank's batches, the stochastic codecs' draws), ``--ranks`` (2) ranks train the same number
+of steps, each in its own network namespace behind a shaped link (``ina.net.Topology``, tbf/htb;
+``gloo_patch.netns_rank``), the switch in host ``sw``; Gloo's ring traffic crosses the same links. Rate
+``loopback``: no namespaces, no shaping.
 
 Rank 0 records the wall-clock time since the first step at every checkpoint (``--eval-every``) and keeps
 a copy of the model; after training it evaluates the copies on the held-out test set, so evaluation
-costs no training time. Reported per run: the accuracy curve, the final accuracy, the time to reach
-the Gloo run's final accuracy minus ``--target-margin`` points (same workload, framework and rate), and
-the training time as a ratio to Gloo's.
+costs no training time. Reported per run (against the Gloo run of the same workload, framework, rate and
+seed): the accuracy curve, the final accuracy, the time to reach Gloo's final accuracy minus
+``--target-margin`` points, and the training time as a ratio to Gloo's; over the seeds
+(``experiments.tta_report``): the mean and spread of the paired accuracy differences to Gloo, a 95 %
+confidence interval, whether the method is within the margin of Gloo (a non-inferiority test) and within
+seed-to-seed noise.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments.tta_report import key, plot, run_table, seed_statistics, seed_table, summarise
 from switch_model.launch import free_port, start_switch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,17 +132,17 @@ def worker(a) -> None:
 
 
 # ---- the launcher -------------------------------------------------------------------------------------------
-def run_one(workload: str, framework: str, method: str, switch: str | None, topo, a) -> dict:
+def run_one(workload: str, framework: str, method: str, seed: int, switch: str | None, topo, a) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench_tta_")) / "r0.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k == "INA_TOKEN"}  # the switch's token
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     backend = "gloo"
     if method != "gloo":
-        env.update(INA_SWITCH=switch, INA_CODEC=method, INA_SEED="7", INA_TIMEOUT="60", INA_LOG="warning")
+        env.update(INA_SWITCH=switch, INA_CODEC=method, INA_SEED=str(7 + seed), INA_TIMEOUT="60", INA_LOG="warning")
         backend = "ina"
     me = [PY, "-m", "experiments.bench_tta", "--worker", "--workload", workload, "--framework", framework,
           "--backend", backend, "--steps", str(a.steps[workload]), "--batch", str(a.batch),
-          "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--out", str(out)]
+          "--eval-every", str(a.eval_every), "--seed", str(seed), "--out", str(out)]
     shim = [PY, "-m", "gloo_patch.netns_rank", "--prefix", topo.prefix, "--"] if topo else []
     if framework == "horovod":
         cmd = [PY, "-m", "gloo_patch.rendezvous_fix", "-np", str(a.ranks), "-H", f"localhost:{a.ranks}", "--gloo",
@@ -153,33 +158,27 @@ def run_one(workload: str, framework: str, method: str, switch: str | None, topo
     return {**json.loads(out.read_text()), "launch_s": time.monotonic() - t0}
 
 
-def time_to(curve: list[dict], target: float) -> float | None:
-    """Wall-clock seconds at the first checkpoint whose accuracy reaches ``target`` (None: never)."""
-    return next((c["seconds"] for c in curve if c["accuracy"] >= target), None)
-
-
-def summarise(runs: list[dict], margin: float) -> None:
-    """Adds, to every run, Gloo's numbers (same workload, framework, rate) and the ratios."""
-    for r in runs:
-        same = ("workload", "framework", "rate")
-        base = next((b for b in runs if b["method"] == "gloo" and all(b[k] == r[k] for k in same)
-                     and b.get("ranks", 2) == r.get("ranks", 2)), None)
-        if base is None:
-            continue
-        target = base["final_accuracy"] - margin / 100
-        tta, base_tta = time_to(r["curve"], target), time_to(base["curve"], target)
-        r.update(gloo_final_accuracy=base["final_accuracy"], target_accuracy=target,
-                 accuracy_vs_gloo_points=100 * (r["final_accuracy"] - base["final_accuracy"]),
-                 time_to_target_s=tta, train_time_ratio=r["train_s"] / base["train_s"],
-                 speedup_vs_gloo=base["train_s"] / r["train_s"],
-                 tta_speedup_vs_gloo=(base_tta / tta) if tta and base_tta else None)
-
-
 def switch_for(topo):
     if topo is None:
         return start_switch(None, "--stats-interval", "0")
     return start_switch(9999, "--stats-interval", "0", popen=functools.partial(topo.popen, "sw"),
                         host="0.0.0.0", control_host=topo.host("sw").ip, timeout=30)
+
+
+def run_config(config: dict, addr: str, topo, a, results: dict, save) -> None:
+    """One run of ``config`` (workload, framework, method, rate, ranks, seed) unless --resume has it already."""
+    fields = tuple(config)
+    if any(key(r, *fields) == tuple(config.values()) for r in results["runs"]):
+        return
+    r = run_one(config["workload"], config["framework"], config["method"], config["seed"], addr, topo, a)
+    r.update(config)
+    results["runs"].append(r)
+    summarise(results["runs"], a.target_margin)
+    print(f"[bench_tta] {config['rate']:8s} {config['workload']:9s} {config['framework']:7s} {config['method']:8s} "
+          f"seed {config['seed']}  acc {100 * r['final_accuracy']:5.2f}% ({r.get('accuracy_vs_gloo_points', 0):+.2f} "
+          f"pts vs Gloo)  train {r['train_s']:6.1f}s ({r.get('speedup_vs_gloo', 1):.2f}x Gloo's speed)  "
+          f"{1e3 * r['median_step_s']:.0f} ms/step", file=sys.stderr, flush=True)
+    save()
 
 
 def run_rate(rate: str, a, results: dict, save) -> None:
@@ -190,74 +189,17 @@ def run_rate(rate: str, a, results: dict, save) -> None:
         sw = switch_for(topo)
         addr = f"{topo.host('sw').ip if topo else '127.0.0.1'}:{sw.port}"
         try:
-            for workload in a.workloads:
-                for framework in a.frameworks:
-                    for method in a.methods:
-                        key = dict(workload=workload, framework=framework, method=method, rate=rate)
-                        if any(all(r[k] == v for k, v in key.items()) and r.get("ranks", 2) == a.ranks
-                               for r in results["runs"]):
-                            continue        # --resume: already measured
-                        r = run_one(workload, framework, method, addr, topo, a)
-                        r.update(key, ranks=a.ranks)
-                        results["runs"].append(r)
-                        summarise(results["runs"], a.target_margin)
-                        print(f"[bench_tta] {rate:8s} {workload:9s} {framework:7s} {method:8s} "
-                              f"acc {100 * r['final_accuracy']:5.2f}% ({r.get('accuracy_vs_gloo_points', 0):+.2f} pts "
-                              f"vs Gloo)  train {r['train_s']:6.1f}s "
-                              f"({r.get('speedup_vs_gloo', 1):.2f}x Gloo's speed)  "
-                              f"{1e3 * r['median_step_s']:.0f} ms/step", file=sys.stderr, flush=True)
-                        save()
+            for seed in a.seeds:          # seeds outermost: a run cut short still has every method of its seeds
+                for workload in a.workloads:
+                    for framework in a.frameworks:
+                        for method in a.methods:
+                            run_config(dict(workload=workload, framework=framework, method=method, rate=rate,
+                                            ranks=a.ranks, seed=seed), addr, topo, a, results, save)
         finally:
             sw.stop(timeout=10)
     finally:
         if topo is not None:
             topo.__exit__(None, None, None)
-
-
-# ---- the report -----------------------------------------------------------------------------------------------
-def plot(results: dict, path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    from experiments.plot_style import legend_label, style  # noqa: PLC0415
-
-    runs = results["runs"]
-    panels = list(dict.fromkeys((r["workload"], r["framework"], r["rate"], r.get("ranks", 2)) for r in runs))
-    cols = min(4, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
-    for ax, (wl, fw, rate, ranks) in zip(axes.flat, panels):
-        for r in (r for r in runs if (r["workload"], r["framework"], r["rate"], r.get("ranks", 2))
-                  == (wl, fw, rate, ranks)):
-            m = "gloo" if r["method"] == "gloo" else f"ina:{r['method']}"
-            s = style(m)
-            ax.plot([0] + [c["seconds"] for c in r["curve"]], [None] + [100 * c["accuracy"] for c in r["curve"]],
-                    color=s.colour, marker=s.marker, linestyle=s.linestyle, markersize=4, label=legend_label(m))
-        ax.set_title(f"{wl}, {'Horovod' if fw == 'horovod' else 'DDP'}, {ranks} ranks, {rate}", fontsize=9)
-        ax.set_xlabel("training wall-clock (s)")
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    fig.suptitle("Time to accuracy: ranks each behind its own emulated link (tbf/htb), same steps per method",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-
-
-def table(results: dict) -> str:
-    lines = ["| workload | framework | ranks | rate | method | final acc. (%) | vs Gloo (points) | train time (s) | "
-             "speed vs Gloo | time to Gloo's final - 0.5 pt (s) | ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["runs"]:
-        tta = r.get("time_to_target_s")
-        lines.append(f"| {r['workload']} | {r['framework']} | {r.get('ranks', 2)} | {r['rate']} | {r['method']} | "
-                     f"{100 * r['final_accuracy']:.2f} | {r.get('accuracy_vs_gloo_points', 0):+.2f} | "
-                     f"{r['train_s']:.1f} | {r.get('speedup_vs_gloo', 1):.2f}x | "
-                     f"{'not reached' if tta is None else f'{tta:.1f}'} | {1e3 * r['median_step_s']:.0f} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -271,7 +213,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16, help="per-rank batch")
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0,1,2",
+                    help="seeds (model initialisation, batches, stochastic codecs): every method trains from each")
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--target-margin", type=float, default=0.5, help="points below Gloo's final accuracy")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--json", help="write the results (after every run) to this file")
@@ -294,6 +238,7 @@ def main(argv=None) -> int:
     if bad := [f for f in a.frameworks if f not in ("horovod", "ddp")]:
         ap.error(f"unknown framework {bad[0]!r} (expected horovod, ddp)")
     a.steps = {k: int(v) for k, v in (kv.split("=") for kv in a.steps.split(","))}
+    a.seeds = [int(x) for x in a.seeds.split(",")]
     results = {"emulated": f"{a.ranks} ranks, each in its own network namespace behind a shaped link (tbf/htb), switch "
                            "in host sw; Gloo's ring crosses the same links", "args": sys.argv[1:], "runs": []}
 
@@ -306,9 +251,16 @@ def main(argv=None) -> int:
 
     for rate in [] if a.report_only else a.rates.split(","):
         run_rate(rate, a, results, save)
-    print(table(results))
+    summarise(results["runs"], a.target_margin)
+    stats = seed_statistics(results["runs"], a.target_margin)
+    results["seed_statistics"] = stats
+    if not a.report_only:
+        save()
+    print(run_table(results["runs"]))
+    print()
+    print(seed_table(stats, a.target_margin))
     if a.plot:
-        plot(results, Path(a.plot))
+        plot(results["runs"], Path(a.plot))
     return 0
 
 

@@ -18,8 +18,8 @@ Workloads:
 * ``allreduce``: gradient-sized tensors (ResNet-110 1.7M, AlexNet 61M, VGG-16 138M parameters;
   ``--quick`` uses only ResNet-110's count divided by ``--scale``, default 4: 425,000 elements);
 * ``throughput``: data-parallel training with synthetic data (random batches of 32 per worker) of a
-  synthetic fully connected model with that parameter count (``sweep_worker.synthetic_model``):
-  forward+backward, one allreduce of all gradients per step (fused, as Horovod does), SGD step;
+  ResNet with that parameter count and a real conv net's per-tensor layout (``sweep_worker.layout_model``):
+  forward+backward, the gradients allreduced bucket by bucket as the integrations fuse them, SGD step;
   measured end to end: samples/s = workers * batch * steps / wall time of the slowest rank
   (``--tp-sizes``, default ResNet-110's count: the large models' runs take minutes per step at 10 Mbit/s);
 * ``accuracy``: data-parallel SGD on scikit-learn's digits for a fixed number of steps, Gloo vs
@@ -322,7 +322,8 @@ def run_throughput(group: WorkerGroup, topo, method: str, n: int, rate: str, ele
     step_times = [max(r["step_times"][i] for r in res) for i in range(steps)]
     compute = sorted(x for r in res for x in r["compute_times"])
     return {"workload": "throughput", "method": method, "workers": n, "rate": rate, "rate_bps": rate_bps(rate),
-            "elements": elements, "params": res[0]["params"], "steps": steps, "batch": BATCH,
+            "elements": elements, "params": res[0]["params"], "tensors": res[0].get("tensors"),
+            "buckets": res[0].get("buckets"), "bucket_bytes": res[0].get("bucket_bytes"), "steps": steps, "batch": BATCH,
             "step_times": step_times, "time_median": sorted(step_times)[steps // 2],
             "compute_time": compute[len(compute) // 2], "samples_per_s": n * BATCH * steps / total,
             "ideal_time": ideal_time(method, n, elements, rate),

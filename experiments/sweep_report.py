@@ -450,8 +450,13 @@ def _md_throughput(meta, tp, ar, methods, rates, sizes) -> list[str]:
     L += [f"## Training throughput (samples/s, {n} workers) — compare with the natural-compression paper's "
           "throughput figures", "",
           f"Measured: data-parallel SGD with synthetic data (batch {meta.get('batch', 32)} per worker) of a "
-          "fully connected model with that parameter count; per step forward+backward, one allreduce of all "
-          f"gradients, SGD step; {meta.get('tp_steps', '?')} timed steps after one warm-up step. samples/s = "
+          + (("ResNet with that parameter count and a real conv net's per-tensor layout (``sweep_worker.layout_model``"
+              ": ResNet-110 itself at its 1.7 M; 3x4x4 inputs); per step forward+backward, the gradients allreduced "
+              "in buckets of the integrations' size (one fused buffer each, in backward's order), SGD step; ")
+             if all("tensors" in r for r in tp) else      # rows measured before the per-tensor layout
+             "fully connected model with that parameter count; per step forward+backward, one allreduce of all "
+             "gradients, SGD step; ") +
+          f"{meta.get('tp_steps', '?')} timed steps after one warm-up step. samples/s = "
           "workers x batch x steps / wall time of the slowest rank (in parentheses: ratio to Gloo). The model has "
           "little compute per parameter, like an accelerator; on this 2-core CPU the workers share the cores, "
           "and the median forward+backward time per step is given with each model.", ""]

@@ -10,9 +10,10 @@ JSON-line commands on stdin, answering JSON lines on stdout:
     allreduces, each after a Gloo barrier, and answers ``{"done": id, "times": [...], ...}``.
 ``{"op": "train", "id", "method", "steps", "eval_every", "job", "seed", "lr", "batch"}``
     data-parallel SGD of a small MLP on scikit-learn's digits; answers the accuracy curve.
-``{"op": "throughput", "id", "method", "elements", "steps", "warmup", "job", "batch"}``
-    data-parallel SGD of a synthetic-data model with ``elements`` parameters (see
-    :func:`synthetic_model`); answers per-step wall and compute times.
+``{"op": "throughput", "id", "method", "elements", "steps", "warmup", "job", "batch", "bucket_bytes"}``
+    data-parallel SGD, on synthetic data, of a ResNet with about ``elements`` parameters (see
+    :func:`layout_model`), its gradients allreduced per bucket (:func:`gradient_buckets`); answers
+    per-step wall and compute times.
 ``{"op": "quit"}``
 
 ``method`` is ``"gloo"`` (torch.distributed all_reduce of fp32, Gloo's ring), ``"ina:<codec>"``
@@ -65,16 +66,60 @@ def bench_input(torch, n: int, rank: int, block_sparsity: float | None = None, b
     return x
 
 
-def synthetic_model(elements: int):
-    """A fully connected model with about ``elements`` parameters, Linear(d, w) -> ReLU -> Linear(w, w),
-    w = sqrt(elements / 2): the parameter count of ResNet-110 / AlexNet / VGG-16 with little compute
-    per parameter (a stand-in for an accelerator's speed: the links, not this CPU, should dominate)."""
+def layout_model(elements: int):
+    """A CIFAR-style ResNet-(6n+2) (a stem, three stages of ``n`` BasicBlocks at widths w/2w/4w, global pooling, a
+    linear head) with about ``elements`` parameters: the per-tensor layout of a real conv net (many small
+    conv and BatchNorm tensors, a few large ones). At ResNet-110's count (1.7 M) it is ResNet-110 itself
+    (n = 18, w = 16: 329 tensors); smaller counts take fewer blocks, larger ones wider stages. Its inputs
+    are 3x4x4 (see :data:`LAYOUT_INPUT`): little compute per parameter, a stand-in for an accelerator's
+    speed (the links, not this CPU, should dominate); the layout does not depend on the image size."""
     import math
 
     import torch
-    width = max(8, int(math.sqrt(elements / 2)))
-    d_in = max(1, elements // width - width)
-    return torch.nn.Sequential(torch.nn.Linear(d_in, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+    from torch import nn
+
+    def block(c_in, c_out, stride):
+        body = nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
+                             nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out))
+        short = (nn.Identity() if stride == 1 and c_in == c_out else
+                 nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)))
+        return Residual(body, short)
+
+    class Residual(nn.Module):
+        def __init__(self, body, short):
+            super().__init__()
+            self.body, self.short = body, short
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.short(x))
+
+    per_block = 2 * 9 * (1 + 4 + 16)                # conv weights of one block per stage, in units of w^2
+    n = max(1, min(18, round(elements / (per_block * 16 ** 2))))
+    w = max(2, round(math.sqrt(elements / (per_block * n))))
+    layers = [nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU()]
+    c = w
+    for stage, width in enumerate((w, 2 * w, 4 * w)):
+        for i in range(n):
+            layers.append(block(c, width, 2 if stage and i == 0 else 1))
+            c = width
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, LAYOUT_CLASSES))
+
+
+LAYOUT_INPUT, LAYOUT_CLASSES = (3, 4, 4), 10
+
+
+def gradient_buckets(params, bucket_bytes: int) -> list[list]:
+    """The parameters in the order backward produces their gradients (the reverse of the model's order),
+    cut into buckets of at least ``bucket_bytes`` (the last one smaller): one fused allreduce per bucket, as the
+    integrations seal their buckets (``gloo_patch.horovod``: ``INA_BUCKET_BYTES``); 0: one allreduce per tensor."""
+    out, cur, size = [], [], 0
+    for p in reversed(list(params)):
+        cur.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
 
 
 class Worker:
@@ -231,35 +276,41 @@ class Worker:
 
     # ----------------------------------------------------------------------------------------------
     def throughput(self, cmd):
-        """Data-parallel SGD of a synthetic-data model with ``elements`` parameters: per step a
-        forward+backward on a random batch, one allreduce of all gradients (fused into one buffer,
-        as Horovod's tensor fusion does), an SGD step. Answers the per-step wall times."""
+        """Data-parallel SGD of :func:`layout_model` with ``elements`` parameters on one synthetic batch: per step
+        a forward+backward, then the gradients allreduced bucket by bucket (``bucket_bytes``: the integration's
+        bucket size by default, 0 per tensor; each bucket one fused buffer, in backward's order; after backward,
+        not overlapped with it), an SGD step. Answers the per-step wall times."""
         torch = self.torch
         torch.manual_seed(0)                             # same init on every rank
-        model = synthetic_model(int(cmd["elements"]))
+        model = layout_model(int(cmd["elements"]))
         params = list(model.parameters())
-        sizes = [p.numel() for p in params]
         opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
         red, cl = self.reducer(cmd["method"], int(cmd["job"]), cmd.get("rto"), shapes=[p.shape for p in params])
+        from gloo_patch.horovod import DEFAULT_BUCKET_BYTES
+        bucket_bytes = int(cmd.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+        if cmd["method"] == "powersgd":
+            buckets, bucket_bytes = [params], None    # PowerSGD compresses the model's matrices: one buffer of all
+        else:
+            buckets = gradient_buckets(params, bucket_bytes)
+        flats = [torch.zeros(sum(p.numel() for p in b)) for b in buckets]
         g = torch.Generator().manual_seed(2000 + self.a.rank)
         batch = int(cmd.get("batch", 32))
-        d_in, d_out = model[0].in_features, model[-1].out_features
-        x = torch.randn(batch, d_in, generator=g)
-        y = torch.randint(0, d_out, (batch,), generator=g)
-        flat = torch.zeros(sum(sizes))
+        x = torch.randn(batch, *LAYOUT_INPUT, generator=g)
+        y = torch.randint(0, LAYOUT_CLASSES, (batch,), generator=g)
         step_times, compute_times = [], []
 
         def step():
             t0 = time.perf_counter()
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            torch.cat([p.grad.reshape(-1) for p in params], out=flat)
             t1 = time.perf_counter()
-            red(flat, average=True, key="grads")
-            off = 0
-            for p, k in zip(params, sizes):
-                p.grad.copy_(flat[off:off + k].view_as(p.grad))
-                off += k
+            for i, (b, flat) in enumerate(zip(buckets, flats)):
+                torch.cat([p.grad.reshape(-1) for p in b], out=flat)
+                red(flat, average=True, key=f"grads.{i}")
+                off = 0
+                for p in b:
+                    p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+                    off += p.numel()
             opt.step()
             return t1 - t0
 
@@ -274,7 +325,8 @@ class Worker:
         total = time.perf_counter() - t_all
         self.dist.barrier()
         _out({"done": cmd["id"], "step_times": step_times, "compute_times": compute_times, "total": total,
-              "params": sum(sizes)})
+              "params": sum(p.numel() for p in params), "tensors": len(params), "buckets": len(buckets),
+              "bucket_bytes": bucket_bytes})
 
     def serve(self):
         _out({"hello": self.a.rank})

@@ -48,6 +48,7 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
         assert len(r["step_times"]) == 2 and r["samples_per_s"] == pytest.approx(
             2 * r["batch"] * 2 / (sum(r["step_times"])), rel=0.5)
         assert 0.8 * 60000 < r["params"] < 1.2 * 60000
+        assert r["tensors"] == 29 and r["buckets"] >= 1     # a ResNet's layout (conv + BatchNorm tensors)
     assert tp["ina:nc"]["wire_up_bytes_per_worker"] < 0.4 * tp["gloo"]["wire_up_bytes_per_worker"]
     csv_lines = (out / "results.csv").read_text().splitlines()
     assert csv_lines[0].startswith("workload,method,aggregation,workers") and len(csv_lines) == 1 + len(data["records"])
