@@ -228,3 +228,31 @@ def test_gro_refused_falls_back_to_one_datagram_per_message():
         assert not ring.gro and ring.gro_refused
     finally:
         s.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# decoding straight from the receive ring: the same bits as decode_sum
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec,rtype,raw", [("nc", 1, False), ("nc", 3, True), ("bfp32", 2, False),
+                                             ("qsgd", 2, False)])
+def test_decode_sum_into_equals_decode_sum_of_the_same_payloads(codec, rtype, raw):
+    """Result payloads in wire byte order in ring rows (picked out of order, some rows unused) decode into
+    the chosen output rows bit for bit as decode_sum of the same payloads does (fused kernels: nc, bfp32;
+    the default: every other codec)."""
+    from ina import compression
+    from ina.compression.base import ScaleContext
+    from ina.wire import PAYLOAD_DTYPE, HEADER_SIZE, PayloadType, payload_view
+    E, rows = 64, 12
+    rng = np.random.default_rng(5)
+    ring = np.zeros((rows, HEADER_SIZE + 8 * E + 4), np.uint8)
+    pv = payload_view(ring, PayloadType(rtype), E)
+    pv[:] = rng.integers(0, 128 if rtype == 1 else 2**20, (rows, E)).astype(PAYLOAD_DTYPE[PayloadType(rtype)])
+    c = compression.get(codec)
+    ctx = ScaleContext(3, 4, seed=1, elements=E)
+    which, chunks = np.array([7, 2, 9, 0]), np.array([3, 0, 5, 1])
+    out = np.full((6, E), np.nan, np.float32)
+    c.decode_sum_into(pv, ctx, raw, out, chunks, which)
+    for w, ch in zip(which, chunks):
+        want = c.decode_sum(pv[w].astype(pv.dtype.newbyteorder("=")), ctx, raw=raw)
+        assert np.array_equal(out[ch].view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert np.isnan(out[[2, 4]]).all()          # rows no result went to are untouched
