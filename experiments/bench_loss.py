@@ -4,23 +4,37 @@
     python -m experiments.bench_loss --json
     python -m experiments.bench_loss --rate 100mbit    # the same on emulated 100 Mbit/s links (root)
 
-Every setting runs the same bfp32 allreduces of the same inputs; the lossless setting runs first in
-the same invocation and is the reference of every ratio. Loss, duplication and reordering are the
-switch's user-space impairments (this kernel has no netem), applied in both directions (worker ->
-switch and switch -> worker) with the given probability each. Every result is compared bit for bit
-with the lossless run's: a mismatch fails the benchmark. The client counters say how each loss was
-recovered: fast retransmissions (a later chunk's result arrived first), tail probes or timeouts;
-``needed_resends`` is what the switch's drop counts make necessary (a lost data packet: one resend
-per worker, none can tell whose packet it was; a lost result: one), so resends above it are
-spurious. The "impairment path on, no loss" setting runs the impairment stages without dropping
-anything: what the emulator's impairment path costs by itself. Progress goes to stderr.
+Every setting runs the same bfp32 allreduces of the same inputs. The workers are started once and
+stay in one job; the settings take turns in ``--rounds`` rounds (each round runs a block of
+``--reps`` allreduces per setting, the settings' order rotated from round to round), so that a
+change of the machine's load during the run reaches every setting alike. A setting's time is the
+median over the rounds of its block's time per allreduce (the slowest worker's mean over the
+block); its ratio is the median over the rounds of its block's time over the lossless block's of
+the same round (the spread of these ratios is reported too: a wide one means a noisy machine).
+``vs_lossless_best`` is the ratio of the fastest blocks (each setting's least disturbed block over the
+lossless setting's): on a loaded machine the better estimate of what a quiet one would show, since
+every round of a setting draws the same impairment sequence (re-seeded alike each round).
+
+Loss, duplication and reordering are the switch's user-space impairments (this kernel has no
+netem), applied in both directions (worker -> switch and switch -> worker) with the given
+probability each, seeded (the same seed in every round). Every result is compared bit for bit with the lossless run's: a
+mismatch fails the benchmark. The client counters say how each loss was recovered: fast
+retransmissions (a later chunk's result arrived first), tail probes or timeouts; ``needed_resends``
+is what the switch's drop counts make necessary (a lost data packet: one resend per worker, none
+can tell whose packet it was; a lost result: one), so resends above it are spurious, or answer a
+reordered packet (held back 1 ms, five loopback round trips: a resend overtakes it, as TCP's would). ``tail_s`` is
+the mean time from a stream's last first-time send to its last result (where a tail loss shows).
+The "impairment path on, no loss" setting runs the impairment stages without dropping anything:
+what the emulator's impairment path costs by itself. Progress goes to stderr.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import functools
 import hashlib
+import json
+import os
+import select
 import subprocess
 import sys
 import time
@@ -50,6 +64,7 @@ def switch_counts(host: str, port: int) -> dict:
     imp = st["impairments"]
     return {"ingress_dropped": imp["ingress"]["dropped"], "egress_dropped": imp["egress"]["dropped"],
             "ingress_duplicated": imp["ingress"]["duplicated"], "egress_duplicated": imp["egress"]["duplicated"],
+            "ingress_reordered": imp["ingress"]["reordered"], "egress_reordered": imp["egress"]["reordered"],
             "replays": st["counters"]["replays"], "retransmit_pending": st["drops"]["retransmit_pending"]}
 
 
@@ -63,26 +78,43 @@ def log(msg: str) -> None:
     print(f"[bench_loss] {msg}", file=sys.stderr, flush=True)
 
 
-def worker_main(spec: dict) -> dict:
-    """One rank: ``reps`` bfp32 allreduces of its input after a warm-up; returns its time per
-    allreduce, its recovery counters and a digest of every result (to compare with the lossless run)."""
-    from ina import Client
-    rng = np.random.default_rng([spec["seed"], spec["rank"]])
-    x = rng.standard_normal(spec["elements"]).astype(np.float32)
+# ------------------------------------------------------------------------------------------------
+# a worker: one Client for the whole run, one block of allreduces per line on stdin
+# ------------------------------------------------------------------------------------------------
+def worker_block(cl, x: np.ndarray, reps: int) -> dict:
+    """``reps`` bfp32 allreduces of ``x``: time per allreduce, recovery counters, digest of every result."""
     h = hashlib.sha256()
-    with Client((spec["host"], spec["port"]), rank=spec["rank"], world_size=spec["workers"], job=spec["job"],
-                timeout=60) as cl:
-        y = x.copy()
-        cl.allreduce(y, codec="bfp32")                   # warm-up: caches, the first RTT samples
+    y = x.copy()
+    st0 = cl.stats.as_dict()
+    tails = []
+    dt = 0.0                  # the allreduces' time (not the copies and the digest's in between)
+    for _ in range(reps):
+        y[:] = x
         t0 = time.perf_counter()
-        for _ in range(spec["reps"]):
-            y[:] = x
-            cl.allreduce(y, codec="bfp32")
-            h.update(y.tobytes())
-        dt = time.perf_counter() - t0
-        st = cl.stats.as_dict()
-    return {"rank": spec["rank"], "time_per_allreduce_s": dt / spec["reps"], "digest": h.hexdigest(),
-            **{k: st.get(k, 0) for k in COUNTERS}}
+        cl.allreduce(y, codec="bfp32")
+        dt += time.perf_counter() - t0
+        tl = cl.last_timeline or {}
+        if "last_result" in tl and "last_send" in tl:
+            tails.append(tl["last_result"] - tl["last_send"])
+        h.update(y.tobytes())
+    st = cl.stats.as_dict()
+    return {"time_per_allreduce_s": dt / reps, "digest": h.hexdigest(), "tail_s": float(np.mean(tails or [0.0])),
+            **{k: st.get(k, 0) - st0.get(k, 0) for k in COUNTERS}}
+
+
+def worker_main(spec: dict) -> None:
+    """One rank: joins the job, then runs a block per command line ({"elements", "reps"}) until EOF."""
+    from ina import Client
+    inputs = {}
+    with Client((spec["host"], spec["port"]), rank=spec["rank"], world_size=spec["workers"], job=spec["job"],
+                timeout=60, timeline=True) as cl:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            e = cmd["elements"]
+            if e not in inputs:
+                rng = np.random.default_rng([spec["seed"], spec["rank"], e])
+                inputs[e] = rng.standard_normal(e).astype(np.float32)
+            print(json.dumps({"rank": spec["rank"], **worker_block(cl, inputs[e], cmd["reps"])}), flush=True)
 
 
 class Links:
@@ -97,90 +129,169 @@ class Links:
         else:
             self.switch_ip = "127.0.0.1"
 
-    def popen(self, rank, argv, **kw) -> subprocess.Popen:
-        """Start ``argv`` where worker ``rank`` runs (None: the switch)."""
+    def popen(self, rank, argv, tree: str | None = None, **kw) -> subprocess.Popen:
+        """Start ``argv`` where worker ``rank`` runs (None: the switch), with the code of ``tree`` if given."""
+        host = None if self.topo is None else self.topo.switch if rank is None else self.topo.workers[rank]
+        if tree:
+            kw["env"] = {**os.environ, **(host.env() if host else {}), "PYTHONPATH": tree}
+            kw["cwd"] = tree
         if self.topo is None:
             return subprocess.Popen(argv, **kw)
-        host = self.topo.switch if rank is None else self.topo.workers[rank]
         return self.topo.popen(host, argv, **kw)
 
-    def start_switch(self):
-        return start_switch(None if self.topo is None else 9999, "--slots", "512", "--log-level", "WARNING",
+    def start_switch(self, port: int | None, tree: str | None = None):
+        return start_switch(port if self.topo else None, "--slots", "512", "--log-level", "WARNING",
                             "--stats-interval", "0", host=self.switch_ip, control_host=self.switch_ip,
-                            popen=functools.partial(self.popen, None))
+                            popen=functools.partial(self.popen, None, tree=tree))
 
     def close(self) -> None:
         if self.topo is not None:
             self.topo.down()
 
 
-def run_setting(links: Links, port, n, job, elements, reps, seed, imp: dict, timeout: float):
-    cfg = {"loss": 0.0, "duplicate": 0.0, "reorder": 0.0, "seed": seed, **imp}
-    request(links.switch_ip, port, {"op": "impair", "ingress": cfg, "egress": {**cfg, "seed": seed + 1}},
-            timeout=10)
-    base = {"host": links.switch_ip, "port": port, "workers": n, "job": job, "elements": elements, "reps": reps,
-            "seed": seed}
-    sw0 = switch_counts(links.switch_ip, port)
-    ps = [links.popen(r, [sys.executable, "-m", "experiments.bench_loss", "--worker", json.dumps({**base, "rank": r})],
-                      stdout=subprocess.PIPE, text=True) for r in range(n)]
-    got = []
-    for r, p in enumerate(ps):
+class Ranks:
+    """The worker processes of one job, driven a block at a time (with the code of ``tree`` if given:
+    this file runs as a script there, importing that tree's ina)."""
+
+    def __init__(self, links: Links, port: int, n: int, job: int, seed: int, tree: str | None = None):
+        spec = {"host": links.switch_ip, "port": port, "workers": n, "job": job, "seed": seed}
+        me = [os.path.abspath(__file__)] if tree else ["-m", "experiments.bench_loss"]
+        self.ps = [links.popen(r, [sys.executable, *me, "--worker", json.dumps({**spec, "rank": r})], tree=tree,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(n)]
+
+    def block(self, elements: int, reps: int, timeout: float) -> list[dict]:
+        """Every rank runs ``reps`` allreduces of ``elements``; their reports, within ``timeout`` s."""
+        for p in self.ps:
+            p.stdin.write(json.dumps({"elements": elements, "reps": reps}) + "\n")
+            p.stdin.flush()
+        deadline = time.monotonic() + timeout
+        got = []
+        for r, p in enumerate(self.ps):
+            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = p.stdout.readline() if ready else ""
+            if not line:
+                why = f"exited with code {p.poll()}" if p.poll() is not None else f"did not finish within {timeout:g} s"
+                raise RuntimeError(f"rank {r} {why} ({reps} allreduces of {elements} elements)")
+            got.append(json.loads(line))
+        return got
+
+    def close(self) -> None:
+        for p in self.ps:
+            if p.stdin:
+                p.stdin.close()
+        for p in self.ps:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ------------------------------------------------------------------------------------------------
+# the coordinator
+# ------------------------------------------------------------------------------------------------
+class Side:
+    """A switch and its ranks running the code of one tree ("this": the importing one)."""
+
+    def __init__(self, links: Links, label: str, tree: str | None, port: int, n: int, seed: int):
+        self.links, self.label, self.tree = links, label, tree
+        self.sw = links.start_switch(port, tree)
         try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in ps:
-                q.kill()
-            raise RuntimeError(f"rank {r} did not finish {reps} allreduces within {timeout:g} s") from None
-        if p.returncode != 0:
-            raise RuntimeError(f"rank {r} exited with code {p.returncode}")
-        got.append(json.loads(out.strip().splitlines()[-1]))
-    per = max(g["time_per_allreduce_s"] for g in got)          # the slowest worker's time per allreduce
-    counters = {k: sum(g[k] for g in got) for k in COUNTERS}
-    sw1 = switch_counts(links.switch_ip, port)                 # (these include the warm-up allreduce)
-    counters["switch"] = {k: sw1[k] - sw0[k] for k in sw1}
-    counters["needed_resends"] = needed_resends(counters["switch"], n)
-    digests = {g["digest"] for g in got}
-    if len(digests) != 1:
-        raise RuntimeError(f"ranks disagree on the results ({len(digests)} different digests)")
-    return per, counters, digests.pop()
+            self.ranks = Ranks(links, self.sw.port, n, job=2, seed=seed, tree=tree)
+        except BaseException:
+            self.sw.stop()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.ranks.close()
+        finally:
+            self.sw.stop()
+
+    def block(self, elements: int, reps: int, seed: int, imp: dict) -> dict:
+        """One block of one setting: the impairments set, the ranks' block, the switch's counts."""
+        ip, port = self.links.switch_ip, self.sw.port
+        cfg = {"loss": 0.0, "duplicate": 0.0, "reorder": 0.0, "seed": seed, **imp}
+        request(ip, port, {"op": "impair", "ingress": cfg, "egress": {**cfg, "seed": seed + 1}}, timeout=10)
+        sw0 = switch_counts(ip, port)
+        got = self.ranks.block(elements, reps, timeout=60 + 30 * reps)
+        sw1 = switch_counts(ip, port)
+        digests = {g["digest"] for g in got}
+        if len(digests) != 1:
+            raise RuntimeError(f"{self.label}: ranks disagree on the results ({len(digests)} different digests)")
+        return {"time": max(g["time_per_allreduce_s"] for g in got),        # the slowest worker's
+                "tail": float(np.mean([g["tail_s"] for g in got])), "digest": digests.pop(),
+                "counters": {k: sum(g[k] for g in got) for k in COUNTERS},
+                "switch": {k: sw1[k] - sw0[k] for k in sw1}}
 
 
-def run(n: int, sizes: list[int], reps: dict, seed: int, settings: dict, rate: str | None = None):
+def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], ref: list[dict], reps: int) -> dict:
+    """A setting's row: medians over the rounds, summed counters."""
+    times = np.array([b["time"] for b in blocks])
+    ratios = times / np.array([b["time"] for b in ref])
+    counters = {k: sum(b["counters"][k] for b in blocks) for k in COUNTERS}
+    switch = {k: sum(b["switch"][k] for b in blocks) for k in blocks[0]["switch"]}
+    row = {"workers": n, "elements": elements, "setting": name, "impairment_each_direction": imp,
+           "rounds": len(blocks), "allreduces": reps * len(blocks),
+           "time_per_allreduce_s": float(np.median(times)), "mean_time_per_allreduce_s": float(times.mean()),
+           "vs_lossless": float(np.median(ratios)), "vs_lossless_per_round": [round(float(r), 3) for r in ratios],
+           # the least disturbed block of each (every round draws the same impairments: the same seed)
+           "best_time_per_allreduce_s": float(times.min()),
+           "vs_lossless_best": float(times.min() / min(b["time"] for b in ref)),
+           "tail_s": float(np.median([b["tail"] for b in blocks])),
+           "exact": all(b["digest"] == ref[0]["digest"] for b in blocks),
+           **counters, "switch": switch, "needed_resends": needed_resends(switch, n)}
+    if name in TARGETS:
+        row["target_vs_lossless"] = TARGETS[name]
+        row["meets_target"] = row["vs_lossless"] <= TARGETS[name]
+    return row
+
+
+def run(n: int, sizes: list[int], reps: dict, rounds: int, seed: int, settings: dict, rate: str | None = None,
+        baseline: str | None = None) -> list:
     links = Links(rate, n)
+    sides = []
     try:
-        with links.start_switch() as sw:
-            rows = _run_all(links, sw.port, n, sizes, reps, seed, settings)
+        sides.append(Side(links, "this", None, 9999, n, seed))
+        if baseline:
+            sides.append(Side(links, "baseline", os.path.abspath(baseline), 9998, n, seed))
+        return _run_all(sides, n, sizes, reps, rounds, seed, settings)
     finally:
+        for side in sides:
+            side.close()
         links.close()
-    return rows
 
 
-def _run_all(links: Links, port: int, n: int, sizes: list[int], reps: dict, seed: int, settings: dict) -> list:
+def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
     rows = []
-    job = 1
+    names = list(settings)
     for elements in sizes:
-        ref_time, ref_digest = None, None
-        for name, imp in settings.items():
-            job += 1
-            r = reps[elements]
-            per, counters, digest = run_setting(links, port, n, job, elements, r, seed, imp, timeout=900)
-            if ref_digest is None:
-                ref_time, ref_digest = per, digest
-            exact = digest == ref_digest
-            row = {"workers": n, "elements": elements, "setting": name, "impairment_each_direction": imp,
-                   "allreduces": r, "time_per_allreduce_s": per, "vs_lossless": per / ref_time,
-                   "exact": exact, **counters}
-            if name in TARGETS:
-                row["target_vs_lossless"] = TARGETS[name]
-                row["meets_target"] = per / ref_time <= TARGETS[name]
-            rows.append(row)
-            log(f"{elements} elements, {name}: {per * 1e3:.2f} ms per allreduce ({per / ref_time:.2f}x lossless),"
-                f" fast {counters['fast_retransmissions']}, probes {counters['probe_retransmissions']},"
-                f" timeouts {counters['timeout_retransmissions']}, needed ~{counters['needed_resends']}"
-                f" (+warm-up), switch {counters['switch']},"
-                f" exact {exact}")
-            if not exact:
-                raise RuntimeError(f"{name}: results differ from the lossless run")
+        r = reps[elements]
+        for side in sides:
+            side.block(elements, max(1, r // 4), seed, {})     # warm-up: caches, the first round trips
+        blocks = {(side.label, name): [] for side in sides for name in names}
+        for i in range(rounds):
+            order = names[i % len(names):] + names[:i % len(names)]          # rotated: no setting always first
+            for name in order:
+                for side in (sides if i % 2 == 0 else sides[::-1]):
+                    blocks[side.label, name].append(side.block(elements, r, seed, settings[name]))
+            log(f"{elements} elements, round {i + 1}/{rounds}: " + ", ".join(
+                f"{label} {name} {b[-1]['time'] * 1e3:.2f} ms" for (label, name), b in blocks.items()))
+        for side in sides:
+            for name in names:
+                row = summarise(n, elements, name, settings[name], blocks[side.label, name],
+                                blocks[side.label, names[0]], r)
+                row["code"] = side.label
+                if side is not sides[0]:      # this tree's time over the baseline's, round by round
+                    row["this_vs_baseline"] = float(np.median(np.array([b["time"] for b in blocks[sides[0].label, name]])
+                                                              / np.array([b["time"] for b in blocks[side.label, name]])))
+                rows.append(row)
+                log(f"{side.label}: {elements} elements, {name}: {row['time_per_allreduce_s'] * 1e3:.2f} ms per "
+                    f"allreduce ({row['vs_lossless']:.2f}x lossless, per round {row['vs_lossless_per_round']}), "
+                    f"fast {row['fast_retransmissions']}, probes {row['probe_retransmissions']}, "
+                    f"timeouts {row['timeout_retransmissions']}, needed ~{row['needed_resends']}, "
+                    f"tail {row['tail_s'] * 1e3:.2f} ms, switch {row['switch']}, exact {row['exact']}")
+                if not row["exact"]:
+                    raise RuntimeError(f"{side.label}, {name}: results differ from the lossless run")
     return rows
 
 
@@ -188,34 +299,45 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--sizes", type=int, nargs="+", default=[20_000, 1_700_000], help="elements per allreduce")
-    ap.add_argument("--reps", type=int, nargs="+", default=[200, 10],
-                    help="allreduces per setting, one number per size")
+    ap.add_argument("--reps", type=int, nargs="+", default=[40, 3],
+                    help="allreduces per setting and round, one number per size")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of interleaved blocks (the medians' sample)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rate", default=None, help="emulated link rate per worker, e.g. 100mbit (root); "
                     "default: loopback")
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
                     help="settings to run (the first is the reference of the ratios; default: all)")
+    ap.add_argument("--baseline", metavar="DIR", help="also run every block with the code of DIR (a checkout "
+                    "of another commit), interleaved with this tree's: a paired before/after comparison")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        print(json.dumps(worker_main(json.loads(a.worker))), flush=True)
+        worker_main(json.loads(a.worker))
         return 0
     if len(a.reps) != len(a.sizes):
         ap.error(f"--reps needs one count per size ({len(a.sizes)}), got {len(a.reps)}")
-    rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.seed, {k: SETTINGS[k] for k in a.settings}, a.rate)
+    if a.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {a.rounds}")
+    rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.rounds, a.seed,
+               {k: SETTINGS[k] for k in a.settings}, a.rate, a.baseline)
     if a.json:
-        print(json.dumps({"benchmark": "allreduce_under_loss", "links": f"emulated {a.rate} per worker (tbf)" if a.rate else "loopback",
+        print(json.dumps({"benchmark": "allreduce_under_loss",
+                          "links": f"emulated {a.rate} per worker (tbf)" if a.rate else "loopback",
                           "impairments": "switch user-space impairments, both directions",
-                          "codec": "bfp32", "reference": "the lossless run of the same size in the same invocation",
+                          "codec": "bfp32", "rounds": a.rounds,
+                          "reference": "the lossless blocks of the same size and round in the same invocation "
+                                       "(median of the per-round ratios)",
                           "results": rows}, indent=2))
     else:
-        print(f"{'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'fast':>6} {'probes':>6} {'timeouts':>8} exact")
+        print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'spread':>11} {'best':>5} {'fast':>6} "
+              f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} exact  this/baseline")
         for r in rows:
-            print(f"{r['elements']:>9} {r['setting']:<32} {r['time_per_allreduce_s'] * 1e3:>8.2f} "
-                  f"{r['vs_lossless']:>10.2f} {r['fast_retransmissions']:>6} {r['probe_retransmissions']:>6} "
-                  f"{r['timeout_retransmissions']:>8} "
-                  f"{'yes' if r['exact'] else 'NO'}")
+            lo, hi = min(r["vs_lossless_per_round"]), max(r["vs_lossless_per_round"])
+            print(f"{r['code']:<8} {r['elements']:>9} {r['setting']:<32} {r['time_per_allreduce_s'] * 1e3:>8.2f} "
+                  f"{r['vs_lossless']:>10.2f} {lo:>5.2f}-{hi:<5.2f} {r['vs_lossless_best']:>5.2f} {r['fast_retransmissions']:>6} "
+                  f"{r['probe_retransmissions']:>6} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
+                  f"{r['tail_s'] * 1e3:>7.2f} {'yes' if r['exact'] else 'NO':<5}  {r.get('this_vs_baseline', '')}")
     return 0
 
 

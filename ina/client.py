@@ -47,6 +47,8 @@ log = logging.getLogger("ina.client")
 
 COALESCE_TARGET = 16      # results per receive burst that receive coalescing aims at
 COALESCE_SPACING = 2e-4   # ... when results arrive further apart than this (a 8 kB packet at 330 Mbit/s)
+RX_WAIT = 0.002           # the receive's longest wait (bounds a loop turn when nothing arrives)
+RX_WAIT_MIN = 5e-5        # ... and its shortest, when a loss-recovery deadline is nearer
 
 
 __all__ = ["Client", "ClientStats", "AllreduceError"]
@@ -116,7 +118,8 @@ class Client(Worker):
         self.shards = len(ports)
         self.host_aggregator = cfg.get("host_aggregator")  # {"port", "label"} when the service runs one
         self._host: HostAggClient | None = None             # connected on first use
-        B.set_recv_timeout(self.sock, 0.002)
+        self._rx_wait = RX_WAIT
+        B.set_recv_timeout(self.sock, RX_WAIT)
         self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
         self.tx = B.TxBatch(self.sock, capacity=1024)
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
@@ -311,6 +314,15 @@ class Client(Worker):
         if math.isinf(self.rtt_min):
             return None
         return max(self.min_rto, 2 * self.rtt_min + 4 * spacing)
+
+    def wait_until(self, deadline: float, now: float) -> None:
+        """Let the next receive wait no longer than until ``deadline`` (monotonic seconds; a loss-recovery
+        rule may fire then), and at most RX_WAIT. The socket option is set only when the wait changes by
+        more than a quarter."""
+        want = min(RX_WAIT, max(RX_WAIT_MIN, deadline - now))
+        if abs(want - self._rx_wait) > 0.25 * want:
+            B.set_recv_timeout(self.sock, want)
+            self._rx_wait = want
 
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
@@ -562,19 +574,19 @@ class _Transfer:
         show the gap, after a silence or the timeout for the tail."""
         cl = self.cl
         pending = self.ld.pending(self.low, self.max_sent, self.done)
-        if self.drained:
-            queued = (self.n_sent - self.n_done) * self.per_pkt
-            fast, probe, late = self.ld.lost(pending, now, cl.srtt, cl.current_rto(queued), cl.max_rto,
-                                             cl.probe_timeout(self.per_pkt), cl.rttvar)
-        else:   # results may still wait in the socket (after a stall): no silence, no timeout yet
-            fast, probe, late = self.ld.lost(pending, now, cl.srtt, math.inf, math.inf, None)
+        # a full receive burst: results may still wait in the socket (after a stall): no silence, no timeout yet
+        queued = (self.n_sent - self.n_done) * self.per_pkt
+        pto = cl.probe_timeout(self.per_pkt) if self.drained else None
+        rto, max_rto = (cl.current_rto(queued), cl.max_rto) if self.drained else (math.inf, math.inf)
+        fast, probe, late = self.ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar)
         lost = np.concatenate([fast, probe, late])
         if lost.size:                            # every sent, not-done chunk still owns its ring row
             rows = lost % self.R
             self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
             self.send_rows(rows)
-            self.ld.resent(lost, now)
+            self.ld.resent(lost, now, probed=probe.size > 0)
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size
             cl.stats.retransmissions += lost.size
+        cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto), now)

@@ -25,9 +25,11 @@ Four rules, in the order a lost chunk meets them:
    at all arrived for a probe timeout ``PTO = 2 x rtt_min + 4 x spacing`` (at least ``min_rto``),
    where ``rtt_min`` is the fastest round trip a chunk took (no queue ahead of it) and ``spacing``
    the time between results while they flow: a silence that long means the results are not
-   coming. Only the oldest such chunk is resent (one probe, as TCP's tail loss probe: its result
-   restarts the flow, and any further lost chunk then meets rule 2 or another probe), and ``PTO``
-   doubles with every resend of that chunk (exponential backoff);
+   coming. One chunk is resent per probe, the one resent least often so far, oldest first (as TCP's
+   tail loss probe: its result restarts the flow, and any further lost chunk then meets rule 2 or
+   another probe). The probe timer is the silence's, not a chunk's: it restarts with every result
+   and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a
+   slow peer costs a handful of probes in all, not one per chunk and silence;
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
    ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
@@ -35,7 +37,9 @@ Four rules, in the order a lost chunk meets them:
 
 The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart.
 A waiting peer (a rank that has not sent its packet yet) looks like a loss to rule 3; the resend is
-then only read by the switch, and the backoff keeps such resends to a handful per chunk.
+then only read by the switch, and the backoff keeps such resends to a handful per silence.
+:meth:`LossDetector.next_deadline` says when the next rule could fire, so that the client's receive
+waits no longer than that (a probe timeout below the receive's usual wait would otherwise wait for it).
 """
 from __future__ import annotations
 
@@ -55,16 +59,20 @@ class LossDetector:
         self.tries = np.zeros(n, np.int64)         # resends so far (Karn: no RTT sample from these)
         self.witness = np.ones(n, bool)            # its result may count against chunks sent before it
         self._next_seq = 1
+        self.unsent = n                            # chunks never sent yet
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
+        self.probes = 0                            # tail probes since then (the probe timer's backoff)
+        self.probe_base = 0.0                      # when the probe timer last started: an arrival or a probe
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
         """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the
         chunk went out here later than at the peers (its send waited for a replay of a result this rank
         lost), so its result may come back before those of chunks sent here earlier without a loss."""
         k = len(chunks)
+        self.unsent -= int(np.count_nonzero(self.seq[chunks] == 0))
         self.witness[chunks] = witness
         if self._next_seq == 1:
-            self.last_arrival = now
+            self.last_arrival = self.probe_base = now
         self.sent_at[chunks] = now
         self.seq[chunks] = np.arange(self._next_seq, self._next_seq + k)
         self.later[chunks] = 0
@@ -78,7 +86,8 @@ class LossDetector:
 
     def delivered(self, chunks: np.ndarray, pending: np.ndarray, now: float) -> None:
         """Results of ``chunks`` arrived; count them against every still ``pending`` chunk sent before."""
-        self.last_arrival = now
+        self.last_arrival = self.probe_base = now
+        self.probes = 0
         # a resent chunk's result may answer its first send: it says nothing of the order (Karn's ambiguity)
         chunks = chunks[(self.tries[chunks] == 0) & self.witness[chunks]]
         if not (len(chunks) and len(pending)):
@@ -94,12 +103,14 @@ class LossDetector:
         trips that vary, on a loaded machine, make a late chunk no sign of a loss)."""
         if not len(pending):
             return pending, pending, pending
-        age = now - self.sent_at[pending]
         later = self.later[pending]
+        if not later.any() and now - self.last_arrival <= min(rto, max_rto) and not self._probe_due(now, pto, max_rto):
+            return pending[:0], pending[:0], pending[:0]       # no evidence, no silence: the common turn
+        age = now - self.sent_at[pending]
         backoff = 2.0 ** self.tries[pending]
         fast = later >= self._threshold(pending, later)
         if srtt is not None:
-            window = 1.25 * srtt + 2 * rttvar + REO_FLOOR
+            window = self.reordering_window(srtt, rttvar)
             fast |= (later > 0) & (age > window)
             # a resent chunk's result may be late because a peer has yet to resend its own packet (every
             # rank sees a lost data packet as missing): resent again only after the reordering window,
@@ -111,19 +122,49 @@ class LossDetector:
         limit = np.minimum(rto * backoff, max_rto)
         timed_out = ~fast & (age > limit) & (now - self.last_arrival > limit)
         probe = np.zeros_like(fast)
-        if pto is not None and now - self.last_arrival > pto:
-            probe[np.flatnonzero(~fast & ~timed_out & (age > np.minimum(pto * backoff, max_rto)))[:1]] = True
+        if self._probe_due(now, pto, max_rto):
+            cand = np.flatnonzero(~fast & ~timed_out & (age > pto))
+            if cand.size:      # the chunk resent least often, oldest send first
+                probe[cand[np.lexsort((self.seq[pending[cand]], self.tries[pending[cand]]))[0]]] = True
         return pending[fast], pending[probe], pending[timed_out]
+
+    def _probe_due(self, now: float, pto: float | None, max_rto: float) -> bool:
+        return pto is not None and now - self.probe_base > min(pto * 2.0 ** self.probes, max_rto)
+
+    @staticmethod
+    def reordering_window(srtt: float, rttvar: float) -> float:
+        """How long a chunk may trail one sent after it before it counts as lost (rule 2)."""
+        return 1.25 * srtt + 2 * rttvar + REO_FLOOR
+
+    def next_deadline(self, pending: np.ndarray, srtt: float | None, rttvar: float, pto: float | None,
+                      max_rto: float) -> float:
+        """The earliest time rule 2 or 3 could find one of the ``pending`` chunks lost, if no result
+        arrives before (inf: none could; the timeout, rule 4, is tens of round trips away)."""
+        t = np.inf
+        if not len(pending):
+            return t
+        if pto is not None:     # the probe timer, and a chunk out for longer than pto
+            t = max(self.probe_base + min(pto * 2.0 ** self.probes, max_rto), float(self.sent_at[pending].min()) + pto)
+        later = self.later[pending]
+        if srtt is not None and later.any():         # rule 2's window (backed off for a resent chunk)
+            seen = pending[later > 0]
+            wait = self.reordering_window(srtt, rttvar) * 2.0 ** np.maximum(self.tries[seen] - 1, 0)
+            t = min(t, float((self.sent_at[seen] + wait).min()))
+        return t
 
     def _threshold(self, pending: np.ndarray, later: np.ndarray) -> int:
         """DUPTHRESH, or less at the stream's end (early retransmit, RFC 5827): once every chunk went
         out and fewer than DUPTHRESH + 1 are outstanding (the pending ones and the results that came
         after the oldest), one less than that many."""
-        if self.seq[-1] == 0 or not (self.seq > 0).all():
+        if self.unsent:
             return DUPTHRESH
         outstanding = len(pending) + int(later[np.argmin(self.seq[pending])])
         return max(1, min(DUPTHRESH, outstanding - 1))
 
-    def resent(self, chunks: np.ndarray, now: float) -> None:
+    def resent(self, chunks: np.ndarray, now: float, probed: bool = False) -> None:
+        """``chunks`` went out again at ``now``; ``probed``: one of them is a tail probe (rule 3)."""
+        if probed:
+            self.probes += 1
+            self.probe_base = now
         self.tries[chunks] += 1
         self.sent(chunks, now, self.witness[chunks])
