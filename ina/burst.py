@@ -132,8 +132,8 @@ class RxRing:
 
     UDP GRO (``gro``; default: on where the kernel has it, unless the environment sets ``INA_GRO=0``):
     the kernel may deliver a sender's GSO message (or datagrams it coalesced) as one message, with a
-    cmsg naming the segment size. Such messages land in ``GRO_LANDING`` buffers of 64 kB and are cut
-    into their datagrams, one row each, so callers see exactly the rows a per-datagram receive gives
+    cmsg naming the segment size. Such messages land in ``GRO_LANDING`` buffers of 64 kB (more are
+    received until the rows are full or the socket is empty) and are cut into their datagrams, one row each, so callers see exactly the rows a per-datagram receive gives
     (segments that do not fit this burst's rows come first in the next). ``gro_refused``: why the
     kernel refused it (then every message is one datagram, received straight into the rows).
     ``messages`` counts what the kernel handed over, ``packets`` the rows.
@@ -183,20 +183,26 @@ class RxRing:
         return n
 
     def _recv_gro(self, wait: bool) -> int:
-        st = self._land_state
+        """As :meth:`recv`: rows are filled from landed messages, receiving more until the rows are full
+        or the socket is empty (so that fewer rows than a burst still means an emptied socket)."""
+        st, m = self._land_state, self._land.shape[0]
         n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
                           self._src8, 0)
-        if n == 0 or (n < self.burst and st[1] >= st[0]):        # every landed message is cut: receive more
-            flags = MSG_WAITFORONE if wait and n == 0 else MSG_DONTWAIT
-            got = _recvmmsg(self.fd, self._land_msgp, self._land.shape[0], flags, None)
-            if got < 0:
-                if n == 0:
+        first = True
+        while n < self.burst and st[1] >= st[0]:         # every landed message is cut: receive more
+            flags = MSG_WAITFORONE if wait and first and n == 0 else MSG_DONTWAIT
+            first = False
+            got = _recvmmsg(self.fd, self._land_msgp, m, flags, None)
+            if got <= 0:
+                if got < 0 and n == 0:
                     return self._recv_error()
-            else:
-                st[0], st[1], st[2] = got, 0, 0
-                self.messages += got
-                n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf,
-                                  self.lens, self._src8, n)
+                break
+            st[0], st[1], st[2] = got, 0, 0
+            self.messages += got
+            n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf,
+                              self.lens, self._src8, n)
+            if got < m:                                  # the socket had no more
+                break
         self.packets += n
         return n
 

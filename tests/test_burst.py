@@ -256,3 +256,18 @@ def test_decode_sum_into_equals_decode_sum_of_the_same_payloads(codec, rtype, ra
         want = c.decode_sum(pv[w].astype(pv.dtype.newbyteorder("=")), ctx, raw=raw)
         assert np.array_equal(out[ch].view(np.uint32), want.astype(np.float32).view(np.uint32))
     assert np.isnan(out[[2, 4]]).all()          # rows no result went to are untouched
+
+
+@gro_only
+def test_gro_receive_fills_the_burst_from_more_messages_than_it_lands_at_once():
+    """A burst shorter than the ring still means the socket was emptied (the client's loss detection
+    relies on it), also when more single datagrams wait than GRO lands in one system call."""
+    tx_sock, rs = B.udp_socket("127.0.0.1", 0), B.udp_socket("127.0.0.1", 0)
+    B.set_recv_timeout(rs, 2.0)
+    ring = B.RxRing(rs, burst=64, stride=200, gro=True)
+    dst = ("127.0.0.1", rs.getsockname()[1])
+    for i in range(100):                      # one datagram per send: nothing to coalesce
+        tx_sock.sendto(bytes([i]) * 100, dst)
+    assert B.GRO_LANDING < 64
+    assert ring.recv(wait=True) == 64 and ring.recv(wait=False) == 36
+    assert [int(b) for b in ring.buf[:36, 0]] == list(range(64, 100))
