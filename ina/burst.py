@@ -133,8 +133,9 @@ class RxRing:
     UDP GRO (``gro``; default: on where the kernel has it, unless the environment sets ``INA_GRO=0``):
     the kernel may deliver a sender's GSO message (or datagrams it coalesced) as one message, with a
     cmsg naming the segment size. Such messages land in ``GRO_LANDING`` buffers of 64 kB (more are
-    received until the rows are full or the socket is empty) and are cut into their datagrams, one row each, so callers see exactly the rows a per-datagram receive gives
-    (segments that do not fit this burst's rows come first in the next). ``gro_refused``: why the
+    received until the rows are full or the socket is empty) and are cut into their datagrams, one
+    row each, so callers see exactly the rows a per-datagram receive gives (segments that do not fit
+    this burst's rows come first in the next). ``gro_refused``: why the
     kernel refused it (then every message is one datagram, received straight into the rows).
     ``messages`` counts what the kernel handed over, ``packets`` the rows.
     """
