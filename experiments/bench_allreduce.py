@@ -10,7 +10,8 @@ Every configuration is measured in the same run against Gloo's allreduce of the 
 for natural compression with 4 workers): it says whether the emulator, not the links, sets the pace.
 Progress goes to stderr. Per method, ``<method>_worker_cpu_ms``: the CPU time of one worker
 process per allreduce (median, mean over the workers; the primary figure on a shared machine).
-``INA_GSO=0`` in the environment turns UDP GSO off in workers and switch (to measure against it). Per codec, rank 0's timeline of its last allreduce (``<codec>_timeline``:
+``INA_GSO=0`` in the environment turns UDP GSO off in workers and switch (to measure against it);
+``--cores N|auto`` is the switch's shard count (default auto, the switch's own rule). Per codec, rank 0's timeline of its last allreduce (``<codec>_timeline``:
 negotiation, first send, window sent, first/last result, done; encode/decode CPU) and the switch's
 stage clock per allreduce (``<codec>_switch``: ms per stage, busy and waiting; mean burst) say where
 the time goes (docs/performance.md). ``<codec>_negotiation`` splits rank 0's negotiation mark into
@@ -107,9 +108,9 @@ def _worker(rank, n, sw_port, gloo_port, sizes, codecs, reps, elements, slots, q
     dist.destroy_process_group()
 
 
-def run(workers, sizes_mb, codecs, reps, elements, slots):
-    sw = start_switch(None, "--slots", "512", "--elements", str(elements), "--sram-mb", "512", "--log-level",
-                      "WARNING")
+def run(workers, sizes_mb, codecs, reps, elements, slots, cores="auto"):
+    sw = start_switch(None if cores == "1" else free_port(), "--slots", "512", "--elements", str(elements),
+                      "--sram-mb", "512", "--log-level", "WARNING", "--cores", cores)
     port = sw.port
     try:
         rows = []
@@ -151,12 +152,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--elements", type=int, default=8192, help="elements per packet")
     ap.add_argument("--slots", type=int, default=32, help="window (the job's slots)")
+    ap.add_argument("--cores", default="auto", help="the switch's --cores (N shards, or auto: its default)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    rows = run(a.workers, a.sizes_mb, a.codecs, a.reps, a.elements, a.slots)
+    rows = run(a.workers, a.sizes_mb, a.codecs, a.reps, a.elements, a.slots, a.cores)
     if a.json:
         print(json.dumps({"benchmark": "allreduce_loopback", "reference": "torch.distributed gloo allreduce (fp32)",
-                          "elements_per_packet": a.elements, "window": a.slots, "results": rows}, indent=2))
+                          "elements_per_packet": a.elements, "window": a.slots, "switch_cores": a.cores, "results": rows}, indent=2))
     else:
         print(f"{'n':>2} {'MB':>6} {'gloo ms':>9} " + " ".join(f"{c + ' ms':>10} {'x gloo':>7} {'Gb/s in':>8}"
                                                            for c in a.codecs))

@@ -15,6 +15,14 @@ Checks (median allreduce times, per method; ratios between runs of this bench):
 ``--k`` is one factor for every method, or one per method (``method=K,...``): each method's check
 compares its own K and 2K. Short runs (3 timed repetitions): the machine is shared; the ratios are
 the result, not the times; each run records the load average before it.
+
+Per-allreduce fixed costs (negotiation, the workers' start skew, the first send, Gloo's per-step
+latency) are the hosts' real time: dilation divides them by K in the reported time, like every other
+CPU cost. Each sweep therefore also times a ``--fixed-size`` allreduce (256 elements: one packet, no
+link time to speak of) at the same setting, and each check reports, beside the ratio of the times,
+the ratio of the times above it (``marginal_ratio``: (time - fixed) in run b / the same in run a:
+the part the links set). ``within`` is decided on the marginal ratio when it is measured; the raw
+ratio and both fixed costs are in the output, so what was subtracted is visible.
 """
 from __future__ import annotations
 
@@ -38,25 +46,48 @@ def parse_factors(text: str, methods: list[str]) -> dict[str, float]:
     return ks
 
 
-def sweeps(out: Path, ks: dict[str, float], scale: float, *argv: str) -> dict:
+def sweeps(out: Path, ks: dict[str, float], scale: float, *argv: str, fixed: int | None = None) -> dict:
     """One ina-sweep per distinct factor (K x ``scale``) of ``ks``: {method: record}."""
     recs = {}
     for k in sorted(set(ks.values())):
         ms = ",".join(m for m in ks if ks[m] == k)
-        recs |= sweep(out / f"x{k * scale:g}", *argv, "--methods", ms, "--dilation", f"{k * scale:g}")
+        recs |= sweep(out / f"x{k * scale:g}", *argv, "--methods", ms, "--dilation", f"{k * scale:g}", fixed=fixed)
     return recs
 
 
-def sweep(out: Path, *argv: str) -> dict:
-    """One ina-sweep run; {method: record} of its allreduce records (each with the load average
-    before the run, ``loadavg_before``)."""
+def with_sizes(argv: tuple, fixed: int | None) -> list[str]:
+    """``argv`` with the fixed-cost size appended to its --sizes."""
+    argv = list(argv)
+    if fixed:
+        i = argv.index("--sizes") + 1
+        argv[i] = f"{argv[i]},{fixed}"
+    return argv
+
+
+def attach_fixed(recs: list[dict], fixed: int | None, load: list) -> dict:
+    """{method: record} of the allreduce records of the measured size, each with the load average
+    before the run and, when ``fixed`` was timed too, that allreduce's median time (``fixed_time``)."""
+    ar = [r for r in recs if r["workload"] == "allreduce"]
+    small = {r["method"]: r["time_median"] for r in ar if fixed and r["elements"] == fixed}
+    return {r["method"]: r | {"loadavg_before": load, "fixed_time": small.get(r["method"])}
+            for r in ar if not (fixed and r["elements"] == fixed)}
+
+
+def sweep(out: Path, *argv: str, fixed: int | None = None) -> dict:
+    """One ina-sweep run; {method: record} of its allreduce records (:func:`attach_fixed`)."""
     load = Path("/proc/loadavg").read_text().split()[:3]
-    cmd = [sys.executable, "-m", "experiments.sweep", "--out", str(out), "--no-plots", *argv]
+    cmd = [sys.executable, "-m", "experiments.sweep", "--out", str(out), "--no-plots", *with_sizes(argv, fixed)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
-    recs = json.loads((out / "results.json").read_text())["records"]
-    return {r["method"]: r | {"loadavg_before": load} for r in recs if r["workload"] == "allreduce"}
+    return attach_fixed(json.loads((out / "results.json").read_text())["records"], fixed, load)
+
+
+def marginal_ratio(a: dict, b: dict) -> float | None:
+    """(time - fixed_time) of record b over the same of record a; None without both fixed times."""
+    if a.get("fixed_time") is None or b.get("fixed_time") is None:
+        return None
+    return (b["time_median"] - b["fixed_time"]) / (a["time_median"] - a["fixed_time"])
 
 
 def compare(a: dict, b: dict, tol: float) -> dict:
@@ -64,13 +95,18 @@ def compare(a: dict, b: dict, tol: float) -> dict:
     for m in a:
         if m in b:
             ratio = b[m]["time_median"] / a[m]["time_median"]
-            out[m] = {"ratio": ratio, "within": abs(ratio - 1) <= tol, "time_a": a[m]["time_median"],
+            marginal = marginal_ratio(a[m], b[m])
+            decided = ratio if marginal is None else marginal
+            out[m] = {"ratio": ratio, "marginal_ratio": marginal, "within": abs(decided - 1) <= tol,
+                      "fixed_a": a[m].get("fixed_time"), "fixed_b": b[m].get("fixed_time"),
+                      "time_a": a[m]["time_median"],
                       "time_b": b[m]["time_median"], "label_a": a[m].get("dilation_label"),
                       "label_b": b[m].get("dilation_label"), "bound_ratio_a": a[m].get("bound_ratio"),
                       "bound_ratio_b": b[m].get("bound_ratio"), "wire_up_a": a[m]["wire_up_bytes_per_worker"],
                       "wire_up_b": b[m]["wire_up_bytes_per_worker"], "k_a": a[m].get("dilation", 1),
                       "k_b": b[m].get("dilation", 1), "loadavg_a": a[m]["loadavg_before"],
-                      "loadavg_b": b[m]["loadavg_before"]}
+                      "loadavg_b": b[m]["loadavg_before"], "retransmissions_a": a[m].get("client_retransmissions"),
+                      "retransmissions_b": b[m].get("client_retransmissions")}
     return out
 
 
@@ -88,32 +124,46 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", default="1")
     ap.add_argument("--profile", default="software", help="switch profile of the k_vs_2k runs")
     ap.add_argument("--tol", type=float, default=0.05)
+    ap.add_argument("--fixed-size", type=int, default=256,
+                    help="elements of the allreduce that measures the per-allreduce fixed cost in each run "
+                         "(0: not measured; the check is then decided on the raw ratio)")
+    ap.add_argument("--real-sizes", help="sizes of the dilated_vs_real check (default --sizes)")
+    ap.add_argument("--tcp-cc", default="reno", help="TCP congestion control of the workers in every run, real "
+                                                     "time too (ina-sweep --tcp-cc; the dilated default)")
     ap.add_argument("--skip", choices=("k_vs_2k", "dilated_vs_real"), action="append", default=[])
     ap.add_argument("--json", type=Path, help="write the results here")
     a = ap.parse_args(argv)
     methods = a.methods.split(",")
-    common = ["--sizes", a.sizes, "--reps", a.reps, "--warmup", a.warmup, "--timeout", "60"]
+    common = ["--reps", a.reps, "--warmup", a.warmup, "--timeout", "60", *(["--tcp-cc", a.tcp_cc] if a.tcp_cc else [])]
+    fixed = a.fixed_size or None
     res = {"settings": vars(a) | {"json": str(a.json)}, "tolerance": a.tol}
     t = Path(tempfile.mkdtemp(prefix="bench-dilation-"))      # kept: the sweeps' reports and worker logs
     res["folder"] = str(t)
     if "k_vs_2k" not in a.skip:
         ks = parse_factors(a.k, methods)
-        dil = ["--target-rates", a.target, "--workers", a.workers, "--profile", a.profile, *common]
-        res["k_vs_2k"] = compare(sweeps(t / "k", ks, 1, *dil), sweeps(t / "2k", ks, 2, *dil), a.tol)
+        dil = ["--target-rates", a.target, "--workers", a.workers, "--profile", a.profile, "--sizes", a.sizes, *common]
+        res["k_vs_2k"] = compare(sweeps(t / "k", ks, 1, *dil, fixed=fixed), sweeps(t / "2k", ks, 2, *dil, fixed=fixed),
+                                 a.tol)
     if "dilated_vs_real" not in a.skip:
-        real = sweep(t / "real", "--rates", a.real_rate, "--workers", a.real_workers, "--acc-steps", "0",
-                     "--tp-sizes", "none", "--methods", a.methods, *common)
-        dil = sweep(t / "dil", "--target-rates", a.real_rate, "--workers", a.real_workers, "--dilation",
-                    f"{a.real_k:g}", "--methods", a.methods, *common)
+        both = ["--workers", a.real_workers, "--methods", a.methods, "--sizes", a.real_sizes or a.sizes, *common]
+        real = sweep(t / "real", "--rates", a.real_rate, "--acc-steps", "0", "--tp-sizes", "none", *both, fixed=fixed)
+        dil = sweep(t / "dil", "--target-rates", a.real_rate, "--dilation", f"{a.real_k:g}", *both, fixed=fixed)
         res["dilated_vs_real"] = compare(real, dil, a.tol)
     for check in ("k_vs_2k", "dilated_vs_real"):
         for m, c in res.get(check, {}).items():
-            print(f"{check:16s} {m:12s} ratio {c['ratio']:.3f} ({c['label_a']} {c['time_a']:.4f} s vs "
-                  f"{c['label_b']} {c['time_b']:.4f} s; time/ideal {c['bound_ratio_a']:.3f} vs "
-                  f"{c['bound_ratio_b']:.3f}) {'ok' if c['within'] else 'OUTSIDE'} {a.tol:.0%}")
+            print(line(check, m, c, a.tol))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
     return 0
+
+
+def line(check: str, m: str, c: dict, tol: float) -> str:
+    """One check's result as text: the ratio, the marginal ratio (when the fixed costs were timed)."""
+    fixed = "" if c["marginal_ratio"] is None else (
+        f"; above the fixed cost ({c['fixed_a'] * 1e3:.2f} vs {c['fixed_b'] * 1e3:.2f} ms): {c['marginal_ratio']:.3f}")
+    return (f"{check:16s} {m:12s} ratio {c['ratio']:.3f} ({c['label_a']} {c['time_a']:.4f} s vs "
+            f"{c['label_b']} {c['time_b']:.4f} s; time/ideal {c['bound_ratio_a']:.3f} vs "
+            f"{c['bound_ratio_b']:.3f}{fixed}) {'ok' if c['within'] else 'OUTSIDE'} {tol:.0%}")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,17 @@ PROBE_STEPS = 12
 PROBE_AGREE = 0.05
 #: ... and the one at K is within this fraction above its link-bound ideal
 PROBE_WITHIN = 0.25
+#: the workers' TCP under dilation: loss-based and clocked by ACKs, its one timer (the RTO) stretched;
+#: BBR (this machine's default) paces by a 10 s min-RTT window and 200 ms ProbeRTT held in real time
+DILATED_TCP_CC = "reno"
 #: the shaped rate must stay within tbf's range (8 kbit .. about 34 gbit)
 MIN_SHAPED_BPS = 8e3
+
+
+#: record fields left in real seconds under dilation (not divided by K): the client's timeline, the
+#: switch's stage clock, CPU seconds and the configuration's wall time
+REAL_SECONDS_FIELDS = ("timeline_rank0", "switch_counters", "worker_cpu_per_allreduce", "wall", "rto", "max_rto",
+                       "worker_timeout")
 
 
 class DilationError(ValueError):
@@ -92,6 +101,8 @@ class Dilation:
             rec["times"] = [self.report(t) for t in rec["times"]]
         rec.update(rate=target, rate_bps=_bps(target), shaped_rate_bps=shaped_bps, dilation=self.factor,
                    dilation_label=self.label)
+        if self.on:       # the instruments' own clocks: real seconds on the shaped links, as measured
+            rec["real_seconds_fields"] = [k for k in REAL_SECONDS_FIELDS if k in rec]
         if not rec.get("ideal_from_measured_bytes"):
             rec["ideal_time"] = ideal
         elif rec.get("ideal_time") is not None:
@@ -203,6 +214,10 @@ def add_arguments(ap) -> None:
                          "packets are sized for it, codecs it cannot sum are skipped")
     ap.add_argument("--switch-delay-ms", type=float, default=None,
                     help="one-way delay the switch adds to every packet (ms, emulated; stretched x K)")
+    ap.add_argument("--tcp-cc", help="TCP congestion control in the workers' namespaces (those in "
+                                     "net.ipv4.tcp_allowed_congestion_control, e.g. reno, bbr; default: the machine's "
+                                     f"in real time, {DILATED_TCP_CC} under --dilation: BBR's 10 s and 200 ms clocks are "
+                                     "real time and do not dilate, see docs/performance.md)")
 
 
 def resolve(ap, args) -> None:
@@ -230,6 +245,7 @@ def resolve(ap, args) -> None:
             ap.error("the throughput and accuracy workloads compute at real speed and cannot be dilated: "
                      "use --tp-sizes none --acc-steps 0 (the defaults under --dilation)")
         args.tp_sizes, args.acc_steps = "none", 0
+        args.tcp_cc = args.tcp_cc or DILATED_TCP_CC
     k = args.dilation if isinstance(args.dilation, float) else 1.0
     if args.dilation is None and args.rates:
         from ina.net import RateError, parse_rate
@@ -273,6 +289,39 @@ def set_switch_delay(host: str, port: int, args, dil: Dilation) -> None:
         request(host, port, msg, timeout=10.0)
 
 
+def tcp_congestion_control(topo, n: int, want: str | None) -> str:
+    """Set (``want``) and return the TCP congestion control of the first ``n`` workers' namespaces
+    (Gloo's ring and the Gloo process group run over it); the sweep records it (meta ``tcp_cc``)."""
+    key = "net.ipv4.tcp_congestion_control"
+    for w in topo.workers[:n] if want else ():
+        p = topo.run(w, ["sysctl", "-qw", f"{key}={want}"], timeout=10.0)
+        if p.returncode != 0:
+            raise DilationError(f"--tcp-cc {want}: sysctl in {w.name} failed: {p.stderr.strip()}")
+    got = {topo.run(w, ["sysctl", "-n", key], timeout=10.0).stdout.strip() for w in topo.workers[:n]}
+    return ",".join(sorted(got))
+
+
+#: Linux's floor of TCP's retransmission timeout (tcp_rto_min_us default: 200 ms), a real-time constant,
+#: and its largest RTO (TCP_RTO_MAX, tcp_rto_max_ms default: 120 s)
+TCP_RTO_MIN, TCP_RTO_MAX = 0.2, 120.0
+
+
+def set_tcp_rto_min(topo, dil: Dilation) -> float:
+    """Stretch the workers' TCP retransmission-timeout floor (200 ms) by K, up to TCP's largest RTO
+    (120 s), in their namespaces (net.ipv4.tcp_rto_min_us); returns the floor (seconds). A socket
+    takes the floor when it is opened, so the sweep sets it before it starts a worker group, for the
+    largest K that group runs. Not stretched, the floor is a real-time constant: at target/K a queue
+    of a few frames outlasts it (a 9 kB frame takes 46 ms at 1.56 Mbit/s), and TCP retransmits
+    spuriously and cuts its window, the more often the larger K (docs/performance.md: Gloo's ring
+    with 16 workers)."""
+    floor = min(dil.stretch(TCP_RTO_MIN), TCP_RTO_MAX)
+    for w in topo.workers:
+        p = topo.run(w, ["sysctl", "-qw", f"net.ipv4.tcp_rto_min_us={round(floor * 1e6)}"], timeout=10.0)
+        if p.returncode != 0:
+            raise DilationError(f"setting TCP's RTO floor in {w.name} to {floor:g} s failed: {p.stderr.strip()}")
+    return floor
+
+
 def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> dict:
     """--dilation auto: K per (target rate, size) of the allreduce rows of ``plan`` with ``n`` workers,
     by :func:`auto_factor` over every method of the row (short real-time runs: 2 repetitions; the
@@ -289,6 +338,7 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
         if wl == "allreduce":
             rows.setdefault((rate, el), []).append(m)
     ks, job = {}, 50000 + n * 1000
+    set_tcp_rto_min(topo, Dilation(pa.worker_timeout / args.timeout))      # the largest K probed
     group = WorkerGroup(topo, n, out, pa)
     try:
         for (rate, el), methods in rows.items():

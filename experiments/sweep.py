@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip a configuration whose link-bound time exceeds this many seconds per allreduce")
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--slots", type=int, default=64, help="INA window (slots per job)")
+    ap.add_argument("--switch-cores", default="auto", help="the switch's --cores: shards (N, or auto: its rule)")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound of every wait (seconds)")
     from .dilation import add_arguments
     add_arguments(ap)
@@ -425,6 +426,7 @@ def _meta(args, argv, out: Path, st: dict) -> dict:
             "acc_steps": args.acc_steps, "acc_rate": args.acc_rate, "acc_workers": st["acc_workers"], "batch": BATCH,
             "started": _dt.datetime.now().isoformat(timespec="seconds"), "tp_sizes": st["tp_sizes"],
             "tp_steps": args.tp_steps, "dilation": args.dilation or 1, "profile": args.profile,
+            "switch_cores": args.switch_cores,
             "profile_skipped": st["skipped"], "codec_device": "this CPU" if args.codec_gbps is None else
             f"{args.codec_gbps:g} GB/s", "switch_delay_ms": args.switch_delay_ms, "losses": st["losses"],
             "impairment": "switch user-space packet loss, each direction, for switch-summable INA methods only"}
@@ -467,7 +469,7 @@ def switch_args(args) -> list[str]:
     """ina-switch serve's arguments of the sweep: its profile, which sets the registers per slot (else
     SWITCH_ELEMENTS). Its emulated delay is set per dilation factor (dilation.set_switch_delay)."""
     from ina.profiles import get_profile
-    a = ["--slots", str(SWITCH_SLOTS), "--profile", args.profile]
+    a = ["--slots", str(SWITCH_SLOTS), "--profile", args.profile, "--cores", getattr(args, "switch_cores", "auto")]
     if get_profile(args.profile).elements is None:
         a += ["--elements", str(SWITCH_ELEMENTS)]
     return a
@@ -493,12 +495,13 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
 
     from ina.net import Topology
 
-    from .dilation import Dilation, probe_factors, set_switch_delay
+    from .dilation import Dilation, probe_factors, set_switch_delay, set_tcp_rto_min, tcp_congestion_control
     from .sweep_loss import set_loss, stamp
     plan = [p for pl in plans.values() for p in pl]
     fixed = args.dilation if isinstance(args.dilation, float) else 1.0
     first = Dilation(fixed).shaped_rate(st["rates"][0]) if args.dilation != "auto" else "1gbit"   # (then probed)
     with Topology(workers=max(p[1] for p in plan), rate=first, mtu=args.mtu) as topo:
+        meta["tcp_cc"] = tcp_congestion_control(topo, len(topo.workers), args.tcp_cc)
         sw = _start_switch(topo, out, args)
         bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
         job = int(time.time()) % 1000 * 10
@@ -510,6 +513,7 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
                     continue
                 ks = probe_factors(topo, n, mine, args, out, meta, bar) if args.dilation == "auto" else {}
                 args.worker_timeout = args.timeout * max(ks.values(), default=fixed)
+                meta["tcp_rto_min_s"] = set_tcp_rto_min(topo, Dilation(max(ks.values(), default=fixed)))
                 bar.set_postfix_str(f"starting {n} workers")
                 group = WorkerGroup(topo, n, out, args)
                 cur = None

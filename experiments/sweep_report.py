@@ -390,7 +390,8 @@ def _md_intro(meta) -> list[str]:
              + ("Real time (not dilated)." if meta.get("dilation", 1) == 1 else
                 f"**Time-dilated** (--dilation {_kname(meta.get('dilation'))}): links shaped at target/K, delays and "
                 f"timeouts x K, times / K; CPU work (per-packet costs, codecs) is not dilated (docs/performance.md).")
-             + f" End-to-end times include encode+decode at {meta.get('codec_device', 'this CPU')}.")
+             + f" End-to-end times include encode+decode at {meta.get('codec_device', 'this CPU')}."
+             + (f" Workers' TCP (Gloo): {meta['tcp_cc']}." if meta.get("tcp_cc") else ""))
     L.append("")
     return L
 

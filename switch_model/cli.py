@@ -93,8 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"register width (default {_SERVE_DEFAULTS['register_bits']} or the profile's)")
     s.add_argument("--sram-mb", type=float, default=64.0, help="register memory budget in MiB")
     s.add_argument("--burst", type=int, default=64, help="packets per receive burst")
-    s.add_argument("--cores", type=int, default=1,
-                   help="shard the slot pool over N processes on UDP ports PORT..PORT+N-1 (pool index p -> shard p %% N)")
+    s.add_argument("--cores", default="auto",
+                   help="shard the slot pool over N processes on UDP ports PORT..PORT+N-1 (pool index p -> shard "
+                        "p %% N); 'auto' (default): 1 below 8 available CPUs, else one per 4 CPUs, at most 4 (docs/performance.md)")
     s.add_argument("--seed", type=int, default=0, help="seed of the switch's stochastic re-encoding and impairments")
     _impair_args(s, "", "both directions")
     _impair_args(s, "ingress-", "worker->switch")
@@ -210,12 +211,25 @@ def _token(args) -> str | None:
     return token
 
 
+def _cores(args) -> None:
+    """--cores N or auto -> args.cores, a shard count (the rule of auto: shards.auto_shards)."""
+    from .shards import available_cpus, parse_cores
+    auto = str(args.cores).strip().lower() == "auto"
+    args.cores = parse_cores(args.cores)
+    if auto and args.cores > 1 and args.port == 0:
+        args.cores = 1            # shards need consecutive known ports; a free port is one
+    if auto:
+        logging.getLogger("ina.switch").info("--cores auto: %d shard(s) on %d available CPUs%s", args.cores,
+                                             available_cpus(), " (--port 0: one)" if args.port == 0 else "")
+
+
 def _serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     from .control import ControlPlane
     try:
         prof = _apply_profile(args)
+        _cores(args)
         _check_limits(args)
         token = _token(args)
     except ValueError as e:

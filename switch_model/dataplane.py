@@ -93,6 +93,7 @@ COUNTERS = DROP_REASONS + ("overflow", "harvested", "replays", "rx_packets", "rx
                            "aborts_sent")
 C = {name: i for i, name in enumerate(COUNTERS)}
 C_OVERFLOW, C_HARVESTED, C_REPLAYS = C["overflow"], C["harvested"], C["replays"]
+C_RX_PACKETS, C_RX_BYTES = C["rx_packets"], C["rx_bytes"]
 
 # --- the state's records ---------------------------------------------------------------------------
 MAX_JOBS = 1 << 16
@@ -131,7 +132,9 @@ class DataPlane(NamedTuple):
     counters: np.ndarray   # (len(COUNTERS),) int64
     pkts: np.ndarray       # (burst,) PKT: the current burst's verdicts and actions
     vals: np.ndarray       # (elements,) int64: the ALU's decoded chunk
-    tx: np.ndarray         # (burst * MAX_WORKERS,) TX: the transmissions harvest planned
+    tx: np.ndarray         # (burst * MAX_WORKERS,) TX: the transmissions harvest planned, by destination
+    tx_order: np.ndarray   # (burst * MAX_WORKERS,) TX: harvest's scratch for grouping the plan by destination
+    tx_bins: np.ndarray    # (peers + 1,) int64: harvest's scratch, planned transmissions per destination
     peers: np.ndarray      # (worker addresses,) int64: source_key of the address each job's rank joined from
     src: np.ndarray        # (burst,) int64: source_key of each packet of the current burst
     register_bits: int     # 32 or 64
@@ -148,6 +151,7 @@ class DataPlane(NamedTuple):
                    results=np.zeros((2 * slots, stride), np.uint8), jobs=np.zeros(MAX_JOBS, JOB),
                    counters=np.zeros(len(COUNTERS), np.int64), pkts=np.zeros(burst, PKT),
                    vals=np.zeros(elements, np.int64), tx=np.zeros(burst * MAX_WORKERS, TX),
+                   tx_order=np.zeros(burst * MAX_WORKERS, TX), tx_bins=np.zeros(peers + 1, np.int64),
                    peers=np.full(peers, -1, np.int64), src=np.zeros(burst, np.int64),
                    register_bits=int(register_bits), seed=int(seed))
 
@@ -162,6 +166,9 @@ class DataPlane(NamedTuple):
 def source_key(ip: int, port: int):
     """A UDP source address as one integer: IPv4 address (host order) << 16 | port (numpy arrays too)."""
     return (ip << 16) | port
+
+
+SOCKADDR_PORT, SOCKADDR_ADDR = 2, 4       # byte offsets in a struct sockaddr_in (network byte order)
 
 
 def bind(kernel, *example_args):
@@ -241,6 +248,20 @@ def _check_header(jobs, peers, src, buf, lens, i):
     if src[i] != peers[job.addr_base + r]:
         return Verdict.FOREIGN_SOURCE, 0, 0, 0
     return Verdict.OK, j, r, (job.slot_lo + pool // job.shards) * 2 + shadow
+
+
+@njit(cache=True)
+def rx_account(dp, srcs, lens, n, stride):
+    """The rx stage's bookkeeping of a received burst: each packet's source_key (from the receive
+    ring's sockaddr_in records, as bytes: ``srcs`` is (burst, 16) uint8) into dp.src, and the
+    rx_packets / rx_bytes counters (a truncated datagram counts ``stride`` bytes)."""
+    src, counters = dp.src, dp.counters
+    nbytes = np.int64(0)
+    for i in range(n):
+        src[i] = (_rd32(srcs, i, SOCKADDR_ADDR) << 16) | _rd16(srcs, i, SOCKADDR_PORT)
+        nbytes += min(lens[i], stride)
+    counters[C_RX_PACKETS] += n
+    counters[C_RX_BYTES] += nbytes
 
 
 @njit(cache=True)
@@ -568,7 +589,9 @@ def harvest(dp, n):
 
     Returns the number of planned transmissions (dp.tx[:m]): a multicast to every worker of the
     job per completed slot, a unicast per replay (negative length: the tx stage sets its REPLAY flag
-    on a copy of the stored row).
+    on a copy of the stored row). The plan is grouped by destination (a stable counting sort by
+    worker address: each worker's results keep their order), so that a burst's results for one
+    worker are one run, which the tx stage sends as one GSO message.
     """
     pkts, jobs, sets, tx, counters = dp.pkts, dp.jobs, dp.sets, dp.tx, dp.counters    # taken out once
     m = 0
@@ -594,4 +617,31 @@ def harvest(dp, n):
             t.length = -sets[s].result_len
             t.addr = job.addr_base + p.rank
             m += 1
+    _group_by_destination(tx, dp.tx_order, dp.tx_bins, m)
     return m
+
+
+@njit(inline="always")
+def _group_by_destination(tx, tmp, bins, m):
+    """Stable counting sort of tx[:m] by address index (bins: one counter per index, plus one)."""
+    if m < 2:
+        return
+    lo = tx[0].addr
+    hi = lo
+    for i in range(m):
+        lo = min(lo, tx[i].addr)
+        hi = max(hi, tx[i].addr)
+    if lo == hi:
+        return
+    for a in range(hi - lo + 2):
+        bins[a] = 0
+    for i in range(m):
+        bins[tx[i].addr - lo + 1] += 1
+    for a in range(1, hi - lo + 2):
+        bins[a] += bins[a - 1]
+    for i in range(m):
+        k = tx[i].addr - lo
+        tmp[bins[k]] = tx[i]
+        bins[k] += 1
+    for i in range(m):
+        tx[i] = tmp[i]

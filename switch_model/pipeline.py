@@ -29,6 +29,7 @@ from .impair import Impairment, ImpairmentConfig
 log = logging.getLogger("ina.switch")
 
 COUNTERS, C = D.COUNTERS, D.C
+C_REPLAYS, C_TX_PACKETS, C_TX_BYTES = C["replays"], C["tx_packets"], C["tx_bytes"]
 STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
 MAX_ACTIVE_JOBS = 64
 # burst-size histogram buckets: bucket b counts bursts of 2**b .. 2**(b+1) - 1 packets
@@ -168,6 +169,8 @@ class Switch:
         self._free_blocks = list(range(MAX_ACTIVE_JOBS))
         self.job_info: dict[int, Job] = {}
         self._replay_buf = np.zeros((cfg.burst, stride), np.uint8)
+        self._replays = False             # the last harvest planned replays
+        self._rx_src = self.rx.src.view(np.uint8).reshape(cfg.burst, B.SOCKADDR_IN.itemsize)   # as bytes
         self.ingress = Impairment(cfg.ingress, width=stride)
         self.egress = Impairment(cfg.egress, width=stride)
         self._rx_timeout = 0.02           # the socket's receive timeout now (shortened while packets are held)
@@ -236,10 +239,7 @@ class Switch:
             n = self.rx.recv(wait=True)
             self._waited = time.perf_counter_ns() - t
         if n:
-            src = self.rx.src[:n]
-            self.state.src[:n] = D.source_key(src["addr"].astype(np.int64), src["port"])
-            self.counters[C["rx_packets"]] += n
-            self.counters[C["rx_bytes"]] += int(np.minimum(self.rx.lens[:n], self.rx.stride).sum())
+            self._rx_account(self.state, self._rx_src, self.rx.lens, n, self.rx.stride)
         return n
 
     def stage_ingress(self, n: int):
@@ -266,28 +266,48 @@ class Switch:
         self._aggregate(self.state, buf, n)
 
     def stage_harvest(self, n: int) -> int:
-        return self._harvest(self.state, n)
+        r0 = self.counters[C_REPLAYS]
+        m = self._harvest(self.state, n)
+        self._replays = self.counters[C_REPLAYS] != r0
+        return m
 
     def stage_tx(self, m: int) -> None:
+        """Send harvest's plan (grouped by destination there: one GSO message per worker and burst).
+        Replays (negative length) go out with the REPLAY flag: set in the stored row only for their
+        own send (after the burst's multicasts), or on copies when egress impairments may hold them."""
         plan = self.state.tx[:m]
         rows, lens, addr = plan["set_id"], plan["length"], plan["addr"]
         buf = self.state.results
-        if m and (lens < 0).any():     # replays: copy the stored result and set the REPLAY flag
-            buf = self._replay_buf if m <= self._replay_buf.shape[0] else np.zeros((m, buf.shape[1]), np.uint8)
-            buf[:m] = self.state.results[rows]
+        if m and self._replays and not self.egress.active:
             rep = lens < 0
+            self._send(buf, rows[~rep], lens[~rep], addr[~rep])
+            rows, lens, addr = rows[rep], -lens[rep], addr[rep]
+            flags = buf[:, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]     # a view: in place
+            flags[rows] |= int(Flag.REPLAY)
+            try:
+                self._send(buf, rows, lens, addr)
+            finally:
+                flags[rows] &= ~int(Flag.REPLAY) & 0xFFFF
+            return
+        if m and self._replays:      # copies (the impairments may hold them): only the bytes sent
+            width = int(np.abs(lens).max())
+            buf = self._replay_buf if m <= self._replay_buf.shape[0] else np.zeros((m, buf.shape[1]), np.uint8)
+            buf[:m, :width] = self.state.results[rows, :width]
             fl = buf[:m, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]
-            fl[rep] |= int(Flag.REPLAY)
+            fl[lens < 0] |= int(Flag.REPLAY)
             rows, lens = np.arange(m), np.abs(lens)
         if self.egress.active:
             buf, rows, lens, addr = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30)
-        if len(rows):
-            if self.txq.gso and len(rows) > 1:     # each worker's results in a row: one GSO message each
+            if self.txq.gso and len(rows) > 1:     # delayed packets join the plan: one run per worker again
                 order = np.argsort(addr, kind="stable")
                 rows, lens, addr = rows[order], np.asarray(lens)[order], addr[order]
+        self._send(buf, rows, lens, addr)
+
+    def _send(self, buf, rows, lens, addr) -> None:
+        if len(rows):
             self.txq.send(buf, rows, lens, self.addrs, addr)
-            self.counters[C["tx_packets"]] += len(rows)
-            self.counters[C["tx_bytes"]] += int(np.sum(lens))
+            self.counters[C_TX_PACKETS] += len(rows)
+            self.counters[C_TX_BYTES] += int(np.sum(lens))
 
     # ------------------------------------------------------------------------------------------
     # service loop, control plane hooks
@@ -536,6 +556,7 @@ class Switch:
         self._parse = D.bind(D.parse, st, buf, lens, 0)
         self._aggregate = D.bind(D.aggregate, st, buf, 0)
         self._harvest = D.bind(D.harvest, st, 0)
+        self._rx_account = D.bind(D.rx_account, st, self._rx_src, lens, 0, 0)
         self.stage_parse(buf, lens, 0)
         self.stage_aggregate(buf, 0)
         self.stage_harvest(0)

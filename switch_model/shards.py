@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import sys
 import threading
 from dataclasses import replace
@@ -17,6 +18,46 @@ from dataclasses import replace
 from .pipeline import Switch, SwitchConfig, add_timing
 
 log = logging.getLogger("ina.switch.shards")
+
+MAX_AUTO_SHARDS = 4
+CPUS_PER_SHARD = 4     # auto: one shard per this many CPUs the process may run on (docs/performance.md)
+
+
+def available_cpus() -> int:
+    """CPUs this process may be scheduled on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_shards(cpus: int) -> int:
+    """``--cores auto``: how many shards on ``cpus`` CPUs.
+
+    A shard is a poll loop that wants a CPU of its own, and the workers of the jobs it serves
+    usually run on the same machine (the emulator's case): a second shard pays only when there
+    are CPUs to spare beyond the workers and the first shard. Measured on 2 CPUs (4 and 8 workers,
+    loopback and 1 Gbit/s links, docs/performance.md): a second shard adds switch CPU per
+    allreduce and makes no allreduce faster, so below ``2 * CPUS_PER_SHARD`` CPUs auto is 1; above,
+    one shard per ``CPUS_PER_SHARD`` CPUs, at most ``MAX_AUTO_SHARDS`` (not measured here: no
+    such machine).
+    """
+    if cpus < 1:
+        raise ValueError(f"a machine has at least one CPU, got {cpus}")
+    return max(1, min(MAX_AUTO_SHARDS, cpus // CPUS_PER_SHARD))
+
+
+def parse_cores(value: str, cpus: int | None = None) -> int:
+    """``--cores`` as given: a shard count >= 1, or ``auto`` (:func:`auto_shards` of this machine)."""
+    if str(value).strip().lower() == "auto":
+        return auto_shards(available_cpus() if cpus is None else cpus)
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"--cores takes a shard count or 'auto', got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"--cores must be >= 1 (or 'auto'), got {n}")
+    return n
 
 
 def _shard_main(cfg: SwitchConfig, shard: int, conn, log_level: str) -> None:

@@ -51,6 +51,7 @@ def test_record_reports_the_targets_time_and_ideal():
     assert rec["bound_ratio"] == pytest.approx(1.1)                        # dilation keeps time/ideal
     assert rec["rate"] == "10gbit" and rec["rate_bps"] == 1e10 and rec["shaped_rate_bps"] == pytest.approx(2.5e8)
     assert rec["dilation"] == 40 and rec["dilation_label"] == "dilated x40"
+    assert rec["real_seconds_fields"] == []           # none of the instruments' real-second fields in this record
     # the codec's real-speed time is put back: end to end = time/K - codec/K + codec (this CPU)
     assert codec["codec_time_cpu"] > 0 and codec["codec_device"] == "this CPU"
     assert rec["time_end_to_end"] == pytest.approx(rec["time_median"] + codec["codec_time_cpu"] * (1 - 1 / 40))
@@ -72,6 +73,7 @@ def test_delays_and_timeouts_scale_with_the_factor():
     resolve(ap, args)
     assert args.rates == "10gbit,25gbit" and args.dilation == 50 and args.worker_timeout == pytest.approx(1500)
     assert args.tp_sizes == "none" and args.acc_steps == 0        # real-speed workloads are off under dilation
+    assert args.tcp_cc == "reno"                                  # BBR's real-time clocks do not dilate
     msg = switch_delay(args, Dilation(50))
     assert msg["ingress"]["delay_ms"] == pytest.approx(10) and msg["egress"]["delay_ms"] == pytest.approx(10)
     assert switch_delay(ap.parse_args([]), Dilation(50)) is None
@@ -134,6 +136,31 @@ def test_dilation_keeps_the_links_queues_in_bytes():
             assert a.rate_bps == pytest.approx(2 * b.rate_bps, rel=1e-5)
 
 
+def test_consistency_check_separates_the_fixed_cost():
+    """bench_dilation: a real-time run carries its per-allreduce fixed cost (the hosts' real time) in
+    full, a dilated one 1/K of it; the check is decided on the time above each run's own fixed cost
+    (a 256-element allreduce timed in the same sweep), and reports the raw ratio beside it."""
+    from experiments.bench_dilation import attach_fixed, compare, line
+
+    def rec(m, el, t, k=1):
+        return {"workload": "allreduce", "method": m, "elements": el, "time_median": t, "dilation": k,
+                "dilation_label": Dilation(k).label, "bound_ratio": t / 0.136, "wire_up_bytes_per_worker": 1.0}
+    # real time: 136 ms of link time + 7 ms fixed; dilated x4: the same link time + 7/4 ms
+    real = attach_fixed([rec("ina:nc", 1_700_000, 0.143), rec("ina:nc", 256, 0.0071)], 256, ["1.0"])
+    dil = attach_fixed([rec("ina:nc", 1_700_000, 0.13775, 4), rec("ina:nc", 256, 0.0018, 4)], 256, ["1.0"])
+    assert set(real) == {"ina:nc"} and real["ina:nc"]["fixed_time"] == 0.0071
+    c = compare(real, dil, 0.05)["ina:nc"]
+    assert c["ratio"] == pytest.approx(0.963, abs=1e-3) and c["marginal_ratio"] == pytest.approx(1.0, abs=2e-3)
+    assert c["within"] and c["fixed_a"] == 0.0071 and c["fixed_b"] == 0.0018
+    assert "above the fixed cost (7.10 vs 1.80 ms): 1.000" in line("dilated_vs_real", "ina:nc", c, 0.05)
+    # the bytes' time disagreeing is outside, however the raw ratio looks
+    slow = attach_fixed([rec("ina:nc", 1_700_000, 0.16, 4), rec("ina:nc", 256, 0.0018, 4)], 256, ["1.0"])
+    assert not compare(real, slow, 0.05)["ina:nc"]["within"]
+    # without the fixed-cost runs the raw ratio decides
+    bare = compare(attach_fixed([rec("gloo", 10, 1.0)], None, []), attach_fixed([rec("gloo", 10, 1.04)], None, []), 0.05)
+    assert bare["gloo"]["marginal_ratio"] is None and bare["gloo"]["within"]
+
+
 def test_profile_sets_the_sweeps_switch():
     ap = build_parser()
     assert "--profile" in switch_args(ap.parse_args(["--profile", "tofino"]))
@@ -142,17 +169,37 @@ def test_profile_sets_the_sweeps_switch():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
+@pytest.mark.timeout(120)
+def test_tcp_retransmission_floor_is_stretched_in_the_workers_namespaces():
+    """TCP's 200 ms RTO floor is real time: dilated, the workers' namespaces have it x K (at most
+    TCP's 120 s; the sweep sets it before its workers open their connections); real time: 200 ms."""
+    from experiments.dilation import set_tcp_rto_min, tcp_congestion_control
+    from ina.net import Topology
+    with Topology(workers=2, rate="10mbit") as topo:
+        def floors():
+            return [topo.run(w, ["sysctl", "-n", "net.ipv4.tcp_rto_min_us"]).stdout.strip() for w in topo.workers]
+        assert set_tcp_rto_min(topo, Dilation(50)) == pytest.approx(10.0) and floors() == ["10000000"] * 2
+        assert set_tcp_rto_min(topo, Dilation(6400)) == pytest.approx(120.0) and floors() == ["120000000"] * 2
+        assert set_tcp_rto_min(topo, Dilation()) == pytest.approx(0.2) and floors() == ["200000"] * 2
+        assert tcp_congestion_control(topo, 2, "reno") == "reno"
+        with pytest.raises(DilationError, match="--tcp-cc no-such-cc: sysctl in w0 failed"):
+            tcp_congestion_control(topo, 2, "no-such-cc")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, tc)")
 @pytest.mark.timeout(300)
 def test_dilated_sweep_under_the_tofino_profile(tmp_path):
     out = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(out), "--target-rates", "1gbit",
                         "--dilation", "10", "--profile", "tofino", "--workers", "2", "--sizes", "60000",
-                        "--methods", "gloo,ina:nc,ina:bfp32", "--reps", "2", "--timeout", "30"],
+                        "--methods", "gloo,ina:nc,ina:bfp32", "--reps", "2", "--timeout", "30", "--tcp-cc", "reno"],
                        cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "skipping ina:nc: not feasible under switch profile 'tofino'" in p.stderr
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["profile"] == "tofino" and data["meta"]["dilation"] == 10
+    assert data["meta"]["tcp_cc"] == "reno"          # the workers' TCP (Gloo's ring), set in their namespaces
+    assert data["meta"]["tcp_rto_min_s"] == pytest.approx(2.0)          # TCP's 200 ms floor x K
     recs = {r["method"]: r for r in data["records"]}
     assert set(recs) == {"gloo", "ina:bfp32"}
     for m, r in recs.items():
@@ -161,6 +208,7 @@ def test_dilated_sweep_under_the_tofino_profile(tmp_path):
         assert r["ideal_time"] == pytest.approx(ideal_time(m, 2, 60000, "1gbit"))
         assert r["worker_timeout"] == pytest.approx(300)
         assert r["time_end_to_end"] >= r["time_median"]
+        assert {"wall", "worker_timeout", "rto", "switch_counters"} <= set(r["real_seconds_fields"])   # real seconds
     # the switch's stage clock over the timed repetitions: its stages partition its busy time
     sc = recs["ina:bfp32"]["switch_counters"]
     stages = {k: v for k, v in sc.items() if k.startswith("ns_")}
@@ -172,4 +220,5 @@ def test_dilated_sweep_under_the_tofino_profile(tmp_path):
     assert 0.97 * 60000 / 64 * per_packet < up < 1.15 * 60000 / 64 * per_packet, up
     report = (out / "report.md").read_text()
     assert "Switch profile: tofino" in report and "1 Gbit/s, dilated x10" in report and "**Time-dilated**" in report
+    assert "Workers' TCP (Gloo): reno." in report
     assert "dilated x10" in (out / "results.csv").read_text()

@@ -1,0 +1,182 @@
+"""The switch's shard count (--cores N | auto) and its poll loop's burst bookkeeping with real sockets."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sw_harness import PY, ROOT, SwitchProc, client_threads  # noqa: E402
+
+from ina import burst as B  # noqa: E402
+from ina.wire import MsgType, PayloadType, max_packet_size, pack, unpack  # noqa: E402
+from switch_model.shards import auto_shards, available_cpus, parse_cores  # noqa: E402
+
+
+@pytest.mark.parametrize("cpus, shards", [(1, 1), (2, 1), (3, 1), (4, 1), (7, 1), (8, 2), (12, 3), (16, 4),
+                                          (64, 4)])
+def test_auto_shards_follows_the_stated_rule(cpus, shards):
+    """auto: one shard below 8 CPUs (measured on 2: a second shard costs CPU and saves no time),
+    then one per 4 CPUs, at most 4."""
+    assert auto_shards(cpus) == shards
+    assert parse_cores("auto", cpus) == shards == parse_cores(" AUTO ", cpus)
+
+
+@pytest.mark.parametrize("value, error", [("0", ">= 1"), ("-2", ">= 1"), ("two", "shard count or 'auto'")])
+def test_bad_cores_values_are_refused_by_name(value, error):
+    with pytest.raises(ValueError, match=error):
+        parse_cores(value)
+    r = subprocess.run([PY, "-m", "switch_model", "serve", "--port", "0", "--cores", value], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--cores" in r.stderr and error in r.stderr, r.stderr
+
+
+def test_serve_defaults_to_the_auto_rule_of_this_machine(tmp_path):
+    """Without --cores the service runs auto_shards(the CPUs it may use) shards, and logs the rule's choice."""
+    want = auto_shards(available_cpus())
+    sw = SwitchProc(log_path=tmp_path / "switch.log")
+    try:
+        st = sw.stats()
+        assert st["config"].get("shards", 1) == want
+        assert f"--cores auto: {want} shard(s) on {available_cpus()} available CPUs" in sw.log()
+    finally:
+        assert sw.terminate() == 0, sw.log()
+
+
+def test_poll_loop_groups_each_workers_results_and_counts_the_burst():
+    """One poll of a burst from three real worker sockets (chunks interleaved by rank): every
+    packet is accepted (the source addresses the rx stage derives match the joined ones), the rx
+    counters count it, and each worker receives every result in chunk order with the exact sums,
+    as one GSO message per worker where the kernel has UDP GSO."""
+    from switch_model.pipeline import Switch, SwitchConfig
+    workers, slots, E, chunks = 3, 8, 64, 5
+    sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=slots, elements=E, burst=64))
+    socks = [B.udp_socket("127.0.0.1", 0) for _ in range(workers)]
+    try:
+        sw.install_job(5, workers, slots, E, True, [s.getsockname() for s in socks])
+        rng = np.random.default_rng(3)
+        vals = rng.integers(-2**20, 2**20, (chunks, workers, E)).astype(np.int32)
+        sent = 0
+        for c in range(chunks):
+            for r in range(workers):
+                p = pack(msg_type=MsgType.DATA, job=5, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                         payload_type=PayloadType.INT32, count=E, chunk=c, payload=vals[c, r], elements=E)
+                socks[r].sendto(p, ("127.0.0.1", sw.port))
+                sent += len(p)
+        n = 0
+        while n < chunks * workers:
+            k = sw.poll_once()
+            assert k, f"the switch received {n} of {chunks * workers} packets"
+            n += k
+        st = sw.stats()
+        assert st["counters"]["parsed_ok"] == st["counters"]["rx_packets"] == chunks * workers, st["drops"]
+        assert st["counters"]["rx_bytes"] == sent and st["counters"]["harvested"] == chunks
+        if sw.txq.gso:
+            assert st["counters"]["tx_messages"] == workers          # one message per worker
+        want = vals.astype(np.int64).sum(axis=1)
+        for r, s in enumerate(socks):
+            s.settimeout(5)
+            got = [unpack(s.recv(max_packet_size(E))) for _ in range(chunks)]
+            assert [g.chunk for g in got] == list(range(chunks))
+            for g in got:
+                assert g.msg_type == MsgType.RESULT and g.job == 5
+                assert (g.pool_index, g.shadow) == (g.chunk % slots, (g.chunk // slots) & 1)
+                assert np.array_equal(np.asarray(g.payload, np.int64)[:E], want[g.chunk]), (r, g.chunk)
+    finally:
+        sw.sock.close()
+        for s in socks:
+            s.close()
+
+
+
+def test_replays_carry_the_replay_flag_and_leave_the_stored_result_unflagged():
+    """A retransmission to a completed slot is answered with the stored result flagged REPLAY, in
+    the same burst as another slot's multicast (which is not flagged); the stored row stays
+    unflagged, so a later replay and the next round's result are right too."""
+    from ina.wire import OFFSET, Flag
+    from switch_model.pipeline import Switch, SwitchConfig
+    workers, slots, E = 2, 4, 32
+    sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=slots, elements=E, burst=64))
+    socks = [B.udp_socket("127.0.0.1", 0) for _ in range(workers)]
+    vals = np.arange(2 * workers * E, dtype=np.int32).reshape(2, workers, E) - 40
+
+    def send(r, c, flags=0):
+        socks[r].sendto(pack(msg_type=MsgType.DATA, job=6, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                             payload_type=PayloadType.INT32, count=E, chunk=c, payload=vals[c, r], elements=E,
+                             flags=flags), ("127.0.0.1", sw.port))
+
+    def poll(n):
+        got = 0
+        while got < n:
+            k = sw.poll_once()
+            assert k, f"the switch received {got} of {n} packets"
+            got += k
+
+    def recv(r):
+        socks[r].settimeout(5)
+        return unpack(socks[r].recv(max_packet_size(E)))
+
+    try:
+        sw.install_job(6, workers, slots, E, True, [s.getsockname() for s in socks])
+        send(0, 0)
+        send(1, 0)
+        poll(2)
+        first = [recv(r) for r in range(workers)]
+        assert all(not p.flags & Flag.REPLAY for p in first)
+        send(0, 0, Flag.RETRANSMIT)           # a replay and the next chunk's completion in one burst
+        send(0, 1)
+        send(1, 1)
+        poll(3)
+        got0 = sorted((recv(0) for _ in range(2)), key=lambda p: p.chunk)
+        got1 = recv(1)
+        assert [p.chunk for p in got0] == [0, 1] and got1.chunk == 1
+        assert got0[0].flags & Flag.REPLAY and not got0[1].flags & Flag.REPLAY and not got1.flags & Flag.REPLAY
+        want = vals.astype(np.int64).sum(axis=1)
+        assert np.array_equal(np.asarray(got0[0].payload, np.int64)[:E], want[0])
+        assert np.array_equal(np.asarray(got1.payload, np.int64)[:E], want[1])
+        send(1, 0, Flag.RETRANSMIT)           # the stored row was left unflagged: flagged again only for this send
+        poll(1)
+        again = recv(1)
+        assert again.chunk == 0 and again.flags & Flag.REPLAY
+        assert np.array_equal(np.asarray(again.payload, np.int64)[:E], want[0])
+        stored = sw.state.results[:, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]
+        assert not (stored & int(Flag.REPLAY)).any()
+        assert sw.stats()["counters"]["replays"] == 2
+    finally:
+        sw.sock.close()
+        for s in socks:
+            s.close()
+
+
+def test_nc_and_bfp32_results_are_bit_identical_with_one_and_two_shards(tmp_path):
+    """The same allreduces (nc's stochastic re-encoding included: its random numbers depend on the
+    job, the chunk and the switch's seed, not on the shard) give the same bits through a switch of
+    one shard and one of two."""
+    rng = np.random.default_rng(11)
+    world, n = 3, 256 * 13 + 7                     # 14 chunks: both shards serve several
+    inputs = rng.standard_normal((world, n)).astype(np.float32)
+
+    def body(r, cl):
+        out = []
+        for codec in ("nc", "bfp32", "nc"):
+            x = inputs[r].copy()
+            cl.allreduce(x, codec=codec)
+            out.append(x)
+        return out
+
+    got = {}
+    for cores in ("1", "2"):
+        sw = SwitchProc("--slots", "32", "--elements", "256", "--cores", cores, log_path=tmp_path / f"sw{cores}.log")
+        try:
+            got[cores] = client_threads(sw.port, world, 41, body, elements=256, slots=8, timeout=60,
+                                        rank_options=lambda r: {"seed": 100 + r})   # the codecs' random numbers
+            assert sw.stats()["config"].get("shards", 1) == int(cores)
+        finally:
+            assert sw.terminate() == 0, sw.log()
+    for r in range(world):
+        for a, b in zip(got["1"][r], got["2"][r]):
+            assert a.tobytes() == b.tobytes(), r
+    assert not np.array_equal(got["1"][0][0], inputs[0])       # something was summed
