@@ -1,4 +1,4 @@
-"""CPU per packet of a burst send with and without UDP GSO, on loopback, in the same run.
+"""CPU per packet of a burst send and receive with and without UDP GSO and GRO, on loopback, in the same run.
 
     python -m experiments.bench_burst                  # table
     python -m experiments.bench_burst --json
@@ -7,7 +7,9 @@ A burst shaped like the switch's: ``rows`` result rows multicast to ``dests`` re
 destination (what ``Switch.stage_tx`` hands to ``TxBatch``). The sender's thread CPU per packet
 (``sendmmsg``; on loopback it includes the kernel's delivery to the receiving sockets) and the
 receivers' (``recvmmsg``) are measured for plain datagrams and for GSO messages, alternating, and
-reported with their ratio (the figure that matters on a shared machine).
+reported with their ratio (the figure that matters on a shared machine). A third mode sends GSO
+messages to receivers with UDP GRO on (``ina.burst.RxRing``: the kernel delivers each GSO message
+whole and the ring cuts it into its datagrams).
 """
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ import numpy as np
 from ina import burst as B
 
 
-def measure(size: int, rows: int, dests: int, rounds: int, gso: bool) -> dict:
+def measure(size: int, rows: int, dests: int, rounds: int, gso: bool, gro: bool = False) -> dict:
     tx_sock = B.udp_socket("127.0.0.1", 0)
     socks = [B.udp_socket("127.0.0.1", 0) for _ in range(dests)]
     addrs = np.zeros(dests, B.SOCKADDR_IN)
     for i, s in enumerate(socks):
         addrs[i] = B.sockaddr("127.0.0.1", s.getsockname()[1])[0]
-    rings = [B.RxRing(s, 256, size) for s in socks]
+    rings = [B.RxRing(s, 256, size, gro=gro) for s in socks]
     buf = np.zeros((rows, size), np.uint8)
     order = np.argsort(np.tile(np.arange(dests), rows), kind="stable")
     row_of, dest_of = np.repeat(np.arange(rows), dests)[order], np.tile(np.arange(dests), rows)[order]
@@ -48,7 +50,8 @@ def measure(size: int, rows: int, dests: int, rounds: int, gso: bool) -> dict:
     if got != n:
         raise RuntimeError(f"{n} datagrams sent, {got} received (a receive buffer overflowed?)")
     return {"send_us_per_packet": send_ns / n / 1e3, "recv_us_per_packet": recv_ns / n / 1e3,
-            "messages": tx.sent_messages, "packets": n, "gso": tx.gso}
+            "messages": tx.sent_messages, "packets": n, "gso": tx.gso, "gro": all(r.gro for r in rings),
+            "rx_messages": sum(r.messages for r in rings)}
 
 
 def main(argv=None) -> int:
@@ -65,25 +68,31 @@ def main(argv=None) -> int:
         return 1
     rows = []
     for size in a.sizes:
-        runs = {False: [], True: []}
+        modes = {"plain": (False, False), "gso": (True, False), "gso_gro": (True, True)}
+        runs = {m: [] for m in modes}
         for _ in range(a.reps):
-            for gso in (False, True):
-                runs[gso].append(measure(size, a.rows, a.dests, a.rounds, gso))
+            for m, (gso, gro) in modes.items():
+                runs[m].append(measure(size, a.rows, a.dests, a.rounds, gso, gro))
         row = {"bytes": size}
-        for gso, key in ((False, "plain"), (True, "gso")):
-            row[key] = {k: float(np.median([r[k] for r in runs[gso]])) for k in ("send_us_per_packet",
-                                                                                 "recv_us_per_packet")}
-            row[key]["messages_per_burst"] = runs[gso][0]["messages"] / a.rounds
+        for m in modes:
+            row[m] = {k: float(np.median([r[k] for r in runs[m]])) for k in ("send_us_per_packet", "recv_us_per_packet")}
+            row[m]["messages_per_burst"] = runs[m][0]["messages"] / a.rounds
+            row[m]["rx_messages_per_burst"] = runs[m][0]["rx_messages"] / a.rounds
+        row["gro"] = runs["gso_gro"][0]["gro"]
         row["send_cpu_gso_vs_plain"] = row["gso"]["send_us_per_packet"] / row["plain"]["send_us_per_packet"]
+        both = {m: row[m]["send_us_per_packet"] + row[m]["recv_us_per_packet"] for m in modes}
+        row["send_recv_cpu_gro_vs_gso"] = both["gso_gro"] / both["gso"]
         rows.append(row)
     if a.json:
-        print(json.dumps({"benchmark": "burst_send_gso", "reference": "the same burst as plain datagrams",
+        print(json.dumps({"benchmark": "burst_send_gso", "reference": "the same burst as plain datagrams (GRO: as GSO without GRO)",
                           "rows_per_burst": a.rows, "destinations": a.dests, "results": rows}, indent=2))
     else:
-        print(f"{'bytes':>6} {'plain us/pkt':>13} {'gso us/pkt':>11} {'gso/plain':>10} {'msgs/burst':>11}")
+        print(f"{'bytes':>6} {'plain snd/rcv us':>17} {'gso snd/rcv us':>15} {'gso+gro snd/rcv us':>19} "
+              f"{'gso/plain snd':>14} {'gro/gso snd+rcv':>16}")
         for r in rows:
-            print(f"{r['bytes']:>6} {r['plain']['send_us_per_packet']:>13.2f} {r['gso']['send_us_per_packet']:>11.2f} "
-                  f"{r['send_cpu_gso_vs_plain']:>10.2f} {r['gso']['messages_per_burst']:>11.0f}")
+            cols = " ".join(f"{r[m]['send_us_per_packet']:>7.2f}/{r[m]['recv_us_per_packet']:<7.2f}"
+                            for m in ("plain", "gso", "gso_gro"))
+            print(f"{r['bytes']:>6} {cols} {r['send_cpu_gso_vs_plain']:>14.2f} {r['send_recv_cpu_gro_vs_gso']:>16.2f}")
     return 0
 
 

@@ -23,6 +23,9 @@ import logging
 import struct
 
 import numpy as np
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 log = logging.getLogger("ina.burst")
 
@@ -41,6 +44,7 @@ UDP_SEGMENT = 103             # setsockopt / cmsg: GSO segment size of a send (L
 UDP_GRO = 104                 # setsockopt / cmsg: receive coalesced datagrams (Linux 5.0+)
 GSO_MAX_SEGMENTS = 64         # UDP_MAX_SEGMENTS of Linux before 6.x (later kernels allow 128)
 GSO_MAX_BYTES = 65507         # one IPv4 datagram's payload: the most a GSO message may carry
+GRO_LANDING = 16              # coalesced messages a receive takes at most (64 kB each)
 
 # struct iovec { void *base; size_t len; }
 IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
@@ -95,45 +99,193 @@ def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
 
 
-class RxRing:
-    """A preallocated pool of ``burst`` receive buffers of ``stride`` bytes and their msghdrs."""
+def _msghdrs(buf: np.ndarray, src: np.ndarray, control: np.ndarray | None = None):
+    """Receive msghdrs of the rows of ``buf`` (one iovec each), their sources into ``src`` and, with
+    ``control``, a cmsg buffer per row. Returns (iovecs, msghdrs, msghdrs as (n, 8) u64 words)."""
+    n, stride = buf.shape
+    iov = np.zeros(n, IOVEC)
+    iov["base"] = _ptr(buf) + np.arange(n, dtype=np.uint64) * stride
+    iov["len"] = stride
+    msg = np.zeros(n, MMSGHDR)
+    msg["name"] = _ptr(src) + np.arange(n, dtype=np.uint64) * SOCKADDR_IN.itemsize
+    msg["namelen"] = SOCKADDR_IN.itemsize
+    msg["iov"] = _ptr(iov) + np.arange(n, dtype=np.uint64) * IOVEC.itemsize
+    msg["iovlen"] = 1
+    if control is not None:
+        msg["control"] = _ptr(control) + np.arange(n, dtype=np.uint64) * control.shape[1]
+        msg["controllen"] = control.shape[1]
+    return iov, msg, msg.view(np.uint64).reshape(n, 8)
 
-    def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048):
+
+def gro_enable(sock: socket.socket, on: bool = True) -> str | None:
+    """Turn UDP GRO on (or off) for ``sock`` (on: the kernel may hand over several datagrams of one
+    sender as one coalesced message); None when it did, else why not."""
+    try:
+        sock.setsockopt(SOL_UDP, UDP_GRO, int(on))
+        return None
+    except OSError as e:
+        return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+
+
+class RxRing:
+    """A preallocated pool of ``burst`` receive buffers of ``stride`` bytes and their msghdrs.
+
+    UDP GRO (``gro``; default: on where the kernel has it, unless the environment sets ``INA_GRO=0``):
+    the kernel may deliver a sender's GSO message (or datagrams it coalesced) as one message, with a
+    cmsg naming the segment size. Such messages land in ``GRO_LANDING`` buffers of 64 kB (more are
+    received until the rows are full or the socket is empty) and are cut into their datagrams, one
+    row each, so callers see exactly the rows a per-datagram receive gives (segments that do not fit
+    this burst's rows come first in the next). ``gro_refused``: why the
+    kernel refused it (then every message is one datagram, received straight into the rows).
+    ``messages`` counts what the kernel handed over, ``packets`` the rows.
+    """
+
+    def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048, gro: bool | None = None):
         self.sock = sock
         self.fd = sock.fileno()
         self.burst = burst
         self.stride = stride
         self.buf = np.zeros((burst, stride), np.uint8)
         self.src = np.zeros(burst, SOCKADDR_IN)
-        self._iov = np.zeros(burst, IOVEC)
-        self._iov["base"] = _ptr(self.buf) + np.arange(burst, dtype=np.uint64) * stride
-        self._iov["len"] = stride
-        self._msg = np.zeros(burst, MMSGHDR)
-        self._msg["name"] = _ptr(self.src) + np.arange(burst, dtype=np.uint64) * SOCKADDR_IN.itemsize
-        self._msg["iov"] = _ptr(self._iov) + np.arange(burst, dtype=np.uint64) * IOVEC.itemsize
-        self._msg["iovlen"] = 1
+        self._iov, self._msg, self._msg64 = _msghdrs(self.buf, self.src)
         self._msgp = _ptr(self._msg)
         self.lens = np.zeros(burst, np.int64)
+        self.messages = self.packets = 0
+        if gro is None:                          # INA_GRO=0 turns it off (to measure against it)
+            gro = os.environ.get("INA_GRO", "1") != "0"
+        self.gro_refused = gro_enable(sock) if gro else None
+        self.gro = bool(gro) and self.gro_refused is None
+        if self.gro:
+            m = min(burst, GRO_LANDING)
+            self._land = np.zeros((m, 1 << 16), np.uint8)      # a whole UDP datagram's payload
+            self._land_src = np.zeros(m, SOCKADDR_IN)
+            self._land_ctl = np.zeros((m, 64), np.uint8)
+            self._land_iov, self._land_msg, self._land_msg64 = _msghdrs(self._land, self._land_src, self._land_ctl)
+            self._land_msgp = _ptr(self._land_msg)
+            self._land_src8 = self._land_src.view(np.uint8).reshape(m, SOCKADDR_IN.itemsize)
+            self._src8 = self.src.view(np.uint8).reshape(burst, SOCKADDR_IN.itemsize)
+            self._land_state = np.zeros(3, np.int64)        # landed messages, next message, next byte in it
 
     def recv(self, wait: bool = True) -> int:
         """Receive up to a burst. With ``wait`` block until one packet or the socket's timeout.
 
         Returns the number of packets; ``self.buf[:n]`` holds them, ``self.lens[:n]`` their sizes
-        (a size above ``stride`` means the datagram was truncated). 0 on timeout.
+        (a size above ``stride`` means the datagram was truncated), ``self.src[:n]`` their senders.
+        0 on timeout.
         """
-        self._msg["namelen"] = SOCKADDR_IN.itemsize
-        self._msg["flags"] = 0
+        if self.gro:
+            return self._recv_gro(wait)
         n = _recvmmsg(self.fd, self._msgp, self.burst, MSG_WAITFORONE if wait else MSG_DONTWAIT, None)
         if n < 0:
-            e = ctypes.get_errno()
-            if e in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                return 0
-            raise OSError(e, f"recvmmsg: {os.strerror(e)}")
-        self.lens[:n] = self._msg["msg_len"][:n]
-        trunc = (self._msg["flags"][:n] & 0x20) != 0   # MSG_TRUNC
-        if trunc.any():
-            self.lens[:n][trunc] = self.stride + 1
+            return self._recv_error()
+        _take_lengths(self._msg64, n, self.stride, self.lens)
+        self.messages += n
+        self.packets += n
         return n
+
+    def _recv_gro(self, wait: bool) -> int:
+        """As :meth:`recv`: rows are filled from landed messages, receiving more until the rows are full
+        or the socket is empty (so that fewer rows than a burst still means an emptied socket)."""
+        st, m = self._land_state, self._land.shape[0]
+        n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
+                          self._src8, 0)
+        first = True
+        while n < self.burst and st[1] >= st[0]:         # every landed message is cut: receive more
+            flags = MSG_WAITFORONE if wait and first and n == 0 else MSG_DONTWAIT
+            first = False
+            got = _recvmmsg(self.fd, self._land_msgp, m, flags, None)
+            if got <= 0:
+                if got < 0 and n == 0:
+                    return self._recv_error()
+                break
+            st[0], st[1], st[2] = got, 0, 0
+            self.messages += got
+            n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf,
+                              self.lens, self._src8, n)
+            if got < m:                                  # the socket had no more
+                break
+        self.packets += n
+        return n
+
+    def _recv_error(self) -> int:
+        e = ctypes.get_errno()
+        if e in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+            return 0
+        raise OSError(e, f"recvmmsg: {os.strerror(e)}")
+
+
+@njit(cache=True)
+def _take_lengths(msg, n, stride, lens):
+    """Each received message's length into ``lens`` (``stride + 1`` where it was truncated), and its
+    msghdr made ready for the next receive (the kernel rewrote namelen and flags)."""
+    for i in range(n):
+        truncated = (msg[i, 6] & np.uint64(0x20)) != 0          # msg_flags & MSG_TRUNC
+        lens[i] = stride + 1 if truncated else np.int64(msg[i, 7] & np.uint64(0xFFFFFFFF))
+        msg[i, 1] = 16                                          # namelen: sockaddr_in
+        msg[i, 6] = 0
+
+
+@njit(cache=True)
+def _segment_size(ctl, controllen, length):
+    """The UDP_GRO cmsg's segment size in a message's control buffer (``length``: no such cmsg)."""
+    at = 0
+    while at + 20 <= controllen:
+        clen = np.int64(ctl[at]) | (np.int64(ctl[at + 1]) << 8) | (np.int64(ctl[at + 2]) << 16) | \
+            (np.int64(ctl[at + 3]) << 24)
+        level = np.int64(ctl[at + 8]) | (np.int64(ctl[at + 9]) << 8)
+        kind = np.int64(ctl[at + 12]) | (np.int64(ctl[at + 13]) << 8)
+        if level == 17 and kind == 104 and clen >= 20:          # SOL_UDP, UDP_GRO: an int
+            seg = np.int64(ctl[at + 16]) | (np.int64(ctl[at + 17]) << 8) | (np.int64(ctl[at + 18]) << 16)
+            return seg if seg > 0 else length
+        if clen < 16:
+            break
+        at += (clen + 7) // 8 * 8
+    return length
+
+
+@intrinsic
+def _copy_bytes(typingctx, dst, dst_at, src, src_at, count):
+    """memcpy of ``count`` bytes from flat byte ``src_at`` of C-contiguous uint8 array ``src`` to
+    ``dst_at`` of ``dst`` (numba's slice assignment is an element loop; this is LLVM's memcpy)."""
+    def codegen(context, builder, signature, args):
+        d, da, s, sa, c = args
+        dp = builder.gep(context.make_array(signature.args[0])(context, builder, d).data, [da])
+        sp = builder.gep(context.make_array(signature.args[2])(context, builder, s).data, [sa])
+        cgutils.raw_memcpy(builder, dp, sp, c, 1)
+        return context.get_dummy_value()
+    return types.void(dst, dst_at, src, src_at, count), codegen
+
+
+@njit(cache=True)
+def _cut_segments(land, msg, ctl, land_src, st, buf, lens, src, n):
+    """Cut landed messages into datagrams, one row of ``buf`` each, from row ``n`` on until the rows run
+    out. ``st``: (landed messages, next message, byte offset in it), kept for the next call; each
+    message's msghdr is made ready for the next receive once it is cut. Returns the rows filled."""
+    stride = buf.shape[1]
+    while st[1] < st[0] and n < buf.shape[0]:
+        q = st[1]
+        length = np.int64(msg[q, 7] & np.uint64(0xFFFFFFFF))
+        seg = _segment_size(ctl[q], np.int64(msg[q, 5]), length)
+        off = st[2]
+        while n < buf.shape[0]:
+            size = min(seg, length - off)
+            take = min(size, stride)
+            _copy_bytes(buf, n * stride, land, q * land.shape[1] + off, take)
+            lens[n] = size if size <= stride else stride + 1
+            src[n, :] = land_src[q, :]
+            off += size
+            n += 1
+            if off >= length:                                   # (an empty datagram is one empty row)
+                break
+        if off < length:
+            st[2] = off
+            break
+        msg[q, 1] = 16                                          # namelen
+        msg[q, 5] = ctl.shape[1]                                # controllen
+        msg[q, 6] = 0
+        st[1] += 1
+        st[2] = 0
+    return n
 
 
 def gso_supported(sock: socket.socket) -> bool:
@@ -145,6 +297,58 @@ def gso_supported(sock: socket.socket) -> bool:
         return False
 
 
+@njit(cache=True)
+def _plan_messages(lens, aidx, pos, k, gso, max_segments, max_bytes, starts):
+    """The messages of entries ``pos .. k-1``: ``starts[:m]`` their first entries, ``starts[m] = k``;
+    returns m. One rule (UDP_SEGMENT's): a run of consecutive entries to one destination with one
+    length, whose last entry may be shorter, of at most ``max_segments`` entries and ``max_bytes``
+    bytes. ``lens`` / ``aidx`` of one element stand for every entry."""
+    m = 0
+    i = pos
+    one_len, one_dest = lens.size == 1, aidx.size == 1
+    while i < k:
+        starts[m] = i
+        m += 1
+        seg = lens[0 if one_len else i]
+        dest = aidx[0 if one_dest else i]
+        per = min(max_segments, max(1, max_bytes // max(seg, 1))) if gso else 1
+        j = i + 1
+        while j < k and j - i < per and aidx[0 if one_dest else j] == dest and lens[0 if one_len else j] == seg:
+            j += 1
+        if j < k and j - i < per and aidx[0 if one_dest else j] == dest and 0 < lens[0 if one_len else j] < seg:
+            j += 1                            # a shorter (not empty: that is no segment) last entry closes the run
+        i = j
+    starts[m] = k
+    return m
+
+
+@njit(cache=True)
+def _fill_messages(rows, lens, aidx, first, k, base, stride, abase, iov, iov_at, msg, cmsg_at, cmsg_value,
+                   starts, m, pos):
+    """Point the iovecs of entries ``first .. first+k-1`` of a send at their rows (``pos == 0``: all of
+    them) and messages ``0 .. m-1`` at the runs ``starts`` found. Returns the entries' bytes."""
+    one_len, one_dest = lens.size == 1, aidx.size == 1
+    total = 0
+    if pos == 0:
+        for e in range(k):
+            ln = lens[0 if one_len else first + e]
+            iov[e, 0] = base + np.uint64(rows[first + e]) * stride
+            iov[e, 1] = ln
+            total += ln
+    for q in range(m):
+        s, count = starts[q], starts[q + 1] - starts[q]
+        msg[q, 0] = abase + np.uint64(aidx[0 if one_dest else first + s]) * np.uint64(16)   # sockaddr_in
+        msg[q, 1] = 16                                                          # namelen (+ padding)
+        msg[q, 2] = iov_at[s]
+        msg[q, 3] = count
+        msg[q, 4] = cmsg_at[q] if count > 1 else np.uint64(0)
+        msg[q, 5] = 24 if count > 1 else 0                                      # CMSG_SPACE(2)
+        msg[q, 6] = 0
+        msg[q, 7] = 0
+        cmsg_value[q] = lens[0 if one_len else first + s]
+    return total
+
+
 def gso_runs(lens: np.ndarray, aidx: np.ndarray, max_segments: int = GSO_MAX_SEGMENTS) -> np.ndarray:
     """Where the GSO messages of a transmit list start: indices of the first entry of each message.
 
@@ -152,24 +356,11 @@ def gso_runs(lens: np.ndarray, aidx: np.ndarray, max_segments: int = GSO_MAX_SEG
     last entry may be shorter (UDP_SEGMENT's rule), of at most ``max_segments`` entries and
     ``GSO_MAX_BYTES`` bytes.
     """
-    n = lens.size
-    if n == 0:
-        return np.zeros(0, np.int64)
-    lens, aidx = lens.astype(np.int64), aidx.astype(np.int64)
-    same = aidx[1:] == aidx[:-1]
-    brk = np.ones(n, bool)
-    brk[1:] = ~same | (lens[1:] != lens[:-1])
-    last = np.ones(n, bool)                  # last entry of its run (before merging short tails)
-    last[:-1] = brk[1:]
-    tail = np.zeros(n, bool)                 # a shorter last entry joins the run before it
-    tail[1:] = same & (lens[1:] < lens[:-1]) & last[1:]
-    tail[1:] &= ~tail[:-1]                   # ... unless that run ends with a shorter entry itself
-    brk &= ~tail
-    idx = np.arange(n)
-    start = np.maximum.accumulate(np.where(brk, idx, 0))
-    seg = np.maximum(lens[start], 1)
-    per_msg = np.clip(GSO_MAX_BYTES // seg, 1, max_segments)
-    return np.nonzero(brk | ((idx - start) % per_msg == 0))[0]
+    n = len(lens)
+    starts = np.zeros(n + 1, np.int64)
+    m = _plan_messages(np.asarray(lens, np.int64), np.asarray(aidx, np.int64), 0, n, True, max_segments,
+                       GSO_MAX_BYTES, starts)
+    return starts[:m]
 
 
 class TxBatch:
@@ -194,6 +385,10 @@ class TxBatch:
         self._msg = np.zeros(capacity, MMSGHDR)
         self._msg["namelen"] = SOCKADDR_IN.itemsize
         self._msgp = _ptr(self._msg)
+        self._iov64 = self._iov.view(np.uint64).reshape(capacity, 2)
+        self._msg64 = self._msg.view(np.uint64).reshape(capacity, 8)
+        self._starts = np.zeros(capacity + 1, np.int64)
+        self._addresses: dict[int, tuple] = {}
         if gso is None:                          # INA_GSO=0 turns it off (to measure against it)
             gso = os.environ.get("INA_GSO", "1") != "0"
         self.gso = bool(gso) and gso_supported(sock)
@@ -208,51 +403,52 @@ class TxBatch:
         """Send ``buf[rows[i], :lens[i]]`` to ``addrs[addr_idx[i]]`` for every i, in sendmmsg bursts.
 
         ``buf`` is a 2-D C-contiguous uint8 array, ``addrs`` a SOCKADDR_IN array that stays alive
-        for the call. Returns the number of packets the kernel accepted.
+        for the call; ``lens`` and ``addr_idx`` are arrays or one value for every entry. Returns the
+        number of packets the kernel accepted.
         """
-        rows = np.asarray(rows, dtype=np.uint64)
+        rows = np.asarray(rows, np.int64).reshape(-1)
         n = rows.size
         if n == 0:
             return 0
-        uniform = np.ndim(lens) == 0 and np.ndim(addr_idx) == 0     # one length to one destination
-        lens = np.broadcast_to(np.asarray(lens, dtype=np.uint64), (n,))
-        aidx = np.broadcast_to(np.asarray(addr_idx, dtype=np.uint64), (n,))
-        base, stride = _ptr(buf), buf.strides[0]
+        lens = np.asarray(lens, np.int64).reshape(-1)
+        aidx = np.asarray(addr_idx, np.int64).reshape(-1)
+        base, abase = self._address(buf), self._address(addrs)
+        stride = buf.strides[0]
         done = 0
         while done < n:
             k = min(self.capacity, n - done)
-            sl = slice(done, done + k)
-            self._iov["base"][:k] = base + rows[sl] * stride
-            self._iov["len"][:k] = lens[sl]
             pos = 0
             while pos < k:                       # again from ``pos`` after a GSO refusal
-                pos = self._send_entries(pos, k, lens[sl], aidx[sl], _ptr(addrs), uniform)
-            self.sent_bytes += int(lens[sl].sum())
+                pos = self._send_entries(rows, lens, aidx, done, k, pos, base, stride, abase)
             done += k
         self.sent_packets += n
         return n
 
-    def _send_entries(self, pos: int, k: int, lens: np.ndarray, aidx: np.ndarray, abase: int,
-                      uniform: bool = False) -> int:
-        """Send iovec entries ``pos .. k-1`` as messages; returns k, or the entry to resume from when
-        the kernel refused GSO (which is then off). ``uniform``: every entry has one length and one
-        destination (the runs are then evenly spaced)."""
-        if self.gso and k - pos > 1 and uniform:
-            starts = np.arange(pos, k, min(self.gso_max_segments, max(1, GSO_MAX_BYTES // max(1, int(lens[0])))))
-        elif self.gso and k - pos > 1:
-            starts = pos + gso_runs(lens[pos:k], aidx[pos:k], self.gso_max_segments)
-        else:
-            starts = np.arange(pos, k)
-        m = starts.size
-        counts = np.diff(starts, append=k)
-        msg = self._msg[:m]
-        msg["iov"] = self._iov_at[starts]
-        msg["iovlen"] = counts
-        msg["name"] = abase + aidx[starts] * SOCKADDR_IN.itemsize
-        multi = counts > 1
-        msg["control"] = np.where(multi, self._cmsg_at[:m], 0)
-        msg["controllen"] = np.where(multi, CMSG_U16.itemsize, 0)
-        self._cmsg["value"][:m] = lens[starts]
+    def _address(self, arr: np.ndarray) -> int:
+        """The data address of ``arr``, remembered for the arrays sent from again and again (the ring)."""
+        cache = self._addresses
+        hit = cache.get(id(arr))
+        if hit is not None and hit[0] is arr:
+            return hit[1]
+        if len(cache) > 8:
+            cache.clear()
+        at = _ptr(arr)
+        cache[id(arr)] = (arr, at)
+        return at
+
+    def _send_entries(self, rows, lens, aidx, first: int, k: int, pos: int, base: int, stride: int,
+                      abase: int) -> int:
+        """Send entries ``first + pos .. first + k - 1`` as messages; returns k, or the entry (relative
+        to ``first``) to resume from when the kernel refused GSO (which is then off)."""
+        starts = self._starts
+        sub_l = lens if lens.size == 1 else lens[first:first + k]
+        sub_a = aidx if aidx.size == 1 else aidx[first:first + k]
+        m = _plan_messages(sub_l, sub_a, pos, k, self.gso, self.gso_max_segments, GSO_MAX_BYTES, starts)
+        sent_bytes = _fill_messages(rows, lens, aidx, first, k, np.uint64(base), np.uint64(stride), np.uint64(abase),
+                                    self._iov64, self._iov_at, self._msg64, self._cmsg_at, self._cmsg["value"],
+                                    starts, m, pos)
+        if pos == 0:
+            self.sent_bytes += int(sent_bytes)
         sent = 0
         while sent < m:
             r = _sendmmsg(self.fd, self._msgp + sent * MMSGHDR.itemsize, m - sent, 0)
@@ -262,16 +458,16 @@ class TxBatch:
             e = ctypes.get_errno()
             if e in (errno.EINTR, errno.EAGAIN, errno.ENOBUFS):
                 continue
+            count = int(starts[sent + 1] - starts[sent])
             if e == errno.ECONNREFUSED:       # an earlier ICMP port unreachable; this message is gone
-                self.refused += int(counts[sent])
+                self.refused += count
                 sent += 1
                 continue
-            if counts[sent] > 1 and e in (errno.EINVAL, errno.EIO, errno.EMSGSIZE, errno.ENOPROTOOPT,
-                                          errno.EOPNOTSUPP):
+            if count > 1 and e in (errno.EINVAL, errno.EIO, errno.EMSGSIZE, errno.ENOPROTOOPT, errno.EOPNOTSUPP):
                 self.gso = False
                 self.gso_refused = f"{errno.errorcode.get(e, e)}: {os.strerror(e)}"
                 log.warning("the kernel refused a UDP GSO message (%d x %d bytes: %s); sending one datagram "
-                            "per message from now on", int(counts[sent]), int(lens[starts[sent]]), self.gso_refused)
+                            "per message from now on", count, int(self._cmsg["value"][sent]), self.gso_refused)
                 self.sent_messages += sent
                 return int(starts[sent])
             raise OSError(e, f"sendmmsg: {os.strerror(e)}")

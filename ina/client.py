@@ -31,14 +31,15 @@ import numpy as np
 from . import burst as B
 from . import compression, lifetime, staging
 from . import sparse as sparse_mod
-from .compression.base import ScaleContext, native
+from . import stream_kernels as SK
+from .compression.base import ScaleContext
 from .control import ControlChannel, ControlError
 from .recovery import LossDetector
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
 from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType, chunk_modulus,
-                   header_view, max_packet_size, payload_view, slot_of_chunk)
+                   header_view, max_packet_size, payload_view)
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -240,9 +241,9 @@ class Client(Worker):
                 tl.encode_s += time.perf_counter() - t
             return codes.reshape(rows, E)
 
-        def decode(chunks: np.ndarray, payload: np.ndarray) -> None:
+        def decode(chunks: np.ndarray, payload: np.ndarray, which: np.ndarray | None = None) -> None:
             t = time.perf_counter()
-            out2d[chunks] = c.decode_sum(payload.reshape(-1), ctx, raw=raw).reshape(chunks.size, E)
+            c.decode_sum_into(payload, ctx, raw, out2d, chunks, which)
             if tl:
                 tl.decode_s += time.perf_counter() - t
                 tl.rx_bursts += 1
@@ -274,9 +275,10 @@ class Client(Worker):
 
         Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
         holds the switch's maxima. With payload, ``encode_block(b)`` gives the codes of chunks
-        ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads)`` takes each burst of
-        results. Packets live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is
-        done, which is sent only after c is done, so a row is never reused while its chunk is pending.
+        ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads, which)`` takes each burst
+        of results (``payloads[which]``: their payload rows; which None: all rows, in order). Packets
+        live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is done, which is
+        sent only after c is done, so a row is never reused while its chunk is pending.
         ``sparse(c0)``, if given, makes the :class:`~ina.sparse.SparseStream` of a sparse data stream
         (one round in flight per stream, so the ring's rule holds too).
         """
@@ -397,7 +399,7 @@ class _Transfer:
         hv["codec"] = codec_id
         hv["payload_type"] = int(ptype)
         self.pv = payload_view(self.pkts, ptype, E) if E else None
-        self.exps_in = np.broadcast_to(np.asarray(exponent, np.int64), (n_chunks,))
+        self.exps_in = np.asarray(exponent, np.int64).reshape(-1)     # one per chunk, or one for all
         self.count, self.encode_block, self.block, self.decode = count, encode_block, block, decode
         self.blocks: dict[int, np.ndarray] = {}
         self.left_in_block: dict[int, int] = {}
@@ -405,6 +407,9 @@ class _Transfer:
         self.res_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E
         self.exps = np.zeros(n_chunks, np.int64)
         self.done = np.zeros(n_chunks, bool)
+        burst = cl.rx.burst                        # a receive burst's fresh results (rows, positions, REPLAY)
+        self.fresh_idx, self.fresh_jj, self.fresh_replay = np.zeros(burst, np.int64), np.zeros(burst, np.int64), \
+            np.zeros(burst, bool)
         self.ld = LossDetector(n_chunks)
         self.overflow = 0
         self.checked = False          # the loss check ran in this loop turn
@@ -417,28 +422,26 @@ class _Transfer:
 
     def load(self, chunks: np.ndarray) -> np.ndarray:
         """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
-        hv, E, S = self.hv, self.E, self.S
+        E = self.E
         rows = chunks % self.R
-        ids = (self.c0 + chunks) % self.cl.chunk_modulus
-        hv["slot"][rows] = slot_of_chunk(ids, S)
-        hv["chunk"][rows] = ids
-        hv["exponent"][rows] = self.exps_in[chunks]
-        hv["flags"][rows] = 0
+        SK.fill_headers(self.pkts, rows, chunks, self.c0, self.cl.chunk_modulus, self.S, self.exps_in, self.count, E)
         if E:
-            hv["count"][rows] = np.minimum(E, self.count - chunks * E)
             bs = chunks // self.block
-            for b in np.unique(bs):
-                b = int(b)
+            lo, hi = int(bs.min()), int(bs.max())
+            for b in range(lo, hi + 1) if hi > lo else (lo,):
+                sel = slice(None) if hi == lo else bs == b       # one block: no mask
+                here = chunks[sel]
+                if not here.size:
+                    continue
                 if b not in self.blocks:
                     self.blocks[b] = self.encode_block(b)
                     self.left_in_block[b] = self.blocks[b].shape[0]
-                sel = bs == b
-                self.pv[rows[sel]] = self.blocks[b][chunks[sel] - b * self.block]
-                self.left_in_block[b] -= int(np.count_nonzero(sel))
+                self.pv[rows[sel]] = self.blocks[b][here - b * self.block]
+                self.left_in_block[b] -= here.size
                 if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
                     del self.blocks[b], self.left_in_block[b]
         if self.sparse:
-            self.cl.stats.sparse_header_only += self.sparse.load(self.pkts, hv, rows, chunks)
+            self.cl.stats.sparse_header_only += self.sparse.load(self.pkts, self.hv, rows, chunks)
         return rows
 
     def send_rows(self, rows: np.ndarray) -> None:
@@ -492,57 +495,47 @@ class _Transfer:
             self.per_pkt = 0.8 * self.per_pkt + 0.2 * gap if self.per_pkt else gap
         self.last_rx = now
         cl.stats.packets_received += k
-        cl.stats.bytes_received += int(cl.rx.lens[:k].sum())
-        buf = cl.rx.buf[:k]
-        h = header_view(buf)
-        mt = h["msg_type"]
-        if (mt == int(MsgType.ABORT)).any():
-            ab = h[(mt == int(MsgType.ABORT)) & (h["job"] == cl.job)]
-            if ab.size:
-                why = lifetime.abort_reason(cl.ctl, cl.job, int(ab["rank"][0]))
-                raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
-                                     f"{n_chunks - self.n_done} of {n_chunks} chunks incomplete")
-        lens = cl.rx.lens[:k]
-        j = (h["chunk"].astype(np.int64) - self.c0) % cl.chunk_modulus
-        ok = (mt == int(MsgType.RESULT)) & (h["job"] == cl.job) & (j < n_chunks)
-        if self.E:
-            sparse_mod.check_agreement(h["flags"][ok], bool(self.sparse), cl.job)
-        ok &= self.sparse.result_ok(lens) if self.sparse else lens == self.res_len
-        stale = int(np.count_nonzero(~ok))
-        jj = j[ok]
-        if jj.size:
-            fresh = ~self.done[jj]
-            idx = np.nonzero(ok)[0][fresh]
-            jj, first_pos = np.unique(jj[fresh], return_index=True)
-            idx = idx[first_pos]
-            cl.stats.duplicate_results += int(np.count_nonzero(ok)) - jj.size
-            if jj.size:
-                self.complete(buf, h, idx, jj, now)
-        cl.stats.stale_results += stale
+        sp, buf, lens = self.sparse, cl.rx.buf, cl.rx.lens
+        fresh, ok, other, nbytes, abort, overflow, mismatch = SK.scan_results(
+            buf, lens, k, cl.job, self.c0, cl.chunk_modulus, n_chunks, sp.result_len if sp else self.res_len,
+            sp.skip_len if sp else -1, bool(sp), bool(self.E), self.done, self.exps, self.fresh_idx, self.fresh_jj,
+            self.fresh_replay)
+        cl.stats.bytes_received += int(nbytes)
+        if abort >= 0:
+            why = lifetime.abort_reason(cl.ctl, cl.job, int(header_view(buf[abort:abort + 1])["rank"][0]))
+            raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
+                                 f"{n_chunks - self.n_done} of {n_chunks} chunks incomplete")
+        if mismatch:
+            sparse_mod.check_agreement(header_view(buf[:k])["flags"], bool(sp), cl.job)
+        cl.stats.duplicate_results += ok - fresh
+        cl.stats.stale_results += other
+        self.overflow += overflow
+        if fresh:
+            self.complete(buf, self.fresh_idx[:fresh], self.fresh_jj[:fresh], self.fresh_replay[:fresh], now)
         self.coalesce(k)
 
-    def complete(self, buf: np.ndarray, h: np.ndarray, idx: np.ndarray, jj: np.ndarray, now: float) -> None:
-        """Results ``buf[idx]`` of chunks ``jj`` (fresh, distinct): decode, account, send the next chunks."""
+    def complete(self, buf: np.ndarray, idx: np.ndarray, jj: np.ndarray, replayed: np.ndarray, now: float) -> None:
+        """Results ``buf[idx]`` of chunks ``jj`` (fresh, distinct, marked done, their exponents taken):
+        decode, account, send the next chunks. ``replayed``: which came with the REPLAY flag."""
         E = self.E
         if self.tl:
             self.tl.mark("first_result")
         sp = self.sparse
-        lens = self.cl.rx.lens[:len(buf)]
+        lens = self.cl.rx.lens
         if E:
-            # copies payloads only (sparse: zeros for header-only results)
-            self.decode(jj, sp.payloads(buf, idx, lens) if sp else native(payload_view(buf, self.result_type, E)[idx]))
+            if sp:        # zeros for header-only results
+                self.decode(jj, sp.payloads(buf, idx, lens))
+            else:         # straight from the receive ring into the output
+                self.decode(jj, payload_view(buf, self.result_type, E), idx)
         ld = self.ld
         first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
         if first_try.size:
-            rtts = now - ld.sent_at[first_try]
+            rtts = np.sort(now - ld.sent_at[first_try])
             # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
             # is at most that long (so the tail probe has a bound from the first allreduce on)
-            self.cl.rtt_min = min(self.cl.rtt_min, float(rtts.min()))
-            if E:
-                self.cl._rtt_sample(float(np.median(rtts)))
-        self.exps[jj] = h["exponent"][idx]
-        self.overflow += int(np.count_nonzero(h["flags"][idx] & int(Flag.OVERFLOW)))
-        self.done[jj] = True
+            self.cl.rtt_min = min(self.cl.rtt_min, float(rtts[0]))
+            if E:         # the median
+                self.cl._rtt_sample(float(rtts[(rtts.size - 1) // 2] + rtts[rtts.size // 2]) / 2)
         ld.delivered(jj, ld.pending(self.low, self.max_sent, self.done), now)
         self.n_done += jj.size
         if sp:            # the streams' next rounds; the chunks in between are zero everywhere
@@ -561,7 +554,6 @@ class _Transfer:
         if follows.any():
             # a replay came to this rank alone, after the others had the result: the chunk it frees is
             # sent here later than by the peers, so its result says nothing of the chunks sent before it
-            replayed = (h["flags"][idx] & int(Flag.REPLAY)) != 0
             self.send_new(nxt[follows], ~replayed[follows])
         while self.low < self.n_chunks and self.done[self.low]:
             self.low += 1

@@ -145,3 +145,129 @@ def test_switch_and_clients_send_gso_runs_and_results_stay_exact(tmp_path, monke
     else:
         assert c["tx_messages"] == c["tx_packets"]
         assert all(msgs == pkts for _, msgs, pkts in out)
+
+
+# ------------------------------------------------------------------------------------------------
+# receive: UDP GRO cuts coalesced messages into the rows a per-datagram receive gives
+# ------------------------------------------------------------------------------------------------
+gro_only = pytest.mark.skipif(B.gro_enable(B.udp_socket("127.0.0.1", 0, bufsize=1 << 16)) is not None,
+                              reason="the kernel has no UDP_GRO")
+
+
+def _rows_of(ring, expect):
+    """(bytes, source port) of every row received (at least ``expect``; bounded by the socket timeout)."""
+    got = []
+    while len(got) < expect:
+        n = ring.recv(wait=True)
+        if not n:
+            break
+        got += [(ring.buf[i, : ring.lens[i]].tobytes(), B.addr_tuple(ring.src[i])[1]) for i in range(n)]
+    while n := ring.recv(wait=False):
+        got += [(ring.buf[i, : ring.lens[i]].tobytes(), B.addr_tuple(ring.src[i])[1]) for i in range(n)]
+    return got
+
+
+@gro_only
+@pytest.mark.parametrize("burst", [5, 64])
+def test_gro_rows_equal_per_datagram_receive(burst):
+    """Two senders' GSO messages with mixed segment sizes, short last segments and single datagrams:
+    a ring with GRO yields the same rows, lengths, sources and order (per sender) as one without,
+    also when a coalesced message has more segments than the burst has rows (they come next call)."""
+    senders = [B.udp_socket("127.0.0.1", 0) for _ in range(2)]
+    rx = {gro: B.udp_socket("127.0.0.1", 0) for gro in (True, False)}
+    rings = {gro: B.RxRing(s, burst=burst, stride=1500, gro=gro) for gro, s in rx.items()}
+    assert rings[True].gro and rings[True].gro_refused is None and not rings[False].gro
+    buf = _packets(60, 1500, seed=3)
+    lens = np.array([1000] * 9 + [333] + [1400] * 20 + [7] + [1] * 12 + [1200] * 16 + [0, 1500])   # an empty one
+    for gro, s in rx.items():
+        B.set_recv_timeout(s, 2.0)
+        addr = B.sockaddr("127.0.0.1", s.getsockname()[1])
+        for sender in senders:
+            B.TxBatch(sender, capacity=64, gso=True).send(buf, np.arange(60), lens, addr, 0)
+    got = {gro: _rows_of(ring, 120) for gro, ring in rings.items()}
+    for gro in (True, False):
+        for sender in senders:
+            port = sender.getsockname()[1]
+            assert [b for b, p in got[gro] if p == port] == [buf[r, : lens[r]].tobytes() for r in range(60)]
+    assert len(got[True]) == len(got[False]) == 120
+    assert rings[True].packets == 120 and rings[True].messages < 120      # the kernel coalesced
+    assert rings[False].messages == rings[False].packets == 120
+
+
+@gro_only
+def test_gro_marks_a_datagram_longer_than_a_row_truncated():
+    """As without GRO: a datagram longer than the ring's rows reads as stride + 1 bytes (the caller's
+    sign of truncation); its neighbours in the same coalesced message are intact."""
+    tx_sock, rs = B.udp_socket("127.0.0.1", 0), B.udp_socket("127.0.0.1", 0)
+    B.set_recv_timeout(rs, 2.0)
+    ring = B.RxRing(rs, burst=16, stride=500, gro=True)
+    buf = _packets(4, 900, seed=4)
+    B.TxBatch(tx_sock, gso=True).send(buf, np.arange(4), np.array([900, 900, 900, 400]),
+                                      B.sockaddr("127.0.0.1", rs.getsockname()[1]), 0)
+    n = ring.recv(wait=True)
+    n += ring.recv(wait=False)
+    assert n == 4 and ring.lens[:4].tolist() == [501, 501, 501, 400]
+    assert ring.buf[0, :500].tobytes() == buf[0, :500].tobytes()
+    assert ring.buf[3, :400].tobytes() == buf[3, :400].tobytes()
+
+
+def test_environment_turns_gro_off(monkeypatch):
+    monkeypatch.setenv("INA_GRO", "0")
+    assert not B.RxRing(B.udp_socket("127.0.0.1", 0)).gro
+    monkeypatch.setenv("INA_GRO", "1")
+    ring = B.RxRing(B.udp_socket("127.0.0.1", 0))
+    assert ring.gro is (ring.gro_refused is None)
+
+
+def test_gro_refused_falls_back_to_one_datagram_per_message():
+    """A socket the kernel refuses UDP_GRO on (here a TCP socket stands for an old kernel): the ring
+    says why, and receives one datagram per message as without GRO."""
+    s = __import__("socket").socket()
+    try:
+        ring = B.RxRing(s, burst=4, stride=100, gro=True)
+        assert not ring.gro and ring.gro_refused
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# decoding straight from the receive ring: the same bits as decode_sum
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec,rtype,raw", [("nc", 1, False), ("nc", 3, True), ("bfp32", 2, False),
+                                             ("qsgd", 2, False)])
+def test_decode_sum_into_equals_decode_sum_of_the_same_payloads(codec, rtype, raw):
+    """Result payloads in wire byte order in ring rows (picked out of order, some rows unused) decode into
+    the chosen output rows bit for bit as decode_sum of the same payloads does (fused kernels: nc, bfp32;
+    the default: every other codec)."""
+    from ina import compression
+    from ina.compression.base import ScaleContext
+    from ina.wire import PAYLOAD_DTYPE, HEADER_SIZE, PayloadType, payload_view
+    E, rows = 64, 12
+    rng = np.random.default_rng(5)
+    ring = np.zeros((rows, HEADER_SIZE + 8 * E + 4), np.uint8)
+    pv = payload_view(ring, PayloadType(rtype), E)
+    pv[:] = rng.integers(0, 128 if rtype == 1 else 2**20, (rows, E)).astype(PAYLOAD_DTYPE[PayloadType(rtype)])
+    c = compression.get(codec)
+    ctx = ScaleContext(3, 4, seed=1, elements=E)
+    which, chunks = np.array([7, 2, 9, 0]), np.array([3, 0, 5, 1])
+    out = np.full((6, E), np.nan, np.float32)
+    c.decode_sum_into(pv, ctx, raw, out, chunks, which)
+    for w, ch in zip(which, chunks):
+        want = c.decode_sum(pv[w].astype(pv.dtype.newbyteorder("=")), ctx, raw=raw)
+        assert np.array_equal(out[ch].view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert np.isnan(out[[2, 4]]).all()          # rows no result went to are untouched
+
+
+@gro_only
+def test_gro_receive_fills_the_burst_from_more_messages_than_it_lands_at_once():
+    """A burst shorter than the ring still means the socket was emptied (the client's loss detection
+    relies on it), also when more single datagrams wait than GRO lands in one system call."""
+    tx_sock, rs = B.udp_socket("127.0.0.1", 0), B.udp_socket("127.0.0.1", 0)
+    B.set_recv_timeout(rs, 2.0)
+    ring = B.RxRing(rs, burst=64, stride=200, gro=True)
+    dst = ("127.0.0.1", rs.getsockname()[1])
+    for i in range(100):                      # one datagram per send: nothing to coalesce
+        tx_sock.sendto(bytes([i]) * 100, dst)
+    assert B.GRO_LANDING < 64
+    assert ring.recv(wait=True) == 64 and ring.recv(wait=False) == 36
+    assert [int(b) for b in ring.buf[:36, 0]] == list(range(64, 100))

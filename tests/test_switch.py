@@ -26,6 +26,7 @@ from sw_fuzz import PARSE_REASONS, PROTOCOL_REASONS, JobSpec, ProtocolModel, bad
 from sw_harness import (PY, ROOT, SwitchProc, Workers, bfp_reference, control, expected_inputs,  # noqa: E402
                         free_port, join_all, wait_until)
 
+from ina.burst import SOL_UDP, UDP_GRO  # noqa: E402
 from ina.client import AllreduceError, Client  # noqa: E402
 from switch_model.dataplane import source_key  # noqa: E402
 from ina.wire import HEADER_DTYPE, HEADER_SIZE, Flag, MsgType, max_packet_size  # noqa: E402
@@ -54,7 +55,14 @@ class ResultCollector:
 
     def _recv(self, timeout: float) -> None:
         self.sock.settimeout(timeout)
-        pkt = self.sock.recv(65536)
+        data, anc, _, _ = self.sock.recvmsg(65536, 64)
+        # a Client's socket has UDP GRO on: a coalesced message carries its datagrams' size in a cmsg
+        seg = next((int.from_bytes(d[:4], "little") for lvl, kind, d in anc if (lvl, kind) == (SOL_UDP, UDP_GRO)),
+                   len(data))
+        for at in range(0, len(data), seg):
+            self._take(data[at:at + seg])
+
+    def _take(self, pkt: bytes) -> None:
         h = hdr(pkt)
         assert h["msg_type"] == int(MsgType.RESULT), h
         v = np.frombuffer(pkt[HEADER_SIZE:], _RESULT_DTYPE.get(int(h["payload_type"]), ">i4")).astype(np.int64)

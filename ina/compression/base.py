@@ -276,6 +276,16 @@ class Codec:
     def decode_sum(self, payload: np.ndarray, ctx: ScaleContext, raw: bool) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
 
+    def decode_sum_into(self, payload: np.ndarray, ctx: ScaleContext, raw: bool, out: np.ndarray, rows: np.ndarray,
+                        which: np.ndarray | None = None) -> None:
+        """:meth:`decode_sum` of result payloads straight into the output: ``out[rows[i]]`` (a row of
+        ``out``, shape (chunks, elements)) gets the decoded ``payload[which[i]]`` (``which`` None:
+        ``payload[i]``). ``payload`` is 2-D, one packet's payload per row, in wire or native byte order
+        (e.g. a view of the receive ring). Codecs with a fused kernel override it; this is the same
+        arithmetic through :meth:`decode_sum`."""
+        p = payload if which is None else payload[which]
+        out[rows] = self.decode_sum(native(p).reshape(-1), ctx, raw=raw).reshape(len(rows), -1)
+
     def __repr__(self) -> str:
         return f"<codec {self.name} id={self.wire_id} {self.bits_per_element:g} bits/elem>"
 

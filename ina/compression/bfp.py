@@ -48,6 +48,12 @@ class BlockFloatingPoint(Codec):
         K.int_sum_decode(native(payload), 1.0 / bfp_scale(ctx.exponent, ctx.n_workers), out)
         return out
 
+    def decode_sum_into(self, payload, ctx, raw, out, rows, which=None) -> None:
+        if payload.dtype != np.dtype(">i4"):
+            return super().decode_sum_into(payload, ctx, raw, out, rows, which)
+        which = np.arange(len(rows)) if which is None else which
+        K.int32_be_decode_rows(payload.view(np.uint8), which, 1.0 / bfp_scale(ctx.exponent, ctx.n_workers), out, rows)
+
     def compress(self, x) -> Encoded:
         x32 = to_numpy_f32(x)
         ctx = ScaleContext(self.scale_exponent(x32), 1)

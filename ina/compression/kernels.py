@@ -208,6 +208,13 @@ def nc_decode(codes, e_low, out):
 
 
 @njit(cache=True)
+def nc_decode_rows(payload, which, e_low, out, rows):
+    """nc_decode of ``payload[which[i]]`` (rows of codes, e.g. in the receive ring) into ``out[rows[i]]``."""
+    for i in range(rows.size):
+        nc_decode(payload[which[i]], e_low, out[rows[i]])
+
+
+@njit(cache=True)
 def _nc_table(e_low):
     lut = np.zeros(256, np.float32)
     for c in range(256):
@@ -277,6 +284,19 @@ def bfp_encode(x, scale, out):
 def int_sum_decode(codes, inv_scale, out):
     for i in range(codes.size):
         out[i] = np.float32(np.float64(codes[i]) * inv_scale)
+
+
+@njit(cache=True)
+def int32_be_decode_rows(payload, which, inv_scale, out, rows):
+    """int_sum_decode of big-endian int32 sums (``payload``: rows of bytes, e.g. the receive ring's
+    payloads) of row ``which[i]`` into ``out[rows[i]]``."""
+    for i in range(rows.size):
+        src, dst = payload[which[i]], out[rows[i]]
+        for e in range(dst.size):
+            b = 4 * e
+            v = (np.int64(src[b]) << 24) | (np.int64(src[b + 1]) << 16) | (np.int64(src[b + 2]) << 8) | np.int64(src[b + 3])
+            v = v - (np.int64(1) << 32) if v >= (np.int64(1) << 31) else v
+            dst[e] = np.float32(np.float64(v) * inv_scale)
 
 
 @njit(cache=True)

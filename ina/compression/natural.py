@@ -97,6 +97,13 @@ class NaturalCompression(Codec):
             return (payload.astype(np.float64) * 2.0 ** e_low).astype(np.float32)
         return self._decode(payload, e_low)
 
+    def decode_sum_into(self, payload, ctx, raw, out, rows, which=None) -> None:
+        if raw or payload.dtype != np.uint8:
+            return super().decode_sum_into(payload, ctx, raw, out, rows, which)
+        e_low = window_low(ctx.exponent, exponent_window(ctx.n_workers, ctx.register_bits))
+        which = np.arange(len(rows)) if which is None else which
+        K.nc_decode_rows(payload, which, e_low, out, rows)
+
 
 class NaturalCompressionDeterministic(NaturalCompression):
     name = "nc-det"
