@@ -165,6 +165,14 @@ class RxRing:
             self._land_src8 = self._land_src.view(np.uint8).reshape(m, SOCKADDR_IN.itemsize)
             self._src8 = self.src.view(np.uint8).reshape(burst, SOCKADDR_IN.itemsize)
             self._land_state = np.zeros(3, np.int64)        # landed messages, next message, next byte in it
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Load (or compile) the receive kernels now, on an empty burst, not in the first real one."""
+        _take_lengths(self._msg64, 0, self.stride, self.lens)
+        if self.gro:
+            _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state, self.buf,
+                          self.lens, self._src8, 0)
 
     def recv(self, wait: bool = True) -> int:
         """Receive up to a burst. With ``wait`` block until one packet or the socket's timeout.
@@ -398,6 +406,15 @@ class TxBatch:
         self.sent_messages = 0
         self.sent_bytes = 0
         self.refused = 0          # packets the kernel dropped for an earlier ICMP port unreachable
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Load (or compile) the send kernels now, on an empty send: the first call in a process costs
+        about 0.2 s (numba's cache load), which belongs to start-up, not to the first burst."""
+        none = np.zeros(1, np.int64)
+        m = _plan_messages(none, none, 0, 0, self.gso, self.gso_max_segments, GSO_MAX_BYTES, self._starts)
+        _fill_messages(none, none, none, 0, 0, np.uint64(0), np.uint64(0), np.uint64(0), self._iov64, self._iov_at,
+                       self._msg64, self._cmsg_at, self._cmsg["value"], self._starts, m, 1)
 
     def send(self, buf: np.ndarray, rows: np.ndarray, lens, addrs: np.ndarray, addr_idx) -> int:
         """Send ``buf[rows[i], :lens[i]]`` to ``addrs[addr_idx[i]]`` for every i, in sendmmsg bursts.
