@@ -33,6 +33,7 @@ from . import compression, lifetime, staging
 from . import sparse as sparse_mod
 from . import stream_kernels as SK
 from .compression.base import ScaleContext
+from .coalescing import ArrivalSpacing
 from .control import ControlChannel, ControlError
 from .recovery import LossDetector
 from .errors import AllreduceError
@@ -45,8 +46,6 @@ from .worker import Worker, WorkerStats
 log = logging.getLogger("ina.client")
 
 
-COALESCE_TARGET = 16      # results per receive burst that receive coalescing aims at
-COALESCE_SPACING = 2e-4   # ... when results arrive further apart than this (a 8 kB packet at 330 Mbit/s)
 RX_WAIT = 0.002           # the receive's longest wait (bounds a loop turn when nothing arrives)
 RX_WAIT_MIN = 5e-5        # ... and its shortest, when a loss-recovery deadline is nearer
 
@@ -418,7 +417,7 @@ class _Transfer:
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
         self.max_sent = -1
-        self.last_rx, self.per_pkt = None, 0.0     # arrival spacing (EWMA, seconds per packet) for coalescing
+        self.spacing = ArrivalSpacing()            # the results' arrival spacing, for coalescing and the timers
         self.tl = cl._timeline if self.E else None  # marks of the data stream (not of the negotiation)
 
     def load(self, chunks: np.ndarray) -> np.ndarray:
@@ -475,7 +474,7 @@ class _Transfer:
             self.checked = False                  # set once retransmit_lost ran in this turn
             self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
             if not k:
-                self.last_rx = None           # an idle gap (peers, a loss) says nothing about the link
+                self.spacing.idle()
             else:
                 self.receive(k, now)
             if self.n_done < n_chunks:
@@ -507,25 +506,10 @@ class _Transfer:
         cl.stats.duplicate_results += ok - fresh
         cl.stats.stale_results += other
         self.overflow += overflow
-        self.spacing_sample(k, now, bool(fresh) and bool(self.ld.tries[self.fresh_jj[:fresh]].any()))
+        self.spacing.sample(k, now, bool(fresh) and bool(self.ld.tries[self.fresh_jj[:fresh]].any()))
         if fresh:
             self.complete(buf, self.fresh_idx[:fresh], self.fresh_jj[:fresh], self.fresh_replay[:fresh], now)
-        self.coalesce(k)
-
-    def spacing_sample(self, k: int, now: float, recovered: bool) -> None:
-        """Update the results' arrival spacing (per_pkt, an EWMA of seconds per packet) with a burst of ``k``
-        arriving at ``now``. Only the link's spacing counts: not a gap that ended with a resent chunk's
-        result (``recovered``: the wait for a loss's recovery), nor one more than twice the estimate (an
-        idle gap: a peer recovering a loss of its own stalls the job's stream alike, or the process was
-        not scheduled). Such gaps lifted the estimate above COALESCE_SPACING on loopback, and every rank
-        then paused for receive coalescing (up to ``coalesce``, 4 ms) after each loss, the job with it."""
-        if self.last_rx is not None and not recovered:
-            gap = (now - self.last_rx) / k
-            if not self.per_pkt:
-                self.per_pkt = gap
-            elif gap <= 2 * self.per_pkt:
-                self.per_pkt = 0.8 * self.per_pkt + 0.2 * gap
-        self.last_rx = now
+        self.cl.stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, self.cl.coalesce)
 
     def complete(self, buf: np.ndarray, idx: np.ndarray, jj: np.ndarray, replayed: np.ndarray, now: float) -> None:
         """Results ``buf[idx]`` of chunks ``jj`` (fresh, distinct, marked done, their exponents taken):
@@ -571,26 +555,14 @@ class _Transfer:
         while self.low < self.n_chunks and self.done[self.low]:
             self.low += 1
 
-    def coalesce(self, k: int) -> None:
-        """Receive coalescing: on a slow link results trickle in one by one and each loop turn costs
-        ~100 us of Python; with a full window still in flight, let a few more arrive first (on a fast
-        link they arrive faster than a loop turn and batch by themselves)."""
-        in_flight = self.n_sent - self.n_done
-        per_pkt = self.per_pkt
-        if k < COALESCE_TARGET and in_flight > 2 * COALESCE_TARGET and per_pkt > COALESCE_SPACING:
-            pause = min(self.cl.coalesce, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)
-            if pause > 5e-5:
-                time.sleep(pause)
-                self.cl.stats.coalesce_pause_s += pause
-
     def retransmit_lost(self, now: float) -> None:
         """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results
         show the gap, after a silence or the timeout for the tail."""
         cl = self.cl
         pending = self.ld.pending(self.low, self.max_sent, self.done)
         # a full receive burst: results may still wait in the socket (after a stall): no silence, no timeout yet
-        queued = (self.n_sent - self.n_done) * self.per_pkt
-        pto = cl.probe_timeout(self.per_pkt) if self.drained else None
+        queued = (self.n_sent - self.n_done) * self.spacing.per_pkt
+        pto = cl.probe_timeout(self.spacing.per_pkt) if self.drained else None
         rto, max_rto = (cl.current_rto(queued), cl.max_rto) if self.drained else (math.inf, math.inf)
         fast, probe, late = self.ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar)
         lost = np.concatenate([fast, probe, late])
