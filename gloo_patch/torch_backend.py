@@ -190,8 +190,10 @@ def _agree_job_via_store(store, rank: int, config: InaConfig) -> int:
 
 # Which allreduces of an error-feedback codec (``Codec.keeps_residuals``: 3lc-3v, bgt, qgt) share a residual.
 # The rule, in one place:
-# * DDP comm hook: one residual per bucket, keyed by the bucket's index and its parameters' shapes
-#   (``ina_allreduce_hook``), so DDP's rebuild of its buckets after the first iteration starts new residuals.
+# * DDP comm hook: one residual per parameter of a bucket, keyed by the bucket's index and its parameters'
+#   shapes plus the parameter's position in the bucket (``ina_allreduce_hook``), so DDP's rebuild of its
+#   buckets after the first iteration starts new residuals. Each parameter is its own allreduce with its own
+#   negotiated scale (3LC's per-tensor compression context); codecs without residuals send the whole bucket.
 # * Horovod: one residual per fused buffer, keyed by its tensors' names (``gloo_patch.horovod``).
 # * Backend 'ina' (``InaProcessGroup.allreduce``): NO key, so no error feedback. A process group sees tensors,
 #   not parameters: DDP's reducer hands it bucket buffers that it reallocates when it rebuilds the buckets,
@@ -201,6 +203,11 @@ def _agree_job_via_store(store, rank: int, config: InaConfig) -> int:
 #   address would then hand one tensor's residual to another (a biased sum) or grow without bound, silently;
 #   so the group keys nothing, and says so once per codec.
 _NO_FEEDBACK_WARNED: set[str] = set()
+
+
+def per_parameter(codec: str) -> bool:
+    """True if the DDP comm hook sends each parameter of a bucket as its own keyed allreduce."""
+    return compression.get(codec).keeps_residuals
 
 
 def warn_if_error_feedback_off(codec: str, rank: int) -> bool:
@@ -442,8 +449,13 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     # the residual of an error-feedback codec belongs to the bucket's parameters: DDP rebuilds its buckets
     # after the first iteration, so the index alone may name other parameters (or another size) later;
     # the parameters' shapes name the layout the same way on every rank (the host aggregator checks)
-    layout = ",".join("x".join(map(str, p.shape)) for p in bucket.parameters())
-    return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide)
+    params = bucket.parameters()
+    layout = ",".join("x".join(map(str, p.shape)) for p in params)
+    # an error-feedback codec gets one compression context per parameter (views of the bucket), as 3LC
+    # keeps one per tensor: a scale shared by the whole bucket (3lc-3v's M = max |g|) would round the
+    # gradients of every parameter smaller than the largest one to 0 until their residual catches up
+    parts = list(buf.split([p.numel() for p in params])) if per_parameter(state.config.codec) else [buf]
+    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide)
 
 
 HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]

@@ -63,6 +63,7 @@ class ClientStats(WorkerStats):
     probe_retransmissions: int = 0    # resent after a silence of the probe timeout (tail losses)
     timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
+    coalesce_pause_s: float = 0.0     # time spent pausing for receive coalescing (a slow link's trickle)
     stale_results: int = 0
     sparse_header_only: int = 0       # sparse streaming: rounds this worker took part in with 24 bytes (zero chunk)
     sparse_chunks_skipped: int = 0    # sparse streaming: chunks zero at every worker (no packet, no round)
@@ -490,10 +491,6 @@ class _Transfer:
     def receive(self, k: int, now: float) -> None:
         """Take a burst of ``k`` received packets: results of this transfer, aborts, stale packets."""
         cl, n_chunks = self.cl, self.n_chunks
-        if self.last_rx is not None:
-            gap = (now - self.last_rx) / k
-            self.per_pkt = 0.8 * self.per_pkt + 0.2 * gap if self.per_pkt else gap
-        self.last_rx = now
         cl.stats.packets_received += k
         sp, buf, lens = self.sparse, cl.rx.buf, cl.rx.lens
         fresh, ok, other, nbytes, abort, overflow, mismatch = SK.scan_results(
@@ -510,9 +507,25 @@ class _Transfer:
         cl.stats.duplicate_results += ok - fresh
         cl.stats.stale_results += other
         self.overflow += overflow
+        self.spacing_sample(k, now, bool(fresh) and bool(self.ld.tries[self.fresh_jj[:fresh]].any()))
         if fresh:
             self.complete(buf, self.fresh_idx[:fresh], self.fresh_jj[:fresh], self.fresh_replay[:fresh], now)
         self.coalesce(k)
+
+    def spacing_sample(self, k: int, now: float, recovered: bool) -> None:
+        """Update the results' arrival spacing (per_pkt, an EWMA of seconds per packet) with a burst of ``k``
+        arriving at ``now``. Only the link's spacing counts: not a gap that ended with a resent chunk's
+        result (``recovered``: the wait for a loss's recovery), nor one more than twice the estimate (an
+        idle gap: a peer recovering a loss of its own stalls the job's stream alike, or the process was
+        not scheduled). Such gaps lifted the estimate above COALESCE_SPACING on loopback, and every rank
+        then paused for receive coalescing (up to ``coalesce``, 4 ms) after each loss, the job with it."""
+        if self.last_rx is not None and not recovered:
+            gap = (now - self.last_rx) / k
+            if not self.per_pkt:
+                self.per_pkt = gap
+            elif gap <= 2 * self.per_pkt:
+                self.per_pkt = 0.8 * self.per_pkt + 0.2 * gap
+        self.last_rx = now
 
     def complete(self, buf: np.ndarray, idx: np.ndarray, jj: np.ndarray, replayed: np.ndarray, now: float) -> None:
         """Results ``buf[idx]`` of chunks ``jj`` (fresh, distinct, marked done, their exponents taken):
@@ -568,6 +581,7 @@ class _Transfer:
             pause = min(self.cl.coalesce, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)
             if pause > 5e-5:
                 time.sleep(pause)
+                self.cl.stats.coalesce_pause_s += pause
 
     def retransmit_lost(self, now: float) -> None:
         """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results

@@ -47,7 +47,8 @@ if state:
     stats, keys = state.stats(), [str(k) for k in state.lane.client.codec("3lc-3v").residual_keys()]
 else:
     stats, keys = dist.distributed_c10d._get_default_group().stats(), None
-torch.save({"true": true, "steps": torch.stack(steps), "stats": stats, "keys": keys}, f"{out_dir}/feedback{r}.pt")
+sizes = [p.numel() for p in module.parameters()]
+torch.save({"true": true, "steps": torch.stack(steps), "stats": stats, "keys": keys, "sizes": sizes}, f"{out_dir}/feedback{r}.pt")
 if state:
     state.close()
 dist.barrier()

@@ -44,6 +44,17 @@ def test_ddp_hook_keeps_3lc_residuals_per_bucket(switch, tmp_path):
         # one residual per bucket (index and parameters): at least two buckets, every key a bucket's
         assert all(k.startswith("('ddp-bucket-") for k in d["keys"]), d["keys"]
         assert len({k.split(":")[0] for k in d["keys"]}) >= 2, d["keys"]
+        # ... and within a bucket one residual and one scale per parameter (3LC's per-tensor context)
+        per_bucket: dict[str, set] = {}
+        for k in d["keys"]:
+            bucket, position = k.rsplit(", ", 1)
+            per_bucket.setdefault(bucket, set()).add(int(position.rstrip(")")))
+        for bucket, positions in per_bucket.items():
+            assert positions == set(range(bucket.count(",") + 1)), (bucket, positions)
+        # so the first step (no residual yet) moves every parameter: with one scale per bucket, a
+        # parameter whose gradients are all below half the bucket's largest one gets exact zeros
+        for i, first in enumerate(d["steps"][0].split(d["sizes"])):
+            assert first.count_nonzero() > 0, (r, i, d["sizes"])
     assert torch.equal(ranks[0]["steps"], ranks[1]["steps"])
     assert "error feedback is OFF" not in (tmp_path / "err0.txt").read_text()
 

@@ -271,3 +271,25 @@ def test_early_retransmit_near_the_end_of_the_stream():
     ld.delivered(np.array([0, 1, 2, 3, 5]), np.array([4]), now=1e-4)
     fast, _, _ = ld.lost(np.array([4]), now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
     assert fast.size == 0
+
+
+def test_a_loss_does_not_make_a_fast_link_pause_for_receive_coalescing(tmp_path):
+    """Receive coalescing pauses (up to 4 ms) only where results trickle in slower than a loop turn.
+    On loopback they come faster; a loss's recovery gap (or a peer's, which stalls the job's lockstep
+    stream alike) is no sign of a slow link: under 1% loss in both directions the clients pause for
+    coalescing for less than a tenth of one maximal pause per packet lost (each loss cost every rank
+    a pause of up to 4 ms while the spacing estimate took such gaps in)."""
+    sw = SwitchProc("--slots", "64", "--elements", "1024", "--loss", "0.01", "--seed", "23",
+                    log_path=tmp_path / "switch.log")
+    try:
+        ops = [{"codec": "bfp32", "shape": [1024 * 300 + 7 * i], "seed": 90 + i} for i in range(6)]
+        client = {**SLOW_TIMEOUT, "elements": 1024, "slots": 64}
+        out = Workers(tmp_path, sw.port, N, job=7, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
+        imp = sw.stats()["impairments"]
+        dropped = imp["ingress"]["dropped"] + imp["egress"]["dropped"]
+    finally:
+        sw.terminate()
+    assert dropped >= 30, f"the impairment dropped only {dropped} packets: the test shows nothing"
+    paused = sum(m["stats"]["coalesce_pause_s"] - m["stats_after_warmup"]["coalesce_pause_s"] for m in out.values())
+    assert paused < 0.1 * dropped * 0.004, (paused, dropped)
+    _check_exact(out, ops, N)
