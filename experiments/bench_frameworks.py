@@ -120,6 +120,7 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
         rank = dist.get_rank()
         cap = os.environ.get("INA_BUCKET_BYTES")     # codec@N: DDP buckets of N bytes (default: DDP's 25 MiB)
         model = DDP(model, **({"bucket_cap_mb": int(cap) / 2**20} if cap else {}))
+        hook = None
         if kind == "ddp-ina":
             from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook  # noqa: PLC0415
             hook = InaHookState()
@@ -143,6 +144,27 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
             res["worker_s_per_step"] = {k: v / (warmup + steps) for k, v in st["seconds"].items()}
             res["agreement_rounds_per_step"] = st["agreement_rounds"] / (warmup + steps)
         Path(out).write_text(json.dumps(res))
+    if kind != "horovod":
+        ddp_shutdown(hook)
+
+
+def ddp_shutdown(hook=None) -> None:
+    """End a DDP worker: every rank past its last collective, the hook's lane closed (it leaves the switch's
+    job), the process group destroyed, then the process ends without interpreter finalization. A Gloo worker thread drops its reference to a finished
+    allreduce (or barrier) after the caller's wait returned; the work's destructor needs the GIL, and if
+    the main thread is finalizing the interpreter by then, the thread is ended inside that destructor and
+    the process aborts ("terminate called without an active exception", SIGABRT) after its results were
+    written. ``destroy_process_group`` does not join those threads while DDP's reducer still holds the
+    group, which outlives the model here. Nothing is left to clean up after this: the results are written."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    dist.barrier()
+    if hook is not None:
+        hook.close()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def compute_only(warmup: int, steps: int) -> float:
