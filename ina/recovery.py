@@ -128,8 +128,12 @@ class LossDetector:
                 probe[cand[np.lexsort((self.seq[pending[cand]], self.tries[pending[cand]]))[0]]] = True
         return pending[fast], pending[probe], pending[timed_out]
 
+    def _probe_at(self, pto: float, max_rto: float) -> float:
+        """When the probe timer fires: ``pto`` after it last started, doubled per probe of this silence."""
+        return self.probe_base + min(pto * 2.0 ** self.probes, max_rto)
+
     def _probe_due(self, now: float, pto: float | None, max_rto: float) -> bool:
-        return pto is not None and now - self.probe_base > min(pto * 2.0 ** self.probes, max_rto)
+        return pto is not None and now > self._probe_at(pto, max_rto)
 
     @staticmethod
     def reordering_window(srtt: float, rttvar: float) -> float:
@@ -144,7 +148,7 @@ class LossDetector:
         if not len(pending):
             return t
         if pto is not None:     # the probe timer, and a chunk out for longer than pto
-            t = max(self.probe_base + min(pto * 2.0 ** self.probes, max_rto), float(self.sent_at[pending].min()) + pto)
+            t = max(self._probe_at(pto, max_rto), float(self.sent_at[pending].min()) + pto)
         later = self.later[pending]
         if srtt is not None and later.any():         # rule 2's window (backed off for a resent chunk)
             seen = pending[later > 0]

@@ -107,10 +107,6 @@ class SparseStream:
         """Bytes to send of each ring row."""
         return np.where(hv["payload_type"][rows] == int(PayloadType.NONE), self.skip_len, self.data_len)
 
-    def result_ok(self, lens: np.ndarray) -> np.ndarray:
-        """Which received lengths are results of this stream (a data result, or a header-only one)."""
-        return (lens == self.result_len) | (lens == self.skip_len)
-
     def payloads(self, buf: np.ndarray, idx: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """The sums of results ``buf[idx]`` as (k, E) codes: zeros for the header-only results."""
         data = lens[idx] == self.result_len

@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .wire import OFFSET, Flag, MsgType
+from .wire import OFFSET, Flag, MsgType, slot_of_chunk
 
 _MSG_TYPE, _FLAGS, _JOB, _SLOT = OFFSET["msg_type"], OFFSET["flags"], OFFSET["job"], OFFSET["slot"]
 _COUNT, _EXPONENT, _CHUNK = OFFSET["count"], OFFSET["exponent"], OFFSET["chunk"]
 _RESULT, _ABORT = int(MsgType.RESULT), int(MsgType.ABORT)
 _SPARSE, _OVERFLOW, _REPLAY = int(Flag.SPARSE), int(Flag.OVERFLOW), int(Flag.REPLAY)
+_slot_of_chunk = njit(inline="always")(slot_of_chunk)   # ina.wire's rule, as in the switch's data plane
 
 
 @njit(cache=True, inline="always")
@@ -90,7 +91,7 @@ def fill_headers(pkts, rows, chunks, c0, modulus, slots, exps_in, count, element
         row = pkts[rows[q]]
         c = chunks[q]
         cid = (c0 + c) % modulus
-        _put16(row, _SLOT, (cid % slots) | (((cid // slots) & 1) << 15))
+        _put16(row, _SLOT, _slot_of_chunk(cid, slots))
         _put16(row, _CHUNK, cid >> 16)
         _put16(row, _CHUNK + 2, cid & 0xFFFF)
         _put16(row, _EXPONENT, exps_in[0 if one_exp else c] & 0xFFFF)
