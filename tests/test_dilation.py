@@ -161,6 +161,29 @@ def test_consistency_check_separates_the_fixed_cost():
     assert bare["gloo"]["marginal_ratio"] is None and bare["gloo"]["within"]
 
 
+def test_consistency_check_names_a_reference_that_is_not_link_bound():
+    """A run whose time above its fixed cost is more than the tolerance above the time of the bytes its
+    links counted (at the target rate) is no reference: the check says which run and by how much,
+    rather than blaming dilation; a link-bound pair that disagrees is still OUTSIDE."""
+    from experiments.bench_dilation import attach_fixed, compare, line
+
+    def run(t, k, fixed):       # 4 workers at 100 Mbit/s: 1.7 MB up per worker = 136 ms of link time
+        recs = [{"workload": "allreduce", "method": "ina:nc", "elements": el, "time_median": tt, "dilation": k,
+                 "dilation_label": Dilation(k).label, "bound_ratio": tt / 0.136, "rate_bps": 100_000_000,
+                 "wire_up_bytes_per_worker": 1_700_000.0} for el, tt in ((1_700_000, t), (256, fixed))]
+        return attach_fixed(recs, 256, ["20.0"])
+    dil = run(0.1390, 4, 0.0015)                                       # 1.011 of its links' time
+    loaded = compare(run(0.1560, 1, 0.0060), dil, 0.05)["ina:nc"]      # real time: 1.103 above its fixed cost
+    assert not loaded["within"] and loaded["links_ratio_a"] == pytest.approx(1.1029, abs=1e-3)
+    assert loaded["links_ratio_b"] == pytest.approx(1.0110, abs=1e-3)
+    assert loaded["verdict"] == "not link-bound: real time at 1.103 of its links' time"
+    assert "not link-bound: real time at 1.103" in line("dilated_vs_real", "ina:nc", loaded, 0.05)
+    quiet = compare(run(0.1440, 1, 0.0035), dil, 0.05)["ina:nc"]
+    assert quiet["within"] and quiet["verdict"] == "ok"
+    both_bound = compare(run(0.1400, 1, 0.0035), run(0.1250, 4, 0.0015), 0.05)["ina:nc"]
+    assert not both_bound["within"] and both_bound["verdict"] == "OUTSIDE"
+
+
 def test_profile_sets_the_sweeps_switch():
     ap = build_parser()
     assert "--profile" in switch_args(ap.parse_args(["--profile", "tofino"]))
