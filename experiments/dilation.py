@@ -322,6 +322,17 @@ def set_tcp_rto_min(topo, dil: Dilation) -> float:
     return floor
 
 
+#: the probe's job ids: their own range of the switch's 16-bit job field, away from the sweep's (0..~10 000)
+PROBE_JOBS = (40_000, 65_536)
+
+
+def probe_job(n: int, i: int) -> int:
+    """The job id of the ``i``-th probe run with ``n`` workers: in :data:`PROBE_JOBS` for any ``n`` and
+    ``i`` (the probe's runs are sequential, so ids only need to differ from one run to the next)."""
+    lo, hi = PROBE_JOBS
+    return lo + (n * 1000 + i) % (hi - lo)
+
+
 def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> dict:
     """--dilation auto: K per (target rate, size) of the allreduce rows of ``plan`` with ``n`` workers,
     by :func:`auto_factor` over every method of the row (short real-time runs: 2 repetitions; the
@@ -337,7 +348,7 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
     for wl, _, rate, el, m in plan:
         if wl == "allreduce":
             rows.setdefault((rate, el), []).append(m)
-    ks, job = {}, 50000 + n * 1000
+    ks, i = {}, 0
     set_tcp_rto_min(topo, Dilation(pa.worker_timeout / args.timeout))      # the largest K probed
     group = WorkerGroup(topo, n, out, pa)
     try:
@@ -345,8 +356,9 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
             start, k = 0, 1.0
             for m in methods:
                 def probe(r, kp, m=m):
-                    nonlocal job
-                    job += 1
+                    nonlocal i
+                    i += 1
+                    job = probe_job(n, i)
                     if bar is not None:
                         bar.set_postfix_str(f"dilation probe {m} n={n} {rate} x{kp:g} {el:,}")
                     topo.set_rate("workers", r)

@@ -122,6 +122,18 @@ def test_auto_factor_rule():
     assert auto_factor("300mbit", lambda r, k: 1.0)[0] == 1
 
 
+def test_probe_job_ids_fit_the_switchs_job_field():
+    """The auto probe's job ids stay in the switch's 16-bit job field for every worker count the switch
+    takes (it refused job 66006 with 16 workers before), apart from the sweep's own ids, and differ
+    from one probe run to the next."""
+    from experiments.dilation import probe_job
+    from switch_model.control import MAX_WORKERS
+    for n in range(1, MAX_WORKERS + 1):
+        ids = [probe_job(n, i) for i in range(1, 2000)]
+        assert all(40_000 <= j <= 0xFFFF for j in ids)
+        assert all(a != b for a, b in zip(ids, ids[1:]))
+
+
 def test_dilation_keeps_the_links_queues_in_bytes():
     """tbf's bucket and queues are sized from the shaped rate: for the slow rates dilation shapes at
     (target/K at or below about 72 Mbit/s with MTU 9000) they are the same number of bytes at K and
