@@ -122,6 +122,22 @@ def test_auto_factor_rule():
     assert auto_factor("300mbit", lambda r, k: 1.0)[0] == 1
 
 
+def test_codec_time_counts_cpu_time_not_waiting():
+    """The codec's encode + decode is timed in the thread's CPU time: time the thread spends not
+    computing (descheduled on a loaded machine; here: asleep) is not counted, computing is."""
+    import time
+
+    from experiments.dilation import best_cpu_time
+    calls = []
+    assert best_cpu_time(lambda: calls.append(time.sleep(0.05)), reps=2) < 0.02 and len(calls) == 3
+
+    def spin():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.02:
+            pass
+    assert best_cpu_time(spin, reps=2) >= 0.02
+
+
 def test_probe_job_ids_fit_the_switchs_job_field():
     """The auto probe's job ids stay in the switch's 16-bit job field for every worker count the switch
     takes (it refused job 66006 with 16 workers before), apart from the sweep's own ids, and differ
