@@ -182,10 +182,12 @@ def run_one(workload: str, framework: str, method: str, seed: int, switch: str |
 
 
 def switch_for(topo):
+    """The switch; in host ``sw`` with a generous start bound: on a loaded machine a switch whose numba
+    kernels are not yet cached took over 30 s to answer."""
     if topo is None:
         return start_switch(None, "--stats-interval", "0")
     return start_switch(9999, "--stats-interval", "0", popen=functools.partial(topo.popen, "sw"),
-                        host="0.0.0.0", control_host=topo.host("sw").ip, timeout=30)
+                        host="0.0.0.0", control_host=topo.host("sw").ip, timeout=180)
 
 
 def run_config(config: dict, addr: str, topo, a, results: dict, save) -> None:
