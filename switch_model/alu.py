@@ -11,7 +11,8 @@ from numba import njit
 from ina.wire import chunk_newer
 
 from .dataplane import (C_OVERFLOW, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP, O_FLAGS, O_PTYPE, P_INT8,
-                        P_INT8N, P_INT32, P_INT64, P_NC8, P_NONE, Action, Verdict, payload_width, rd16, rd32)
+                        P_INT8N, P_INT32, P_INT64, P_NC8, P_NONE, Action, Verdict, bswap32, payload_width, rd16,
+                        rd32)
 
 
 @njit(inline="always")
@@ -26,6 +27,127 @@ def _sat_add(a, b, lo, hi):
     if s < lo:
         return lo, True
     return s, False
+
+
+@njit(inline="always")
+def _nc_value(code):
+    """An NC8 code's integer: sign bit 7, k = the low 7 bits, 2**(k-1) (0 for k = 0). A shift (unsigned,
+    so that k = 63 gives +2**62, not -2**62); codes beyond 64 bits wrap here: callers check ``k``."""
+    kk = code & 0x7F
+    sg = code >> 7
+    mag = np.int64((np.uint64(1) << np.uint64(kk & 63)) >> np.uint64(1))
+    return (mag ^ -sg) + sg                      # conditional negate, branch-free
+
+
+@njit(inline="always")
+def _be32(word):
+    """A big-endian int32 payload element, read as a native uint32 word: its value."""
+    return np.int64(np.int32(bswap32(word)))
+
+
+@njit(inline="always")
+def _decode(buf, i, pt, E, out, max_shift, lo, hi):
+    """Packet i's E values (payload type pt) as signed integers into ``out``; a code beyond the
+    register's range is saturated to ``lo`` / ``hi``. Returns whether one was."""
+    o = False
+    if pt == P_NC8:
+        mx_shift = np.int64(0)
+        for k in range(E):
+            code = np.int64(buf[i, HDR + k])
+            mx_shift = max(mx_shift, code & 0x7F)
+            out[k] = _nc_value(code)
+        if mx_shift - 1 >= max_shift:                       # a code beyond the register: saturate
+            for k in range(E):
+                code = np.int64(buf[i, HDR + k])
+                if (code & 0x7F) - 1 >= max_shift:
+                    out[k] = lo if (code & 0x80) else hi
+            o = True
+    elif pt == P_INT8 or pt == P_INT8N:
+        for k in range(E):
+            out[k] = np.int64(np.int8(buf[i, HDR + k]))
+    elif pt == P_INT32:
+        words = buf[i, HDR: HDR + 4 * E].view(np.uint32)
+        for k in range(E):
+            out[k] = _be32(words[k])
+    elif pt == P_INT64:
+        for k in range(E):
+            b0 = HDR + 8 * k
+            u = np.uint64(0)
+            for b in range(8):
+                u = (u << np.uint64(8)) | np.uint64(buf[i, b0 + b])
+            out[k] = np.int64(u)
+    else:   # P_NONE (exponent round): no payload
+        for k in range(E):
+            out[k] = 0
+    return o
+
+
+@njit(inline="always")
+def _add_in_one_pass(buf, i, pt, E, row, max_shift, lo, hi):
+    """The common case in one pass over the registers: add packet i's NC8 or INT32 values into ``row``,
+    decoding as it goes, with overflow witnesses. Returns True when no value needed saturation; else
+    (and for other payload types) False with ``row`` as it was: the pass is undone exactly (int64
+    addition wraps, so r - y is x again), and the caller redoes the packet with saturation."""
+    acc = np.int64(0)
+    mn = np.int64(0)
+    mxv = np.int64(0)
+    if pt == P_NC8:
+        mx_shift = np.int64(0)
+        for k in range(E):                                  # vectorisable: decode + add + witnesses
+            code = np.int64(buf[i, HDR + k])
+            mx_shift = max(mx_shift, code & 0x7F)
+            y = _nc_value(code)
+            x = row[k]
+            r = x + y
+            acc |= (x ^ r) & (y ^ r)
+            mn = min(mn, r)
+            mxv = max(mxv, r)
+            row[k] = r
+        if mx_shift - 1 < max_shift and acc >= 0 and mn >= lo and mxv <= hi:
+            return True
+        for k in range(E):
+            row[k] -= _nc_value(np.int64(buf[i, HDR + k]))
+        return False
+    if pt == P_INT32:
+        words = buf[i, HDR: HDR + 4 * E].view(np.uint32)
+        for k in range(E):
+            y = _be32(words[k])
+            x = row[k]
+            r = x + y
+            acc |= (x ^ r) & (y ^ r)
+            mn = min(mn, r)
+            mxv = max(mxv, r)
+            row[k] = r
+        if acc >= 0 and mn >= lo and mxv <= hi:
+            return True
+        for k in range(E):
+            row[k] -= _be32(words[k])
+        return False
+    return False
+
+
+@njit(inline="always")
+def _add_checked(row, vals, E, lo, hi):
+    """row += vals with overflow detection; a sum beyond [lo, hi] saturates. Returns whether one did."""
+    acc = np.int64(0)
+    mn = np.int64(0)
+    mxv = np.int64(0)
+    for k in range(E):                                      # vectorisable: add + overflow witnesses
+        x = row[k]
+        y = vals[k]
+        r = x + y
+        acc |= (x ^ r) & (y ^ r)
+        mn = min(mn, r)
+        mxv = max(mxv, r)
+    o = False
+    if acc < 0 or mn < lo or mxv > hi:                      # rare: redo with saturation
+        for k in range(E):
+            row[k], of = _sat_add(row[k], vals[k], lo, hi)
+            o |= of
+    else:
+        for k in range(E):
+            row[k] += vals[k]
+    return o
 
 
 @njit(inline="always")
@@ -132,70 +254,22 @@ def aggregate(dp, buf, n):
                 m.ptype = pt
                 m.codec = np.int64(buf[i, O_CODEC])
         E = job.elements
-        # decode the chunk's codes into signed integers (scratch row vals), checking they are in range
-        o = False
-        if pt == P_NC8:
-            mx_shift = np.int64(0)
-            for k in range(E):
-                code = np.int64(buf[i, HDR + k])
-                kk = code & 0x7F
-                mx_shift = max(mx_shift, kk)
-                sg = code >> 7
-                # 2**(k-1), and 0 for k = 0: a shift (unsigned, so that k = 63 gives +2**62, not -2**62)
-                mag = np.int64((np.uint64(1) << np.uint64(kk & 63)) >> np.uint64(1))
-                vals[k] = (mag ^ -sg) + sg                      # conditional negate, branch-free
-            if mx_shift - 1 >= max_shift:                       # a code beyond the register: saturate
-                for k in range(E):
-                    code = np.int64(buf[i, HDR + k])
-                    if (code & 0x7F) - 1 >= max_shift:
-                        vals[k] = lo if (code & 0x80) else hi
-                o = True
-        elif pt == P_INT8 or pt == P_INT8N:
-            for k in range(E):
-                vals[k] = np.int64(np.int8(buf[i, HDR + k]))
-        elif pt == P_INT32:
-            for k in range(E):
-                b0 = HDR + 4 * k
-                u = ((np.uint32(buf[i, b0]) << np.uint32(24)) | (np.uint32(buf[i, b0 + 1]) << np.uint32(16))
-                     | (np.uint32(buf[i, b0 + 2]) << np.uint32(8)) | np.uint32(buf[i, b0 + 3]))
-                vals[k] = np.int64(np.int32(u))
-        elif pt == P_INT64:
-            for k in range(E):
-                b0 = HDR + 8 * k
-                u = np.uint64(0)
-                for b in range(8):
-                    u = (u << np.uint64(8)) | np.uint64(buf[i, b0 + b])
-                vals[k] = np.int64(u)
-        else:   # P_NONE (exponent round): no payload
-            for k in range(E):
-                vals[k] = 0
+        row = regs[s]
         # the ALU: first packet of a round writes, the others add; overflow detected, never wrapped
         if first:
-            for k in range(E):
-                regs[s, k] = vals[k]
+            o = _decode(buf, i, pt, E, row, max_shift, lo, hi)     # straight into the registers
             if reg_bits < 64:
                 for k in range(E):
-                    if regs[s, k] > hi or regs[s, k] < lo:
-                        regs[s, k] = hi if regs[s, k] > 0 else lo
+                    if row[k] > hi or row[k] < lo:
+                        row[k] = hi if row[k] > 0 else lo
                         o = True
-        elif pt != P_NONE:            # a header-only packet (a sparse round's zero chunk) adds nothing
-            acc = np.int64(0)
-            mn = np.int64(0)
-            mxv = np.int64(0)
-            for k in range(E):                                  # vectorisable: add + overflow witnesses
-                x = regs[s, k]
-                y = vals[k]
-                r = x + y
-                acc |= (x ^ r) & (y ^ r)
-                mn = min(mn, r)
-                mxv = max(mxv, r)
-            if acc < 0 or mn < lo or mxv > hi:                  # rare: redo with saturation
-                for k in range(E):
-                    regs[s, k], of = _sat_add(regs[s, k], vals[k], lo, hi)
-                    o |= of
-            else:
-                for k in range(E):
-                    regs[s, k] += vals[k]
+        elif pt == P_NONE:            # a header-only packet (a sparse round's zero chunk) adds nothing
+            o = False
+        elif _add_in_one_pass(buf, i, pt, E, row, max_shift, lo, hi):
+            o = False
+        else:                         # rare (or a payload type without a one-pass add): decode, add checked
+            o = _decode(buf, i, pt, E, vals, max_shift, lo, hi)
+            o |= _add_checked(row, vals, E, lo, hi)
         if o:
             m.overflow = 1
             counters[C_OVERFLOW] += 1

@@ -203,6 +203,15 @@ def wr16(b, i, o, v):
 
 
 @njit(inline="always")
+def bswap32(u):
+    """A uint32 with its bytes reversed: a big-endian int32 field read or written as a native word of
+    a little-endian machine (x86_64, aarch64: ina/burst.py assumes them too). LLVM makes it one
+    instruction, and vectorises it: the payload loops read and write whole words, not bytes."""
+    return ((u >> np.uint32(24)) | ((u >> np.uint32(8)) & np.uint32(0xFF00))
+            | ((u << np.uint32(8)) & np.uint32(0xFF0000)) | (u << np.uint32(24)))
+
+
+@njit(inline="always")
 def payload_width(ptype):
     if ptype == P_NC8 or ptype == P_INT8 or ptype == P_INT8N:
         return 1

@@ -15,7 +15,7 @@ from ina.wire import SWITCH_RANK, result_type
 
 from .dataplane import (C_HARVESTED, C_REPLAYS, F_OVERFLOW, F_RAW, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP,
                         O_FLAGS, O_JOB, O_MSG, O_PTYPE, O_RANK, O_SLOT, O_VERSION, P_INT8N, P_INT32, P_INT64, P_NC8,
-                        P_NONE, RESULT, TRL, VERSION, Action, payload_width, wr16)
+                        P_NONE, RESULT, TRL, VERSION, Action, bswap32, payload_width, wr16)
 
 
 # --- the re-encoding's random numbers (specified in docs/switch.md, "The rounding hash") -------------
@@ -102,7 +102,19 @@ def _write_result(dp, s, j):
             v = regs[s, k]
             for b in range(8):
                 results[s, HDR + 8 * k + b] = np.uint8((v >> (56 - 8 * b)) & 0xFF)
-    elif out_pt == P_INT32 or out_pt == P_INT8N:     # narrower than the registers: clamp, flag
+    elif out_pt == P_INT32:                           # narrower than the registers: clamp, flag
+        hi = np.int64(0x7FFFFFFF)
+        lo = -hi - 1
+        words = results[s, HDR: HDR + 4 * E].view(np.uint32)       # big-endian words, written whole
+        mn = np.int64(0)
+        mx = np.int64(0)
+        for k in range(E):                            # vectorisable: clamp, bswap, and two witnesses
+            v = regs[s, k]
+            mn = min(mn, v)
+            mx = max(mx, v)
+            words[k] = bswap32(np.uint32(min(max(v, lo), hi) & 0xFFFFFFFF))
+        o |= mn < lo or mx > hi
+    elif out_pt == P_INT8N:                           # narrower than the registers: clamp, flag
         w = payload_width(out_pt)
         hi = (np.int64(1) << np.int64(8 * w - 1)) - 1
         lo = -hi - 1
