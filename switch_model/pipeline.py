@@ -306,9 +306,10 @@ class Switch:
 
     def _send(self, buf, rows, lens, addr) -> None:
         if len(rows):
-            self.txq.send(buf, rows, lens, self.addrs, addr)
+            txq, b0 = self.txq, self.txq.sent_bytes         # TxBatch sums the entries' lengths as it fills them
+            txq.send(buf, rows, lens, self.addrs, addr)
             self.counters[C_TX_PACKETS] += len(rows)
-            self.counters[C_TX_BYTES] += int(np.sum(lens))
+            self.counters[C_TX_BYTES] += txq.sent_bytes - b0
 
     # ------------------------------------------------------------------------------------------
     # service loop, control plane hooks
