@@ -59,7 +59,7 @@ DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with
                   "is currently being processed.  If you want to request another tensor, use a different tensor name.")
 DEFAULT_FUSION_BYTES = 128 * 1024 * 1024     # Horovod's default HOROVOD_FUSION_THRESHOLD
 DEFAULT_BUCKET_BYTES = 256 * 1024
-AGREE_NAME, DETAIL_NAME = "ina.agree", "ina.agree.detail"
+DETAIL_NAME = "ina.agree.detail"
 
 
 def bucket_bytes() -> int:
@@ -108,7 +108,8 @@ class _HorovodIna:
         self.M = M
         self.config = config
         self.orig = {"_allreduce_async": M._allreduce_async, "_grouped_allreduce_async": M._grouped_allreduce_async,
-                     "synchronize": M.synchronize, "poll": M.poll, "init": M.init, "shutdown": M.shutdown}
+                     "synchronize": M.synchronize, "poll": M.poll, "init": M.init, "shutdown": M.shutdown,
+                     "join": M.join}
         self.op_names = {M.Sum: "Sum", M.Average: "Average", M.Adasum: "Adasum", M.Min: "Min", M.Max: "Max",
                          M.Product: "Product"}
         self.client = None
@@ -117,14 +118,15 @@ class _HorovodIna:
         self.active: dict[str, InaHandle] = {}   # queued and not finished, by name
         self.open: list[InaHandle] = []           # queued, not yet in a bucket
         self.open_bytes = 0
-        self.buckets: list[list[InaHandle]] = []  # sealed, waiting for the worker
+        self.buckets: list[tuple] = []            # sealed (handles, their agreement round), for the worker
+        self.channel: agreement.Rounds | None = None   # the agreement rounds' own Gloo group
         self.bucket_bytes = bucket_bytes()
         self.seq = itertools.count()
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.worker: threading.Thread | None = None
         self.stopping = False
-        self.stale = None          # an agreement round that timed out, completed before the next one
+        self.stale = None          # a reconciliation collective that timed out, completed before the next one
         self.fallbacks = FallbackLog("[ina horovod rank ?]")
         self.rounds = 0
         # where the worker's time goes (seconds, since init): waiting for agreement rounds, the switch
@@ -143,11 +145,16 @@ class _HorovodIna:
         self.rank, size = M.rank(), M.size()
         self.fallbacks.prefix = f"[ina horovod rank {self.rank}]"
         self.fallbacks.announce = self.rank == 0
-        job = self.config.job
-        if job is None:   # rank 0 draws, everyone gets it through Horovod's (Gloo) broadcast
-            t = torch.tensor([new_job_id() if self.rank == 0 else 0], dtype=torch.int64)
-            job = int(M.broadcast(t, root_rank=0, name="ina.job_id").item())
+        # rank 0 draws the job id (unless INA_JOB) and serves the agreement group's store; everyone gets both
+        # through Horovod's (Gloo) broadcast
+        store = agreement.Rounds.serve(size, self.config.timeout) if self.rank == 0 else None
+        mine = [self.config.job or new_job_id(), *agreement.address_ints(self.config.switch[0], store)]
+        t = torch.tensor(mine if self.rank == 0 else [0] * len(mine), dtype=torch.int64)
+        job, host, port = agreement.address_from_ints(M.broadcast(t, root_rank=0, name="ina.job_id").tolist())
         self.job = job
+        self.channel = agreement.Rounds(store or agreement.Rounds.reach(host, port, size, self.config.timeout),
+                                        self.rank, size, self.config.timeout,
+                                        os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("HOROVOD_GLOO_IFACE"))
         self.client = Client(switch=self.config.switch, rank=self.rank, world_size=size, job=job,
                              **self.config.client_kwargs())
         if self.rank == 0:
@@ -158,6 +165,7 @@ class _HorovodIna:
 
     def disconnect(self) -> None:
         c, self.client, self.switch_failed = self.client, None, False
+        channel, self.channel = self.channel, None
         with self.lock:
             self.stopping = True
             self.cond.notify_all()
@@ -170,6 +178,8 @@ class _HorovodIna:
             self.active, self.open, self.open_bytes, self.buckets, self.stale = {}, [], 0, [], None
             self.stopping = False
             self.cond.notify_all()
+        if channel is not None:
+            channel.close()
         if c is not None:
             try:
                 c.close()
@@ -237,8 +247,10 @@ class _HorovodIna:
         if self.open:
             now = time.monotonic()
             for h in self.open:
-                h.sealed = now
-            self.buckets.append(self.open)
+                h.sealed = h.sealed or now       # a handle carried over from a round keeps its first time
+            # the bucket's agreement round starts now, in sealing order (the order rounds pair up across ranks);
+            # the worker reads it when it reaches the bucket: meanwhile the buckets before it stream
+            self.buckets.append((self.open, self._start_round(self.open)))
             self.open, self.open_bytes = [], 0
             if self.worker is None or not self.worker.is_alive():
                 self.worker = threading.Thread(target=self._work, name="ina-horovod", daemon=True)
@@ -249,9 +261,9 @@ class _HorovodIna:
         """Seal what is queued and wait until the worker has run ``target`` (bounded)."""
         deadline = time.monotonic() + 2 * self.config.timeout
         with self.lock:
-            if target.name in self.open_names():
-                self._seal()
             while not target.done and target.error is None:
+                if target.name in self.open_names():    # queued, or carried over from a round: seal it now
+                    self._seal()
                 if self.active.get(target.name) is not target:
                     raise RuntimeError(f"allreduce {target.name!r} is not queued (Horovod was shut down?)")
                 left = deadline - time.monotonic()
@@ -265,29 +277,18 @@ class _HorovodIna:
         return {h.name for h in self.open}
 
     def _work(self) -> None:
-        """The worker: one agreement round per bucket, in sealing order; names a round leaves undecided (the
-        ranks' buckets differ) go into the next round. When the next bucket is already sealed (and nothing
-        is carried over), its round starts before this bucket streams, so its Gloo latency is hidden."""
-        carry: list[InaHandle] = []
-        early = None        # (batch, Horovod handle) of the next round, started before the current one streamed
+        """The worker: the buckets in sealing order, each decided by its agreement round (started when the
+        bucket was sealed); names a round leaves undecided (the ranks' buckets differ) are queued again."""
         while True:
             with self.lock:
-                while not self.buckets and not carry and early is None and not self.stopping:
+                while not self.buckets and not self.stopping:
                     self.cond.wait(1.0)
                 if self.stopping:
                     return
-                if early is None:
-                    batch = carry + (self.buckets.pop(0) if self.buckets else [])
-                    started = None
-                else:
-                    (batch, started), early = early, None
+                batch, started = self.buckets.pop(0)
             cpu = time.thread_time()
             try:
                 ready, native, ag = self._decide(batch, started)
-                with self.lock:     # nothing carried over: the next sealed bucket's round starts now
-                    nxt = self.buckets.pop(0) if self.buckets and len(ready) == len(batch) else None
-                if nxt is not None:
-                    early = (nxt, self._start_round(nxt))
                 self._run_round(ready, native, ag)
                 done = ready
             except Exception as e:  # noqa: BLE001 - each handle raises it from its synchronize
@@ -295,31 +296,55 @@ class _HorovodIna:
                     h.error = h.error or e
                 done = batch
             self.seconds["worker_cpu"] += time.thread_time() - cpu
-            with self.lock:
-                carry, now = [h for h in batch if h not in done], time.monotonic()
-                for h in carry:
-                    if now - h.sealed > self.config.timeout:   # the other ranks never queued this name
-                        h.error = self.M.HorovodInternalError(
-                            f"INA backend: allreduce {h.name!r} was not queued on every rank within "
-                            f"{self.config.timeout:g} s (INA_TIMEOUT); names differ across ranks?")
-                        done.append(h)
-                carry = [h for h in carry if h.error is None]
-                for h in done:
-                    if self.active.get(h.name) is h:
-                        del self.active[h.name]
-                self.cond.notify_all()
+            self._settle(batch, done)
+
+    def _settle(self, batch, done) -> None:
+        """After a round: finished handles leave the queue; the others are queued again (sealed with the next
+        bucket, or by the synchronize that waits for them), unless the other ranks never queued them."""
+        with self.lock:
+            finished, now = {id(h) for h in done}, time.monotonic()
+            carry = []
+            for h in batch:
+                if id(h) in finished:
+                    continue
+                if now - h.sealed > self.config.timeout:   # the other ranks never queued this name
+                    h.error = self.M.HorovodInternalError(
+                        f"INA backend: allreduce {h.name!r} was not queued on every rank within "
+                        f"{self.config.timeout:g} s (INA_TIMEOUT); names differ across ranks?")
+                    done.append(h)
+                else:
+                    carry.append(h)
+            self.open[:0] = carry
+            self.open_bytes += sum(t.numel() * t.element_size() for h in carry for t in h.tensors)
+            for h in done:
+                if self.active.get(h.name) is h:
+                    del self.active[h.name]
+            self.cond.notify_all()
 
     def _start_round(self, batch):
-        """This rank's agreement vector for ``batch`` into Horovod's allreduce (not waited for)."""
+        """This rank's agreement vector for ``batch`` into the next round (not waited for; lock held)."""
+        if self.channel is None:
+            raise RuntimeError("the INA backend is not connected (hvd.init() not called, or Horovod shut down)")
         batch = sorted(batch, key=lambda h: (h.name, h.seq))
         entries = [(h.name, h.desc, agreement.nonfinite(h.tensors)) for h in batch]
-        return self._native_allreduce(agreement.local_vector(entries, self.client_unusable()), AGREE_NAME)
+        return self.channel.start(agreement.local_vector(entries, self.client_unusable()))
 
-    def _decide(self, batch, started=None):
-        """Wait for the batch's agreement round (``started``: its handle if already started): (the handles
-        decided now, {name: why it goes to Horovod's allreduce}, the agreement)."""
+    def _round_result(self, started, what: str = "the agreement round"):
+        return self._round_result_within(started, self.config.timeout, what)
+
+    def _round_result_within(self, started, seconds: float, what: str = "the agreement round"):
+        total = agreement.Rounds.wait(started, seconds)
+        if total is None:
+            raise self.M.HorovodInternalError(
+                f"INA backend: {what} did not complete within {seconds:g} s: a rank did not reach it; queued "
+                "here: " + ", ".join(list(self.active)[:10]))
+        return total
+
+    def _decide(self, batch, started):
+        """Wait for the batch's agreement round (``started``: its handle): (the handles decided now, {name: why
+        it goes to Horovod's allreduce}, the agreement)."""
         t0 = time.perf_counter()
-        total = self._native_wait(started if started is not None else self._start_round(batch), "the agreement round")
+        total = self._round_result(started, "the agreement round")
         self.seconds["agreement_wait"] += time.perf_counter() - t0
         ag = agreement.read(total)
         self.rounds += 1
@@ -495,6 +520,51 @@ class _HorovodIna:
             return handle.done or handle.error is not None or handle.consumed
         return self.orig["poll"](handle)
 
+    def join(self, device=-1) -> int:
+        """``hvd.join()``: this rank's allreduces finish first; then Horovod's join runs (in a thread: the other
+        ranks' allreduces get zeros from this rank there) while this rank takes part in the other ranks'
+        agreement rounds as absent (their batches then go to Horovod's allreduce), until a round shows every
+        rank absent: all have joined."""
+        if self.channel is None:
+            return self.orig["join"](device)
+        self.drain()
+        out: dict = {}
+
+        def native():
+            try:
+                out["last"] = self.orig["join"](device)
+            except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+                out["error"] = e
+        t = threading.Thread(target=native, name="ina-horovod-join", daemon=True)
+        t.start()
+        while True:
+            with self.lock:
+                started = self.channel.start(agreement.joined_vector())
+            # a round waits for the other ranks' next bucket: up to a step of theirs, within Gloo's bound
+            if agreement.read(self._round_result_within(started, 3 * self.config.timeout)).present == 0:
+                break
+        t.join(self.config.timeout)
+        if t.is_alive():
+            raise self.M.HorovodInternalError(f"INA backend: Horovod's join did not return within "
+                                              f"{self.config.timeout:g} s (INA_TIMEOUT) after every rank joined")
+        if "error" in out:
+            raise out["error"]
+        return out["last"]
+
+    def drain(self) -> None:
+        """Seal what is queued and wait until the worker has run all of it (bounded)."""
+        deadline = time.monotonic() + 2 * self.config.timeout
+        with self.lock:
+            while self.active:
+                if self.open:
+                    self._seal()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self.M.HorovodInternalError(
+                        f"INA backend: join: the allreduces queued here did not complete within "
+                        f"{2 * self.config.timeout:g} s (2 x INA_TIMEOUT): " + ", ".join(list(self.active)[:10]))
+                self.cond.wait(min(left, 1.0))
+
     def init(self, *args, **kwargs):
         out = self.orig["init"](*args, **kwargs)
         self.connect()
@@ -542,7 +612,8 @@ def install(config: InaConfig | None = None) -> bool:
     M._allreduce_async = st.allreduce_async
     M._grouped_allreduce_async = st.grouped_allreduce_async
     replace = {"synchronize": (st.orig["synchronize"], st.synchronize), "poll": (st.orig["poll"], st.poll),
-               "init": (st.orig["init"], st.init), "shutdown": (st.orig["shutdown"], st.shutdown)}
+               "init": (st.orig["init"], st.init), "shutdown": (st.orig["shutdown"], st.shutdown),
+               "join": (st.orig["join"], st.join)}
     for modname in _PATCHED_MODULES:
         mod = sys.modules.get(modname)
         if mod is None:
