@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     results = {"target": target(a.rate),
                "emulated": f"2 ranks, each in its own network namespace behind a {a.rate} link (tbf/htb), "
                            "switch in host sw" if a.rate else "2 ranks on loopback (no shaping)",
-               "compute_only_s": compute_only(a.warmup, a.steps), "runs": []}
+               "load_average_start": os.getloadavg()[0], "compute_only_s": compute_only(a.warmup, a.steps), "runs": []}
     if not a.json:
         print(f"{results['emulated']}; compute only {results['compute_only_s'] * 1e3:.1f} ms/step", flush=True)
     try:
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
                     results["runs"].append({"framework": fw, "codec": codec, **r, "ratio_to_gloo": ratio,
                                             "speedup_vs_gloo": 1 / ratio, "meets_target": meets(ratio, a.rate)})
                     if not a.json:
-                        print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step  "
+                        print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step (load {os.getloadavg()[0]:.1f}) "
                               f"{ratio:.2f}x Gloo's time ({base['median_s'] * 1e3:.1f} ms; target {target(a.rate)}: "
                               f"{'met' if meets(ratio, a.rate) else 'not met'})" + breakdown(r), flush=True)
         finally:
@@ -292,6 +292,7 @@ def main(argv=None) -> int:
     finally:
         if topo is not None:
             topo.__exit__(None, None, None)
+    results["load_average_end"] = os.getloadavg()[0]     # the machine is shared: read the ratios with it
     if a.json:
         print(json.dumps(results, indent=1))
     return 0

@@ -50,14 +50,13 @@ import time
 
 from ina import AllreduceError
 
-from . import agreement
+from . import agreement, fusion
 from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
 _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.optimizer", "horovod.torch.functions",
                     "horovod.torch.sync_batch_norm")
 DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
                   "is currently being processed.  If you want to request another tensor, use a different tensor name.")
-DEFAULT_FUSION_BYTES = 128 * 1024 * 1024     # Horovod's default HOROVOD_FUSION_THRESHOLD
 DEFAULT_BUCKET_BYTES = 256 * 1024
 DETAIL_NAME = "ina.agree.detail"
 
@@ -73,14 +72,6 @@ def bucket_bytes() -> int:
     if n <= 0:
         raise ValueError(f"INA_BUCKET_BYTES={v!r}: expected a positive number of bytes")
     return n
-
-
-def fusion_threshold() -> int:
-    v = os.environ.get("HOROVOD_FUSION_THRESHOLD", "")
-    try:
-        return int(v) if v else DEFAULT_FUSION_BYTES
-    except ValueError:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={v!r}: expected a number of bytes") from None
 
 
 class InaHandle:
@@ -161,7 +152,7 @@ class _HorovodIna:
             log.info("[ina horovod rank 0] INA backend on: %d ranks, job %d, %s. Through the switch: allreduce "
                      "(Sum/Average, global process set, float32/float16/bfloat16, fused up to %d bytes). On Gloo: "
                      "everything else (broadcast, allgather, alltoall, reducescatter, sparse allreduce, other "
-                     "ops/dtypes/process sets, NaN/Inf)", size, job, self.config.describe(), fusion_threshold())
+                     "ops/dtypes/process sets, NaN/Inf)", size, job, self.config.describe(), fusion.fusion_threshold())
 
     def disconnect(self) -> None:
         c, self.client, self.switch_failed = self.client, None, False
@@ -229,7 +220,7 @@ class _HorovodIna:
             if name is not None and name in self.active:
                 raise ValueError(DUPLICATE_NAME)
             seq = next(self.seq)
-            name = name if name is not None else f"ina.noname.{seq:012d}"
+            name = name if name is not None else f"{fusion.NONAME}{seq:012d}"
             desc = (f"op={self.op_names.get(op, op)}|pre={float(prescale)!r}|post={float(postscale)!r}|"
                     f"{'grouped' if grouped else 'single'}|{agreement.describe_tensors(tensors)}")
             h = InaHandle(name, tensors, outputs, op, float(prescale), float(postscale), grouped, seq, desc)
@@ -439,17 +430,7 @@ class _HorovodIna:
 
         if not handles:
             return
-        limit = fusion_threshold()
-        groups, cur, cur_key, cur_bytes = [], [], None, 0
-        for h in handles:
-            nbytes = sum(t.numel() * t.element_size() for t in h.tensors)
-            key = (h.tensors[0].dtype, h.tensors[0].device, h.op, h.prescale, h.postscale)
-            if cur and (key != cur_key or cur_bytes + nbytes > limit):
-                groups.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append(h)
-            cur_key, cur_bytes = key, cur_bytes + nbytes
-        groups.append(cur)
+        groups = fusion.buffers(handles, fusion.fusion_threshold())
         try:
             self.connect()
             with torch.no_grad():
@@ -464,34 +445,7 @@ class _HorovodIna:
                     h.error = e
 
     def _fused_allreduce(self, group) -> None:
-        import torch  # noqa: PLC0415
-
-        h0 = group[0]
-        pairs = [(t, o) for h in group for t, o in zip(h.tensors, h.outputs)]
-        # Horovod scales half-precision tensors in float32 math: so do we
-        wide = (h0.prescale != 1.0 or h0.postscale != 1.0) and h0.tensors[0].dtype in (torch.float16, torch.bfloat16)
-        copied = len(pairs) > 1 or wide
-        if not copied:
-            t, buf = pairs[0]
-            if buf is not t:
-                buf.copy_(t)
-        else:
-            buf = torch.cat([t.reshape(-1).to(torch.float32 if wide else t.dtype) for t, _ in pairs])
-        if h0.prescale != 1.0:
-            buf.mul_(h0.prescale)
-        # a named buffer keeps its error-feedback residual across steps; Horovod's generated names
-        # (no name given) change every call, so those go stateless
-        named = not any(h.name.startswith("ina.noname.") for h in group)
-        key = (h0.name, len(group), group[-1].name) if named else None
-        self.client.allreduce(buf, codec=self.config.codec, average=h0.op == self.M.Average, key=key)
-        if h0.postscale != 1.0:
-            buf.mul_(h0.postscale)
-        if copied:
-            off = 0
-            for t, o in pairs:
-                n = t.numel()
-                o.copy_(buf[off:off + n].reshape(o.shape))
-                off += n
+        fusion.allreduce_buffer(self.client, self.config.codec, group, average=group[0].op == self.M.Average)
         for h in group:
             h.done = True
             self.fallbacks.offloaded(len(h.tensors), sum(t.numel() for t in h.tensors))
