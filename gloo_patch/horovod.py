@@ -25,15 +25,17 @@ already in flight raises Horovod's duplicate-name ``ValueError``). Queued allred
 is sealed when ``INA_BUCKET_BYTES`` (default 256 KiB) are queued, so streaming starts while backward still
 runs, and whatever is queued when a rank waits for one (``synchronize``/``poll``). Every rank of the same
 model queues the same gradients in the same order, so every rank seals the same buckets. A worker thread
-runs each bucket through one agreement round (``gloo_patch.agreement``: a small Gloo allreduce of a digest
-of names, shapes, dtypes, ops, prescale/postscale, and flags), in sealing order; names the ranks did not
-all have in the bucket stay for the next round.
+reads each bucket's agreement round (``gloo_patch.agreement``: a small Gloo allreduce of a digest of names,
+shapes, dtypes, ops, prescale/postscale, and flags, on a Gloo group of its own, started when the bucket is
+sealed, so it runs while the buckets before it stream), in sealing order; names the ranks did not all have
+in the bucket are queued again.
 If all ranks agree, the offloadable allreduces (op Sum/Average, float32/float16/bfloat16, no NaN/Inf on
 any rank) go through the switch, fused into buffers of at most ``HOROVOD_FUSION_THRESHOLD`` bytes in
 name order; the others go to Horovod's own allreduce. If the ranks disagree, each name queued on every
 rank goes to Horovod's own allreduce, which raises Horovod's own error on every rank for a mismatch
 (shape, dtype, op, prescale/postscale), so nothing can hang at the switch. If a rank has joined
-(``hvd.join()``), the batch goes to Horovod, where joined ranks contribute zeros.
+(``hvd.join()``), the batch goes to Horovod, where joined ranks contribute zeros (``join`` is patched too:
+the joined rank takes part in the others' rounds as absent until every rank has joined).
 
 Other process sets go straight to Horovod; broadcast, allgather, alltoall, reducescatter and sparse
 allreduce are not touched.
@@ -537,6 +539,9 @@ class _HorovodIna:
         d["agreement_rounds"] = self.rounds
         d["seconds"] = dict(self.seconds)
         d["client"] = self.client.stats.as_dict() if self.client is not None else None
+        # the keys holding an error-feedback residual (codecs that keep one: a fused tensor's name and position)
+        d["residual_keys"] = [str(k) for k in self.client.codec(self.config.codec).residual_keys()] \
+            if self.client is not None else []
         return d
 
 
