@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ina.client import ClientStats
+from ina.coalescing import ArrivalSpacing
 from ina.recovery import DUPTHRESH, LossDetector
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -319,3 +320,22 @@ def test_a_loss_does_not_make_a_fast_link_pause_for_receive_coalescing(tmp_path)
     paused = sum(m["stats"]["coalesce_pause_s"] - m["stats_after_warmup"]["coalesce_pause_s"] for m in out.values())
     assert paused < 0.1 * dropped * 0.004, (paused, dropped)
     _check_exact(out, ops, N)
+
+
+def test_a_first_gap_that_was_the_process_pausing_does_not_make_a_fast_link_pause():
+    """The spacing estimate starts as the least of its first samples: a stream whose first gap was the
+    process not being scheduled (10 ms, then 40 results: 0.25 ms each) still sees a fast link's
+    20 us spacing and never pauses; a link whose results do trickle (0.5 ms apart) gets its pauses."""
+    fast, slow = ArrivalSpacing(), ArrivalSpacing()
+    now = 0.0
+    fast.sample(8, now, False)
+    now += 0.010
+    fast.sample(40, now, False)
+    for _ in range(10):
+        now += 8 * 2e-5
+        fast.sample(8, now, False)
+        assert fast.pause(8, 64, 0.004) == 0.0
+    for i in range(6):
+        slow.sample(2, i * 1e-3, False)
+    assert slow.per_pkt == pytest.approx(5e-4)
+    assert slow.pause(2, 64, 0.004) > 0
