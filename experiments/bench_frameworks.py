@@ -55,12 +55,16 @@ def batch(rank: int, n: int = 16, side: int = 16):
     return torch.randn(n, 3, side, side, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
-def timed_steps(model, opt, x, y, warmup: int, steps: int, windows: list | None = None) -> list[float]:
-    """Step times after ``warmup``; ``windows`` gets each timed step's (start, end), time.perf_counter()."""
+def timed_steps(model, opt, x, y, warmup: int, steps: int, windows: list | None = None,
+                on_timed=None) -> list[float]:
+    """Step times after ``warmup``; ``windows`` gets each timed step's (start, end), time.perf_counter();
+    ``on_timed()`` is called once, before the first timed step."""
     import torch  # noqa: PLC0415
 
     times = []
     for i in range(warmup + steps):
+        if i == warmup and on_timed is not None:
+            on_timed()
         t0 = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -129,7 +133,15 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = batch(rank)
     windows: list = []
-    times = timed_steps(model, opt, x, y, warmup, steps, windows)
+    before: dict = {}
+    if kind == "horovod" and os.environ.get("INA_SWITCH"):     # the INA worker's counters at the first timed step
+        from gloo_patch import horovod as patch  # noqa: PLC0415
+
+        def on_timed():
+            before.update(patch.stats())
+    else:
+        on_timed = None
+    times = timed_steps(model, opt, x, y, warmup, steps, windows, on_timed)
     if rank == 0:
         n_tensors = sum(1 for _ in model.parameters())
         n_params = sum(p.numel() for p in model.parameters())
@@ -138,11 +150,10 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
         if kind == "ddp-ina":
             res["overlap"] = overlap(hook.timeline(), windows)
             res["client"] = hook.stats()["client"]
-        if kind == "horovod" and os.environ.get("INA_SWITCH"):
-            from gloo_patch import horovod as patch  # noqa: PLC0415
-            st = patch.stats()       # the worker's seconds since init: per step, over all warm-up + timed steps
-            res["worker_s_per_step"] = {k: v / (warmup + steps) for k, v in st["seconds"].items()}
-            res["agreement_rounds_per_step"] = st["agreement_rounds"] / (warmup + steps)
+        if before:
+            st = patch.stats()       # the worker's seconds per timed step
+            res["worker_s_per_step"] = {k: (v - before["seconds"][k]) / steps for k, v in st["seconds"].items()}
+            res["agreement_rounds_per_step"] = (st["agreement_rounds"] - before["agreement_rounds"]) / steps
         Path(out).write_text(json.dumps(res))
     if kind != "horovod":
         ddp_shutdown(hook)
@@ -214,7 +225,8 @@ def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dic
 
 def breakdown(r: dict) -> str:
     """Where a step's time went. DDP: the lane's timeline over the timed steps; Horovod: the INA worker
-    thread's seconds per step, averaged over all steps (warm-up included)."""
+    thread's seconds per timed step (the agreement wait: the worker waiting for a bucket's round, i.e. for the
+    other rank to seal the same bucket; it overlaps backward and the switch time of the buckets before)."""
     ov, w = r.get("overlap"), r.get("worker_s_per_step")
     if ov:
         return (f"  {ov['buckets_per_step']:.1f} buckets/step, forward+backward {ov['backward_s_per_step'] * 1e3:.1f} "
@@ -268,7 +280,7 @@ def main(argv=None) -> int:
     results = {"target": target(a.rate),
                "emulated": f"2 ranks, each in its own network namespace behind a {a.rate} link (tbf/htb), "
                            "switch in host sw" if a.rate else "2 ranks on loopback (no shaping)",
-               "compute_only_s": compute_only(a.warmup, a.steps), "runs": []}
+               "load_average_start": os.getloadavg()[0], "compute_only_s": compute_only(a.warmup, a.steps), "runs": []}
     if not a.json:
         print(f"{results['emulated']}; compute only {results['compute_only_s'] * 1e3:.1f} ms/step", flush=True)
     try:
@@ -284,7 +296,7 @@ def main(argv=None) -> int:
                     results["runs"].append({"framework": fw, "codec": codec, **r, "ratio_to_gloo": ratio,
                                             "speedup_vs_gloo": 1 / ratio, "meets_target": meets(ratio, a.rate)})
                     if not a.json:
-                        print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step  "
+                        print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step (load {os.getloadavg()[0]:.1f}) "
                               f"{ratio:.2f}x Gloo's time ({base['median_s'] * 1e3:.1f} ms; target {target(a.rate)}: "
                               f"{'met' if meets(ratio, a.rate) else 'not met'})" + breakdown(r), flush=True)
         finally:
@@ -292,6 +304,7 @@ def main(argv=None) -> int:
     finally:
         if topo is not None:
             topo.__exit__(None, None, None)
+    results["load_average_end"] = os.getloadavg()[0]     # the machine is shared: read the ratios with it
     if a.json:
         print(json.dumps(results, indent=1))
     return 0

@@ -55,7 +55,7 @@ SETTINGS = {                      # name: impairment of each direction
 }
 TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
 COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
-            "duplicate_results")
+            "fast_replayed", "probe_replayed", "timeout_replayed", "duplicate_results", "coalesce_pause_s")
 
 
 def switch_counts(host: str, port: int) -> dict:
@@ -65,7 +65,9 @@ def switch_counts(host: str, port: int) -> dict:
     return {"ingress_dropped": imp["ingress"]["dropped"], "egress_dropped": imp["egress"]["dropped"],
             "ingress_duplicated": imp["ingress"]["duplicated"], "egress_duplicated": imp["egress"]["duplicated"],
             "ingress_reordered": imp["ingress"]["reordered"], "egress_reordered": imp["egress"]["reordered"],
-            "replays": st["counters"]["replays"], "retransmit_pending": st["drops"]["retransmit_pending"]}
+            "replays": st["counters"]["replays"], "retransmit_pending": st["drops"]["retransmit_pending"],
+            # the data plane's CPU time (less disturbed by a loaded machine than wall time)
+            "cpu_ns": st["timing"]["busy_cpu_ns"]}
 
 
 def needed_resends(sw: dict, workers: int) -> int:
@@ -88,6 +90,7 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
     st0 = cl.stats.as_dict()
     tails = []
     dt = 0.0                  # the allreduces' time (not the copies and the digest's in between)
+    cpu0 = time.process_time()
     for _ in range(reps):
         y[:] = x
         t0 = time.perf_counter()
@@ -99,6 +102,7 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
         h.update(y.tobytes())
     st = cl.stats.as_dict()
     return {"time_per_allreduce_s": dt / reps, "digest": h.hexdigest(), "tail_s": float(np.mean(tails or [0.0])),
+            "cpu_per_allreduce_s": (time.process_time() - cpu0) / reps,
             **{k: st.get(k, 0) - st0.get(k, 0) for k in COUNTERS}}
 
 
@@ -220,6 +224,7 @@ class Side:
             raise RuntimeError(f"{self.label}: ranks disagree on the results ({len(digests)} different digests)")
         return {"time": max(g["time_per_allreduce_s"] for g in got),        # the slowest worker's
                 "tail": float(np.mean([g["tail_s"] for g in got])), "digest": digests.pop(),
+                "worker_cpu": float(np.mean([g["cpu_per_allreduce_s"] for g in got])),
                 "counters": {k: sum(g[k] for g in got) for k in COUNTERS},
                 "switch": {k: sw1[k] - sw0[k] for k in sw1}}
 
@@ -238,6 +243,8 @@ def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], r
            "best_time_per_allreduce_s": float(times.min()),
            "vs_lossless_best": float(times.min() / min(b["time"] for b in ref)),
            "tail_s": float(np.median([b["tail"] for b in blocks])),
+           "switch_cpu_per_allreduce_s": switch["cpu_ns"] / 1e9 / (reps * len(blocks)),
+           "worker_cpu_per_allreduce_s": float(np.median([b["worker_cpu"] for b in blocks])),
            "exact": all(b["digest"] == ref[0]["digest"] for b in blocks),
            **counters, "switch": switch, "needed_resends": needed_resends(switch, n)}
     if name in TARGETS:

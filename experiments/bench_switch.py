@@ -6,7 +6,8 @@
 A switch is built in this process (``Switch`` on an ephemeral port that no traffic reaches); one
 job is installed and bursts of DATA packets written straight into its receive ring, then the three
 kernel stages run as ``Switch.poll_once`` runs them. Only the stage calls are timed; rewriting the
-headers for the next round is not. Scenarios:
+headers for the next round is not (``ns_per_packet``: wall time; ``stage_cpu_us_p10`` / ``_median``:
+each stage's thread CPU per burst, the figure to compare on a loaded machine). Scenarios:
 
 * ``nc8``:   4 workers, 64-packet bursts of 8192 one-byte natural-compression codes (re-encoded results);
 * ``int32``: 4 workers, 64-packet bursts of 8192 int32 codes (block floating point's payload, raw sums);
@@ -40,6 +41,7 @@ from ina.wire import HEADER_SIZE, Flag, MsgType, PayloadType, header_view, max_p
 from switch_model.dataplane import source_key
 from switch_model.pipeline import Switch, SwitchConfig
 
+KERNEL_STAGES = ("parse", "aggregate", "harvest")
 SCENARIOS = {   # name: (payload type, workers, packets per burst, elements per packet)
     "nc8": (PayloadType.NC8, 4, 64, 8192),
     "int32": (PayloadType.INT32, 4, 64, 8192),
@@ -70,6 +72,7 @@ def run_scenario(ptype, workers: int, burst: int, elements: int, seconds: float)
         hdr = header_view(sw.rx.buf[:burst, :HEADER_SIZE].copy())
         per_burst = max(1, burst // workers)          # chunks completed per burst
         chunk, n_bursts, busy = 0, 0, 0.0
+        stage_cpu = {name: [] for name in KERNEL_STAGES}
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline or n_bursts < 10:
             for i in range(burst):                     # the next round's headers (not timed)
@@ -78,11 +81,16 @@ def run_scenario(ptype, workers: int, burst: int, elements: int, seconds: float)
                 hdr[i]["slot"] = (c % slots) | (((c // slots) & 1) << 15)
                 hdr[i]["rank"] = i % workers if burst >= workers else n_bursts % workers
             sw.rx.buf[:burst, :HEADER_SIZE] = hdr.view(np.uint8).reshape(burst, HEADER_SIZE)
-            t = time.perf_counter()
+            t, c0 = time.perf_counter(), time.thread_time_ns()
             sw.stage_parse(sw.rx.buf, sw.rx.lens, burst)
+            c1 = time.thread_time_ns()
             sw.stage_aggregate(sw.rx.buf, burst)
+            c2 = time.thread_time_ns()
             sw.stage_harvest(burst)
+            c3 = time.thread_time_ns()
             busy += time.perf_counter() - t
+            for name, ns in zip(KERNEL_STAGES, (c1 - c0, c2 - c1, c3 - c2)):
+                stage_cpu[name].append(ns)
             n_bursts += 1
             if burst >= workers:
                 chunk += per_burst
@@ -102,7 +110,11 @@ def run_scenario(ptype, workers: int, burst: int, elements: int, seconds: float)
         return {"payload_type": ptype.name, "workers": workers, "burst": burst, "elements": elements,
                 "bursts": n_bursts, "ns_per_packet": round(ns, 1), "ns_per_burst": round(ns * burst, 1),
                 "m_elements_per_s": round(elements / ns * 1e3, 1), "numpy_add_ns_per_packet": round(ref * 1e9, 1),
-                "x_numpy": round(ns / (ref * 1e9), 2)}
+                "x_numpy": round(ns / (ref * 1e9), 2),
+                # thread CPU per burst of each stage, p10 and median (on a shared machine the low
+                # percentiles are the least disturbed)
+                "stage_cpu_us_p10": {k: round(float(np.percentile(v, 10)) / 1e3, 1) for k, v in stage_cpu.items()},
+                "stage_cpu_us_median": {k: round(float(np.median(v)) / 1e3, 1) for k, v in stage_cpu.items()}}
     finally:
         sw.sock.close()
 

@@ -123,3 +123,100 @@ def judge(rows, op_names: dict) -> tuple[str | None, bool, bool]:
         err = ("ranks disagree on this allreduce: " + "; ".join(
             f"rank {i}: {_describe_row(r, op_names)}" for i, r in enumerate(rs)))
     return err, any(r[5] for r in rs), any(r[6] for r in rs)
+
+
+# ---- Horovod: the rounds on a Gloo group of their own ------------------------------------------------------
+def joined_vector() -> torch.Tensor:
+    """The vector of a rank inside ``hvd.join()``: it takes no part (``present`` 0) and queues nothing."""
+    return torch.zeros(LENGTH, dtype=torch.int64)
+
+
+def local_address(peer_host: str) -> str:
+    """The address this host uses towards ``peer_host`` (the switch): where the other ranks reach it too."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer_host, 9))      # UDP: no packet is sent, the kernel only picks a route and a source
+        return s.getsockname()[0]
+
+
+def address_ints(switch_host: str, store) -> list[int]:
+    """Rank 0's store as two integers for Horovod's broadcast: its IPv4 address towards the switch, its port."""
+    if store is None:
+        return [0, 0]
+    import ipaddress  # noqa: PLC0415
+
+    return [int(ipaddress.IPv4Address(local_address(switch_host))), store.port]
+
+
+def address_from_ints(v: list[int]) -> tuple[int, str, int]:
+    """(job id, host, port) from the broadcast ``[job, address, port]``."""
+    import ipaddress  # noqa: PLC0415
+
+    return int(v[0]), str(ipaddress.IPv4Address(int(v[1]))), int(v[2])
+
+
+class Rounds:
+    """The agreement rounds of one Horovod job, on a Gloo process group of their own, rendezvoused through a
+    ``TCPStore`` that rank 0 serves (:meth:`serve`; the caller hands its address and port to the others through
+    Horovod's broadcast). A round is started when a bucket is sealed and read when the worker reaches that
+    bucket, so its latency hides behind the buckets before it; Horovod's own allreduce would go through its
+    background cycle (negotiation, then the op) every time. Rounds pair up across ranks in the order they are
+    started, as Gloo collectives do."""
+
+    def __init__(self, store, rank: int, size: int, timeout: float, iface: str | None):
+        import datetime  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
+
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
+                         else dist.ProcessGroupGloo.create_default_device()]
+        # Gloo's own bound on one round: a rank inside hvd.join() waits in rounds while the others train, so
+        # one round may take a whole step of theirs; the callers bound their waits by INA_TIMEOUT themselves
+        opts._timeout, opts._threads = datetime.timedelta(seconds=3 * timeout), 2
+        self.store = store
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("ina.agree", store), rank, size, opts)
+
+    @staticmethod
+    def serve(size: int, timeout: float):
+        """Rank 0: the store, on a free port of every interface (``store.port``)."""
+        import datetime  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
+
+        return dist.TCPStore("0.0.0.0", 0, size, True, timeout=datetime.timedelta(seconds=timeout),
+                             wait_for_workers=False)
+
+    @staticmethod
+    def reach(host: str, port: int, size: int, timeout: float):
+        """The other ranks: rank 0's store."""
+        import datetime  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
+
+        return dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=timeout))
+
+    def start(self, vector: torch.Tensor):
+        """Add ``vector`` into the next round (not waited for): the round's handle for :meth:`wait`."""
+        return self.group.allreduce([vector]), vector
+
+    @staticmethod
+    def wait(handle, timeout: float) -> torch.Tensor | None:
+        """The summed vector, or None if the round did not complete within ``timeout`` seconds (it stays
+        pending: a later wait may still get it)."""
+        import datetime  # noqa: PLC0415
+
+        work, vector = handle
+        try:
+            if not work.wait(datetime.timedelta(seconds=timeout)):
+                return None
+        except RuntimeError as e:
+            if not work.is_completed():      # "Operation timed out!": still pending
+                return None
+            raise
+        return vector
+
+    def close(self) -> None:
+        try:
+            self.group.abort()       # rounds still pending (a rank that never came) end now, not at Gloo's bound
+        except RuntimeError:
+            pass
+        self.group = self.store = None

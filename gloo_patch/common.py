@@ -142,6 +142,14 @@ def new_job_id() -> int:
     return JOB_MIN + secrets.randbelow(JOB_MAX - JOB_MIN + 1)
 
 
+def per_parameter(codec: str) -> bool:
+    """True if ``codec`` keeps a residual per key (error feedback): the DDP comm hook and Horovod's fusion
+    then send each parameter (tensor) as its own keyed allreduce, with its own residual and scale."""
+    from ina import compression  # noqa: PLC0415
+
+    return compression.get(codec).keeps_residuals
+
+
 def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -25,15 +25,17 @@ already in flight raises Horovod's duplicate-name ``ValueError``). Queued allred
 is sealed when ``INA_BUCKET_BYTES`` (default 256 KiB) are queued, so streaming starts while backward still
 runs, and whatever is queued when a rank waits for one (``synchronize``/``poll``). Every rank of the same
 model queues the same gradients in the same order, so every rank seals the same buckets. A worker thread
-runs each bucket through one agreement round (``gloo_patch.agreement``: a small Gloo allreduce of a digest
-of names, shapes, dtypes, ops, prescale/postscale, and flags), in sealing order; names the ranks did not
-all have in the bucket stay for the next round.
+reads each bucket's agreement round (``gloo_patch.agreement``: a small Gloo allreduce of a digest of names,
+shapes, dtypes, ops, prescale/postscale, and flags, on a Gloo group of its own, started when the bucket is
+sealed, so it runs while the buckets before it stream), in sealing order; names the ranks did not all have
+in the bucket are queued again.
 If all ranks agree, the offloadable allreduces (op Sum/Average, float32/float16/bfloat16, no NaN/Inf on
 any rank) go through the switch, fused into buffers of at most ``HOROVOD_FUSION_THRESHOLD`` bytes in
 name order; the others go to Horovod's own allreduce. If the ranks disagree, each name queued on every
 rank goes to Horovod's own allreduce, which raises Horovod's own error on every rank for a mismatch
 (shape, dtype, op, prescale/postscale), so nothing can hang at the switch. If a rank has joined
-(``hvd.join()``), the batch goes to Horovod, where joined ranks contribute zeros.
+(``hvd.join()``), the batch goes to Horovod, where joined ranks contribute zeros (``join`` is patched too:
+the joined rank takes part in the others' rounds as absent until every rank has joined).
 
 Other process sets go straight to Horovod; broadcast, allgather, alltoall, reducescatter and sparse
 allreduce are not touched.
@@ -50,16 +52,15 @@ import time
 
 from ina import AllreduceError
 
-from . import agreement
+from . import agreement, fusion
 from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
 _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.optimizer", "horovod.torch.functions",
                     "horovod.torch.sync_batch_norm")
 DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
                   "is currently being processed.  If you want to request another tensor, use a different tensor name.")
-DEFAULT_FUSION_BYTES = 128 * 1024 * 1024     # Horovod's default HOROVOD_FUSION_THRESHOLD
 DEFAULT_BUCKET_BYTES = 256 * 1024
-AGREE_NAME, DETAIL_NAME = "ina.agree", "ina.agree.detail"
+DETAIL_NAME = "ina.agree.detail"
 
 
 def bucket_bytes() -> int:
@@ -73,14 +74,6 @@ def bucket_bytes() -> int:
     if n <= 0:
         raise ValueError(f"INA_BUCKET_BYTES={v!r}: expected a positive number of bytes")
     return n
-
-
-def fusion_threshold() -> int:
-    v = os.environ.get("HOROVOD_FUSION_THRESHOLD", "")
-    try:
-        return int(v) if v else DEFAULT_FUSION_BYTES
-    except ValueError:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={v!r}: expected a number of bytes") from None
 
 
 class InaHandle:
@@ -108,7 +101,8 @@ class _HorovodIna:
         self.M = M
         self.config = config
         self.orig = {"_allreduce_async": M._allreduce_async, "_grouped_allreduce_async": M._grouped_allreduce_async,
-                     "synchronize": M.synchronize, "poll": M.poll, "init": M.init, "shutdown": M.shutdown}
+                     "synchronize": M.synchronize, "poll": M.poll, "init": M.init, "shutdown": M.shutdown,
+                     "join": M.join}
         self.op_names = {M.Sum: "Sum", M.Average: "Average", M.Adasum: "Adasum", M.Min: "Min", M.Max: "Max",
                          M.Product: "Product"}
         self.client = None
@@ -117,14 +111,15 @@ class _HorovodIna:
         self.active: dict[str, InaHandle] = {}   # queued and not finished, by name
         self.open: list[InaHandle] = []           # queued, not yet in a bucket
         self.open_bytes = 0
-        self.buckets: list[list[InaHandle]] = []  # sealed, waiting for the worker
+        self.buckets: list[tuple] = []            # sealed (handles, their agreement round), for the worker
+        self.channel: agreement.Rounds | None = None   # the agreement rounds' own Gloo group
         self.bucket_bytes = bucket_bytes()
         self.seq = itertools.count()
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.worker: threading.Thread | None = None
         self.stopping = False
-        self.stale = None          # an agreement round that timed out, completed before the next one
+        self.stale = None          # a reconciliation collective that timed out, completed before the next one
         self.fallbacks = FallbackLog("[ina horovod rank ?]")
         self.rounds = 0
         # where the worker's time goes (seconds, since init): waiting for agreement rounds, the switch
@@ -143,21 +138,27 @@ class _HorovodIna:
         self.rank, size = M.rank(), M.size()
         self.fallbacks.prefix = f"[ina horovod rank {self.rank}]"
         self.fallbacks.announce = self.rank == 0
-        job = self.config.job
-        if job is None:   # rank 0 draws, everyone gets it through Horovod's (Gloo) broadcast
-            t = torch.tensor([new_job_id() if self.rank == 0 else 0], dtype=torch.int64)
-            job = int(M.broadcast(t, root_rank=0, name="ina.job_id").item())
+        # rank 0 draws the job id (unless INA_JOB) and serves the agreement group's store; everyone gets both
+        # through Horovod's (Gloo) broadcast
+        store = agreement.Rounds.serve(size, self.config.timeout) if self.rank == 0 else None
+        mine = [self.config.job or new_job_id(), *agreement.address_ints(self.config.switch[0], store)]
+        t = torch.tensor(mine if self.rank == 0 else [0] * len(mine), dtype=torch.int64)
+        job, host, port = agreement.address_from_ints(M.broadcast(t, root_rank=0, name="ina.job_id").tolist())
         self.job = job
+        self.channel = agreement.Rounds(store or agreement.Rounds.reach(host, port, size, self.config.timeout),
+                                        self.rank, size, self.config.timeout,
+                                        os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("HOROVOD_GLOO_IFACE"))
         self.client = Client(switch=self.config.switch, rank=self.rank, world_size=size, job=job,
                              **self.config.client_kwargs())
         if self.rank == 0:
             log.info("[ina horovod rank 0] INA backend on: %d ranks, job %d, %s. Through the switch: allreduce "
                      "(Sum/Average, global process set, float32/float16/bfloat16, fused up to %d bytes). On Gloo: "
                      "everything else (broadcast, allgather, alltoall, reducescatter, sparse allreduce, other "
-                     "ops/dtypes/process sets, NaN/Inf)", size, job, self.config.describe(), fusion_threshold())
+                     "ops/dtypes/process sets, NaN/Inf)", size, job, self.config.describe(), fusion.fusion_threshold())
 
     def disconnect(self) -> None:
         c, self.client, self.switch_failed = self.client, None, False
+        channel, self.channel = self.channel, None
         with self.lock:
             self.stopping = True
             self.cond.notify_all()
@@ -170,6 +171,8 @@ class _HorovodIna:
             self.active, self.open, self.open_bytes, self.buckets, self.stale = {}, [], 0, [], None
             self.stopping = False
             self.cond.notify_all()
+        if channel is not None:
+            channel.close()
         if c is not None:
             try:
                 c.close()
@@ -219,7 +222,7 @@ class _HorovodIna:
             if name is not None and name in self.active:
                 raise ValueError(DUPLICATE_NAME)
             seq = next(self.seq)
-            name = name if name is not None else f"ina.noname.{seq:012d}"
+            name = name if name is not None else f"{fusion.NONAME}{seq:012d}"
             desc = (f"op={self.op_names.get(op, op)}|pre={float(prescale)!r}|post={float(postscale)!r}|"
                     f"{'grouped' if grouped else 'single'}|{agreement.describe_tensors(tensors)}")
             h = InaHandle(name, tensors, outputs, op, float(prescale), float(postscale), grouped, seq, desc)
@@ -237,8 +240,10 @@ class _HorovodIna:
         if self.open:
             now = time.monotonic()
             for h in self.open:
-                h.sealed = now
-            self.buckets.append(self.open)
+                h.sealed = h.sealed or now       # a handle carried over from a round keeps its first time
+            # the bucket's agreement round starts now, in sealing order (the order rounds pair up across ranks);
+            # the worker reads it when it reaches the bucket: meanwhile the buckets before it stream
+            self.buckets.append((self.open, self._start_round(self.open)))
             self.open, self.open_bytes = [], 0
             if self.worker is None or not self.worker.is_alive():
                 self.worker = threading.Thread(target=self._work, name="ina-horovod", daemon=True)
@@ -249,9 +254,9 @@ class _HorovodIna:
         """Seal what is queued and wait until the worker has run ``target`` (bounded)."""
         deadline = time.monotonic() + 2 * self.config.timeout
         with self.lock:
-            if target.name in self.open_names():
-                self._seal()
             while not target.done and target.error is None:
+                if target.name in self.open_names():    # queued, or carried over from a round: seal it now
+                    self._seal()
                 if self.active.get(target.name) is not target:
                     raise RuntimeError(f"allreduce {target.name!r} is not queued (Horovod was shut down?)")
                 left = deadline - time.monotonic()
@@ -265,29 +270,18 @@ class _HorovodIna:
         return {h.name for h in self.open}
 
     def _work(self) -> None:
-        """The worker: one agreement round per bucket, in sealing order; names a round leaves undecided (the
-        ranks' buckets differ) go into the next round. When the next bucket is already sealed (and nothing
-        is carried over), its round starts before this bucket streams, so its Gloo latency is hidden."""
-        carry: list[InaHandle] = []
-        early = None        # (batch, Horovod handle) of the next round, started before the current one streamed
+        """The worker: the buckets in sealing order, each decided by its agreement round (started when the
+        bucket was sealed); names a round leaves undecided (the ranks' buckets differ) are queued again."""
         while True:
             with self.lock:
-                while not self.buckets and not carry and early is None and not self.stopping:
+                while not self.buckets and not self.stopping:
                     self.cond.wait(1.0)
                 if self.stopping:
                     return
-                if early is None:
-                    batch = carry + (self.buckets.pop(0) if self.buckets else [])
-                    started = None
-                else:
-                    (batch, started), early = early, None
+                batch, started = self.buckets.pop(0)
             cpu = time.thread_time()
             try:
                 ready, native, ag = self._decide(batch, started)
-                with self.lock:     # nothing carried over: the next sealed bucket's round starts now
-                    nxt = self.buckets.pop(0) if self.buckets and len(ready) == len(batch) else None
-                if nxt is not None:
-                    early = (nxt, self._start_round(nxt))
                 self._run_round(ready, native, ag)
                 done = ready
             except Exception as e:  # noqa: BLE001 - each handle raises it from its synchronize
@@ -295,31 +289,55 @@ class _HorovodIna:
                     h.error = h.error or e
                 done = batch
             self.seconds["worker_cpu"] += time.thread_time() - cpu
-            with self.lock:
-                carry, now = [h for h in batch if h not in done], time.monotonic()
-                for h in carry:
-                    if now - h.sealed > self.config.timeout:   # the other ranks never queued this name
-                        h.error = self.M.HorovodInternalError(
-                            f"INA backend: allreduce {h.name!r} was not queued on every rank within "
-                            f"{self.config.timeout:g} s (INA_TIMEOUT); names differ across ranks?")
-                        done.append(h)
-                carry = [h for h in carry if h.error is None]
-                for h in done:
-                    if self.active.get(h.name) is h:
-                        del self.active[h.name]
-                self.cond.notify_all()
+            self._settle(batch, done)
+
+    def _settle(self, batch, done) -> None:
+        """After a round: finished handles leave the queue; the others are queued again (sealed with the next
+        bucket, or by the synchronize that waits for them), unless the other ranks never queued them."""
+        with self.lock:
+            finished, now = {id(h) for h in done}, time.monotonic()
+            carry = []
+            for h in batch:
+                if id(h) in finished:
+                    continue
+                if now - h.sealed > self.config.timeout:   # the other ranks never queued this name
+                    h.error = self.M.HorovodInternalError(
+                        f"INA backend: allreduce {h.name!r} was not queued on every rank within "
+                        f"{self.config.timeout:g} s (INA_TIMEOUT); names differ across ranks?")
+                    done.append(h)
+                else:
+                    carry.append(h)
+            self.open[:0] = carry
+            self.open_bytes += sum(t.numel() * t.element_size() for h in carry for t in h.tensors)
+            for h in done:
+                if self.active.get(h.name) is h:
+                    del self.active[h.name]
+            self.cond.notify_all()
 
     def _start_round(self, batch):
-        """This rank's agreement vector for ``batch`` into Horovod's allreduce (not waited for)."""
+        """This rank's agreement vector for ``batch`` into the next round (not waited for; lock held)."""
+        if self.channel is None:
+            raise RuntimeError("the INA backend is not connected (hvd.init() not called, or Horovod shut down)")
         batch = sorted(batch, key=lambda h: (h.name, h.seq))
         entries = [(h.name, h.desc, agreement.nonfinite(h.tensors)) for h in batch]
-        return self._native_allreduce(agreement.local_vector(entries, self.client_unusable()), AGREE_NAME)
+        return self.channel.start(agreement.local_vector(entries, self.client_unusable()))
 
-    def _decide(self, batch, started=None):
-        """Wait for the batch's agreement round (``started``: its handle if already started): (the handles
-        decided now, {name: why it goes to Horovod's allreduce}, the agreement)."""
+    def _round_result(self, started, what: str = "the agreement round"):
+        return self._round_result_within(started, self.config.timeout, what)
+
+    def _round_result_within(self, started, seconds: float, what: str = "the agreement round"):
+        total = agreement.Rounds.wait(started, seconds)
+        if total is None:
+            raise self.M.HorovodInternalError(
+                f"INA backend: {what} did not complete within {seconds:g} s: a rank did not reach it; queued "
+                "here: " + ", ".join(list(self.active)[:10]))
+        return total
+
+    def _decide(self, batch, started):
+        """Wait for the batch's agreement round (``started``: its handle): (the handles decided now, {name: why
+        it goes to Horovod's allreduce}, the agreement)."""
         t0 = time.perf_counter()
-        total = self._native_wait(started if started is not None else self._start_round(batch), "the agreement round")
+        total = self._round_result(started, "the agreement round")
         self.seconds["agreement_wait"] += time.perf_counter() - t0
         ag = agreement.read(total)
         self.rounds += 1
@@ -414,17 +432,7 @@ class _HorovodIna:
 
         if not handles:
             return
-        limit = fusion_threshold()
-        groups, cur, cur_key, cur_bytes = [], [], None, 0
-        for h in handles:
-            nbytes = sum(t.numel() * t.element_size() for t in h.tensors)
-            key = (h.tensors[0].dtype, h.tensors[0].device, h.op, h.prescale, h.postscale)
-            if cur and (key != cur_key or cur_bytes + nbytes > limit):
-                groups.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append(h)
-            cur_key, cur_bytes = key, cur_bytes + nbytes
-        groups.append(cur)
+        groups = fusion.buffers(handles, fusion.fusion_threshold())
         try:
             self.connect()
             with torch.no_grad():
@@ -439,34 +447,7 @@ class _HorovodIna:
                     h.error = e
 
     def _fused_allreduce(self, group) -> None:
-        import torch  # noqa: PLC0415
-
-        h0 = group[0]
-        pairs = [(t, o) for h in group for t, o in zip(h.tensors, h.outputs)]
-        # Horovod scales half-precision tensors in float32 math: so do we
-        wide = (h0.prescale != 1.0 or h0.postscale != 1.0) and h0.tensors[0].dtype in (torch.float16, torch.bfloat16)
-        copied = len(pairs) > 1 or wide
-        if not copied:
-            t, buf = pairs[0]
-            if buf is not t:
-                buf.copy_(t)
-        else:
-            buf = torch.cat([t.reshape(-1).to(torch.float32 if wide else t.dtype) for t, _ in pairs])
-        if h0.prescale != 1.0:
-            buf.mul_(h0.prescale)
-        # a named buffer keeps its error-feedback residual across steps; Horovod's generated names
-        # (no name given) change every call, so those go stateless
-        named = not any(h.name.startswith("ina.noname.") for h in group)
-        key = (h0.name, len(group), group[-1].name) if named else None
-        self.client.allreduce(buf, codec=self.config.codec, average=h0.op == self.M.Average, key=key)
-        if h0.postscale != 1.0:
-            buf.mul_(h0.postscale)
-        if copied:
-            off = 0
-            for t, o in pairs:
-                n = t.numel()
-                o.copy_(buf[off:off + n].reshape(o.shape))
-                off += n
+        fusion.allreduce_buffer(self.client, self.config.codec, group, average=group[0].op == self.M.Average)
         for h in group:
             h.done = True
             self.fallbacks.offloaded(len(h.tensors), sum(t.numel() for t in h.tensors))
@@ -495,6 +476,51 @@ class _HorovodIna:
             return handle.done or handle.error is not None or handle.consumed
         return self.orig["poll"](handle)
 
+    def join(self, device=-1) -> int:
+        """``hvd.join()``: this rank's allreduces finish first; then Horovod's join runs (in a thread: the other
+        ranks' allreduces get zeros from this rank there) while this rank takes part in the other ranks'
+        agreement rounds as absent (their batches then go to Horovod's allreduce), until a round shows every
+        rank absent: all have joined."""
+        if self.channel is None:
+            return self.orig["join"](device)
+        self.drain()
+        out: dict = {}
+
+        def native():
+            try:
+                out["last"] = self.orig["join"](device)
+            except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+                out["error"] = e
+        t = threading.Thread(target=native, name="ina-horovod-join", daemon=True)
+        t.start()
+        while True:
+            with self.lock:
+                started = self.channel.start(agreement.joined_vector())
+            # a round waits for the other ranks' next bucket: up to a step of theirs, within Gloo's bound
+            if agreement.read(self._round_result_within(started, 3 * self.config.timeout)).present == 0:
+                break
+        t.join(self.config.timeout)
+        if t.is_alive():
+            raise self.M.HorovodInternalError(f"INA backend: Horovod's join did not return within "
+                                              f"{self.config.timeout:g} s (INA_TIMEOUT) after every rank joined")
+        if "error" in out:
+            raise out["error"]
+        return out["last"]
+
+    def drain(self) -> None:
+        """Seal what is queued and wait until the worker has run all of it (bounded)."""
+        deadline = time.monotonic() + 2 * self.config.timeout
+        with self.lock:
+            while self.active:
+                if self.open:
+                    self._seal()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self.M.HorovodInternalError(
+                        f"INA backend: join: the allreduces queued here did not complete within "
+                        f"{2 * self.config.timeout:g} s (2 x INA_TIMEOUT): " + ", ".join(list(self.active)[:10]))
+                self.cond.wait(min(left, 1.0))
+
     def init(self, *args, **kwargs):
         out = self.orig["init"](*args, **kwargs)
         self.connect()
@@ -513,6 +539,9 @@ class _HorovodIna:
         d["agreement_rounds"] = self.rounds
         d["seconds"] = dict(self.seconds)
         d["client"] = self.client.stats.as_dict() if self.client is not None else None
+        # the keys holding an error-feedback residual (codecs that keep one: a fused tensor's name and position)
+        d["residual_keys"] = [str(k) for k in self.client.codec(self.config.codec).residual_keys()] \
+            if self.client is not None else []
         return d
 
 
@@ -542,7 +571,8 @@ def install(config: InaConfig | None = None) -> bool:
     M._allreduce_async = st.allreduce_async
     M._grouped_allreduce_async = st.grouped_allreduce_async
     replace = {"synchronize": (st.orig["synchronize"], st.synchronize), "poll": (st.orig["poll"], st.poll),
-               "init": (st.orig["init"], st.init), "shutdown": (st.orig["shutdown"], st.shutdown)}
+               "init": (st.orig["init"], st.init), "shutdown": (st.orig["shutdown"], st.shutdown),
+               "join": (st.orig["join"], st.join)}
     for modname in _PATCHED_MODULES:
         mod = sys.modules.get(modname)
         if mod is None:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ina import compression, staging
 
 from . import agreement
-from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
+from .common import FallbackLog, InaConfig, log, new_job_id, per_parameter, tensors_not_offloadable
 
 BACKEND_NAME = "ina"
 _BT = dist.ProcessGroup.BackendType
@@ -203,11 +203,6 @@ def _agree_job_via_store(store, rank: int, config: InaConfig) -> int:
 #   address would then hand one tensor's residual to another (a biased sum) or grow without bound, silently;
 #   so the group keys nothing, and says so once per codec.
 _NO_FEEDBACK_WARNED: set[str] = set()
-
-
-def per_parameter(codec: str) -> bool:
-    """True if the DDP comm hook sends each parameter of a bucket as its own keyed allreduce."""
-    return compression.get(codec).keeps_residuals
 
 
 def warn_if_error_feedback_off(codec: str, rank: int) -> bool:

@@ -12,6 +12,7 @@ import time
 
 COALESCE_TARGET = 16      # results per receive burst that receive coalescing aims at
 COALESCE_SPACING = 2e-4   # ... when results arrive further apart than this (a 8 kB packet at 330 Mbit/s)
+FIRST_SAMPLES = 4         # the estimate starts as the least of this many samples (no pause before)
 
 
 class ArrivalSpacing:
@@ -20,6 +21,7 @@ class ArrivalSpacing:
     def __init__(self):
         self.last_rx: float | None = None
         self.per_pkt = 0.0
+        self.samples = 0
 
     def idle(self) -> None:
         """An idle gap (peers, a loss) follows: it says nothing about the link."""
@@ -30,11 +32,16 @@ class ArrivalSpacing:
         with a resent chunk's result (``recovered``: the wait for a loss's recovery), nor one more than
         twice the estimate (an idle gap: a peer recovering a loss of its own stalls the job's stream alike,
         or the process was not scheduled). Such gaps lifted the estimate above COALESCE_SPACING on
-        loopback, and every rank then paused for receive coalescing after each loss, the job with it."""
+        loopback, and every rank then paused for receive coalescing after each loss, the job with it.
+        Without an estimate there is nothing to tell such a gap by, so the estimate starts as the least
+        of the first FIRST_SAMPLES samples (an idle time only ever lengthens a gap): a stream whose first
+        gap was a pause of the process (10-40 ms on a loaded machine) paused for coalescing for up to
+        4 ms a turn, on loopback."""
         if self.last_rx is not None and not recovered:
             gap = (now - self.last_rx) / k
-            if not self.per_pkt:
-                self.per_pkt = gap
+            if self.samples < FIRST_SAMPLES:
+                self.per_pkt = min(self.per_pkt, gap) if self.samples else gap
+                self.samples += 1
             elif gap <= 2 * self.per_pkt:
                 self.per_pkt = 0.8 * self.per_pkt + 0.2 * gap
         self.last_rx = now
@@ -42,7 +49,7 @@ class ArrivalSpacing:
     def pause(self, k: int, in_flight: int, longest: float) -> float:
         """After a receive burst of ``k`` results with ``in_flight`` chunks out: sleep to let a few more
         arrive (at most ``longest`` seconds; 0: off) when the link trickles. Returns the pause."""
-        per_pkt = self.per_pkt
+        per_pkt = self.per_pkt if self.samples >= FIRST_SAMPLES else 0.0
         if k < COALESCE_TARGET and in_flight > 2 * COALESCE_TARGET and per_pkt > COALESCE_SPACING:
             pause = min(longest, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)
             if pause > 5e-5:

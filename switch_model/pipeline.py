@@ -9,7 +9,8 @@ A packet's life, one burst at a time, run to completion in a poll loop (DPDK sty
     harvest    completed slots: result packet into the slot's shadow-copy row; plan multicast
     tx         egress impairments, then sendmmsg: multicast results, unicast replays
 
-``Switch.poll_once`` is exactly that list. The data-plane kernels are in dataplane.py.
+``Switch.poll_once`` is exactly that list. The data-plane kernels are in dataplane.py (rx, parse), alu.py
+(aggregate) and harvest.py (harvest).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 from ina import burst as B
 from ina.wire import MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, max_packet_size, pack
 
-from . import dataplane as D
+from . import alu, dataplane as D, harvest
 from .impair import Impairment, ImpairmentConfig
 
 log = logging.getLogger("ina.switch")
@@ -305,9 +306,10 @@ class Switch:
 
     def _send(self, buf, rows, lens, addr) -> None:
         if len(rows):
-            self.txq.send(buf, rows, lens, self.addrs, addr)
+            txq, b0 = self.txq, self.txq.sent_bytes         # TxBatch sums the entries' lengths as it fills them
+            txq.send(buf, rows, lens, self.addrs, addr)
             self.counters[C_TX_PACKETS] += len(rows)
-            self.counters[C_TX_BYTES] += int(np.sum(lens))
+            self.counters[C_TX_BYTES] += txq.sent_bytes - b0
 
     # ------------------------------------------------------------------------------------------
     # service loop, control plane hooks
@@ -554,8 +556,8 @@ class Switch:
         buffer types (dataplane.bind); then run each on an empty burst."""
         st, buf, lens = self.state, self.rx.buf, self.rx.lens
         self._parse = D.bind(D.parse, st, buf, lens, 0)
-        self._aggregate = D.bind(D.aggregate, st, buf, 0)
-        self._harvest = D.bind(D.harvest, st, 0)
+        self._aggregate = D.bind(alu.aggregate, st, buf, 0)
+        self._harvest = D.bind(harvest.harvest, st, 0)
         self._rx_account = D.bind(D.rx_account, st, self._rx_src, lens, 0, 0)
         self.stage_parse(buf, lens, 0)
         self.stage_aggregate(buf, 0)

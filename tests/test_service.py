@@ -18,7 +18,7 @@ from sw_fuzz import header  # noqa: E402
 from sw_harness import SwitchProc, bfp_reference, join_all  # noqa: E402
 
 from ina.wire import HEADER_SIZE, chunk_modulus, chunk_newer, slot_of_chunk  # noqa: E402
-from switch_model.dataplane import nc_reencode_one  # noqa: E402
+from switch_model.harvest import nc_reencode_one  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -114,10 +114,10 @@ def float_instructions(ir: str) -> list[str]:
 IR_DUMP = r"""
 import json, sys
 from switch_model.pipeline import Switch, SwitchConfig
-from switch_model import dataplane as D
+from switch_model import alu, dataplane as D, harvest
 Switch(SwitchConfig(host="127.0.0.1", port=0, slots=4, elements=16))   # warm-up: compiles the kernels
 print(json.dumps({k.__name__: {str(s): k.inspect_llvm(s) for s in k.signatures}
-                  for k in (D.rx_account, D.parse, D.aggregate, D.harvest)}))
+                  for k in (D.rx_account, D.parse, alu.aggregate, harvest.harvest)}))
 """
 
 
