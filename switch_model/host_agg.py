@@ -326,6 +326,9 @@ def _process_main(conn, host: str, port: int, fallback: bool, seed: int, stats_i
         else:
             conn.send(("err", f"unknown request {msg!r} (stats, or None to stop)"))
     agg.stop()
+    conn.close()
+    from .cli import end_process
+    end_process(0)
 
 
 class HostAggregatorProcess:

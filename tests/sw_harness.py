@@ -144,7 +144,7 @@ class SwitchProc(SwitchService):
                           timeout=ready_timeout)
         super().__init__(sw.proc, sw.port, sw.control_host, sw.log_path, own_log=False)
 
-    def terminate(self, timeout: float = 15.0) -> int:
+    def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM; its exit code. Fails the test if it had to be killed after ``timeout`` seconds."""
         rc = self.stop(timeout)
         if self.killed:
