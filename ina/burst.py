@@ -45,6 +45,8 @@ UDP_GRO = 104                 # setsockopt / cmsg: receive coalesced datagrams (
 GSO_MAX_SEGMENTS = 64         # UDP_MAX_SEGMENTS of Linux before 6.x (later kernels allow 128)
 GSO_MAX_BYTES = 65507         # one IPv4 datagram's payload: the most a GSO message may carry
 GRO_LANDING = 16              # coalesced messages a receive takes at most (64 kB each)
+GRO_MAX_MESSAGE = 1 << 16     # the longest message GRO hands over (rows this long are received into directly)
+DIRECT_AFTER = 4              # receives without a coalesced message before the ring receives into its rows again
 
 # struct iovec { void *base; size_t len; }
 IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
@@ -138,6 +140,14 @@ class RxRing:
     this burst's rows come first in the next). ``gro_refused``: why the
     kernel refused it (then every message is one datagram, received straight into the rows).
     ``messages`` counts what the kernel handed over, ``packets`` the rows.
+
+    Rows of at least 64 kB hold any coalesced message whole, so while the kernel coalesces nothing
+    (datagrams too large to share a GSO message, or links that cut super-frames) the ring receives
+    straight into its rows, a burst per call, with no landing copy (``direct``); a coalesced message
+    found there is cut in place, its segments moved to the rows after it (what does not fit the burst
+    goes to the landing buffers, first in the next call). After a receive that found a coalesced
+    message the ring lands messages again, and it goes back to receiving straight into the rows after
+    ``DIRECT_AFTER`` receives in a row that found none. ``direct_receives`` counts those receives.
     """
 
     def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048, gro: bool | None = None):
@@ -155,17 +165,29 @@ class RxRing:
             gro = os.environ.get("INA_GRO", "1") != "0"
         self.gro_refused = gro_enable(sock) if gro else None
         self.gro = bool(gro) and self.gro_refused is None
+        self.direct_receives = 0
+        self._direct_ok = self._direct = False
         if self.gro:
-            m = min(burst, GRO_LANDING)
-            self._land = np.zeros((m, 1 << 16), np.uint8)      # a whole UDP datagram's payload
-            self._land_src = np.zeros(m, SOCKADDR_IN)
-            self._land_ctl = np.zeros((m, 64), np.uint8)
-            self._land_iov, self._land_msg, self._land_msg64 = _msghdrs(self._land, self._land_src, self._land_ctl)
-            self._land_msgp = _ptr(self._land_msg)
-            self._land_src8 = self._land_src.view(np.uint8).reshape(m, SOCKADDR_IN.itemsize)
+            self._landing(min(burst, GRO_LANDING))
             self._src8 = self.src.view(np.uint8).reshape(burst, SOCKADDR_IN.itemsize)
             self._land_state = np.zeros(3, np.int64)        # landed messages, next message, next byte in it
+            self._direct_ok = self._direct = stride >= GRO_MAX_MESSAGE
+            self._calm = 0                                  # receives in a row that found no coalesced message
+            if self._direct_ok:                             # the rows' own msghdrs, with a cmsg buffer each
+                self._ctl = np.zeros((burst, 64), np.uint8)
+                self._segs = np.zeros(burst, np.int64)
+                self._dir_iov, self._dir_msg, self._dir_msg64 = _msghdrs(self.buf, self.src, self._ctl)
+                self._dir_msgp = _ptr(self._dir_msg)
         self._warm_up()
+
+    def _landing(self, m: int) -> None:
+        """``m`` landing buffers of a whole UDP datagram's payload (64 kB), their sources and cmsgs."""
+        self._land = np.zeros((m, GRO_MAX_MESSAGE), np.uint8)
+        self._land_src = np.zeros(m, SOCKADDR_IN)
+        self._land_ctl = np.zeros((m, 64), np.uint8)
+        self._land_iov, self._land_msg, self._land_msg64 = _msghdrs(self._land, self._land_src, self._land_ctl)
+        self._land_msgp = _ptr(self._land_msg)
+        self._land_src8 = self._land_src.view(np.uint8).reshape(m, SOCKADDR_IN.itemsize)
 
     def _warm_up(self) -> None:
         """Load (or compile) the receive kernels now, on an empty burst, not in the first real one."""
@@ -173,6 +195,10 @@ class RxRing:
         if self.gro:
             _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state, self.buf,
                           self.lens, self._src8, 0)
+        if self._direct_ok:
+            _direct_fit(self._dir_msg64, self._ctl, 0, self.stride, self.lens, self._segs)
+            _cut_in_place(self.buf, self._segs, self._src8, 0, 0, self.lens, self._land, self._land_msg64,
+                          self._land_ctl, self._land_src8, self._land_state)
 
     def recv(self, wait: bool = True) -> int:
         """Receive up to a burst. With ``wait`` block until one packet or the socket's timeout.
@@ -182,6 +208,9 @@ class RxRing:
         0 on timeout.
         """
         if self.gro:
+            st = self._land_state
+            if self._direct and st[1] >= st[0]:
+                return self._recv_direct(wait)
             return self._recv_gro(wait)
         n = _recvmmsg(self.fd, self._msgp, self.burst, MSG_WAITFORONE if wait else MSG_DONTWAIT, None)
         if n < 0:
@@ -195,6 +224,7 @@ class RxRing:
         """As :meth:`recv`: rows are filled from landed messages, receiving more until the rows are full
         or the socket is empty (so that fewer rows than a burst still means an emptied socket)."""
         st, m = self._land_state, self._land.shape[0]
+        messages0 = self.messages - (st[0] - st[1])         # the landed messages not cut yet count as this call's
         n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
                           self._src8, 0)
         first = True
@@ -213,7 +243,33 @@ class RxRing:
             if got < m:                                  # the socket had no more
                 break
         self.packets += n
+        if self._direct_ok and n:                        # every message one datagram: calm
+            coalesced = n > self.messages - messages0 or st[1] < st[0]
+            self._calm = 0 if coalesced else self._calm + 1
+            self._direct = self._calm >= DIRECT_AFTER
         return n
+
+    def _recv_direct(self, wait: bool) -> int:
+        """As :meth:`recv`, straight into the rows (each may hold a coalesced message: it is cut in place)."""
+        n = _recvmmsg(self.fd, self._dir_msgp, self.burst, MSG_WAITFORONE if wait else MSG_DONTWAIT, None)
+        if n < 0:
+            return self._recv_error()
+        self.messages += n
+        self.direct_receives += 1
+        fit, rows = _direct_fit(self._dir_msg64, self._ctl, n, self.stride, self.lens, self._segs)
+        if rows > n or fit < n:                          # a coalesced message: cut it, land what does not fit
+            if n - fit > self._land.shape[0]:
+                log.info("more coalesced messages than landing buffers (%d > %d): more buffers",
+                         n - fit, self._land.shape[0])
+                self._landing(n - fit)
+            rows = _cut_in_place(self.buf, self._segs, self._src8, n, fit, self.lens, self._land, self._land_msg64,
+                                 self._land_ctl, self._land_src8, self._land_state)
+            if fit < n:                                  # the rows left take the first landed datagrams
+                rows = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state,
+                                     self.buf, self.lens, self._src8, rows)
+            self._direct, self._calm = False, 0
+        self.packets += rows
+        return rows
 
     def _recv_error(self) -> int:
         e = ctypes.get_errno()
@@ -294,6 +350,80 @@ def _cut_segments(land, msg, ctl, land_src, st, buf, lens, src, n):
         st[1] += 1
         st[2] = 0
     return n
+
+
+@njit(cache=True)
+def _datagrams(length, seg):
+    """How many datagrams a message of ``length`` bytes cut at ``seg`` bytes holds (an empty one: 1)."""
+    if seg <= 0 or length <= seg:
+        return 1
+    return (length + seg - 1) // seg
+
+
+@njit(cache=True)
+def _direct_fit(msg, ctl, n, stride, lens, segs):
+    """After a receive of ``n`` messages straight into the rows: (messages whose datagrams fit the
+    rows, rows they fill). Without a coalesced message that is (n, n), and ``lens`` holds the lengths
+    (``stride + 1``: truncated). ``segs``: each message's segment size. Every msghdr is made ready for
+    the next receive."""
+    rows = 0
+    fit = n
+    for i in range(n):
+        length = np.int64(msg[i, 7] & np.uint64(0xFFFFFFFF))
+        truncated = (msg[i, 6] & np.uint64(0x20)) != 0          # msg_flags & MSG_TRUNC
+        lens[i] = stride + 1 if truncated else length
+        segs[i] = stride + 1 if truncated else _segment_size(ctl[i], np.int64(msg[i, 5]), length)
+        k = _datagrams(lens[i], segs[i])
+        if fit == n and rows + k > lens.size:
+            fit = i
+        if fit == n:
+            rows += k
+        msg[i, 1] = 16                                          # namelen
+        msg[i, 5] = ctl.shape[1]                                # controllen
+        msg[i, 6] = 0
+    return fit, rows
+
+
+@njit(cache=True)
+def _cut_in_place(buf, segs, src, n, fit, lens, land, land_msg, land_ctl, land_src, st):
+    """Cut the ``n`` messages received into rows 0.. (lengths ``lens``, segment sizes ``segs``) into
+    their datagrams, one row each. Messages ``fit``.. (whose datagrams do not fit the rows) are copied
+    to the landing buffers first, each with a UDP_GRO cmsg naming its segment size (``st``: the landing
+    state; the next receive cuts them first); then messages ``fit - 1`` down to 0 are spread over the
+    rows from the last one back: a message's datagrams go to rows at or after its own, which no
+    message still to be cut occupies. Returns the rows filled."""
+    stride = buf.shape[1]
+    for i in range(fit, n):                                     # what does not fit: landed whole
+        q = i - fit
+        length = min(lens[i], stride, land.shape[1])
+        _copy_bytes(land, q * land.shape[1], buf, i * stride, length)
+        land_msg[q, 7] = np.uint64(length)
+        land_msg[q, 5] = np.uint64(24)                          # CMSG_SPACE(4)
+        land_ctl[q, :] = 0
+        land_ctl[q, 0] = 20                                     # CMSG_LEN(4)
+        land_ctl[q, 8] = 17                                     # SOL_UDP
+        land_ctl[q, 12] = 104                                   # UDP_GRO
+        seg = min(segs[i], length) if length else 1
+        for b in range(4):
+            land_ctl[q, 16 + b] = (seg >> (8 * b)) & 0xFF
+        land_src[q, :] = src[i, :]
+    if n > fit:
+        st[0], st[1], st[2] = n - fit, 0, 0
+    pos = 0
+    for i in range(fit):
+        pos += _datagrams(lens[i], segs[i])
+    rows = pos
+    for i in range(fit - 1, -1, -1):
+        length, seg = lens[i], segs[i]
+        k = _datagrams(length, seg)
+        pos -= k
+        for s in range(k - 1, -1, -1):
+            size = min(seg, length - s * seg) if length else 0
+            if pos + s != i:
+                _copy_bytes(buf, (pos + s) * stride, buf, i * stride + s * seg, min(size, stride))
+                src[pos + s, :] = src[i, :]
+            lens[pos + s] = size
+    return rows
 
 
 def gso_supported(sock: socket.socket) -> bool:

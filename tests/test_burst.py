@@ -195,6 +195,48 @@ def test_gro_rows_equal_per_datagram_receive(burst):
 
 
 @gro_only
+@pytest.mark.parametrize("burst", [5, 64])
+def test_gro_into_rows_of_64k_equals_per_datagram_receive(burst):
+    """Rows of 64 kB are received into straight (no landing copy) while nothing is coalesced. The
+    same datagrams and order as a ring without GRO, whatever the mix: first single datagrams, then GSO
+    messages (cut in place, or landed when they do not fit the burst's rows), then single datagrams
+    again, after which the ring receives straight into its rows again."""
+    big = B.GRO_MAX_MESSAGE
+    sender = B.udp_socket("127.0.0.1", 0)
+    rx = {gro: B.udp_socket("127.0.0.1", 0) for gro in (True, False)}
+    rings = {gro: B.RxRing(s, burst=burst, stride=big, gro=gro) for gro, s in rx.items()}
+    assert rings[True].gro and rings[True].direct_receives == 0
+    buf = _packets(48, 1500, seed=6)
+    lens = np.array([1500] * 6 + [1000] * 9 + [333] + [1400] * 20 + [7, 0] + [1200] * 12)
+    phases = [(slice(0, 6), False), (slice(6, 38), True), (slice(38, 48), False)]   # (rows, GSO)
+    got = {True: [], False: []}
+    for rows, gso in phases:
+        direct_before = rings[True].direct_receives
+        for gro, s in rx.items():
+            B.set_recv_timeout(s, 2.0)
+            addr = B.sockaddr("127.0.0.1", s.getsockname()[1])
+            r = np.arange(48)[rows]
+            if gso:
+                B.TxBatch(sender, capacity=64, gso=True).send(buf, r, lens[rows], addr, 0)
+            else:          # one datagram a message, a few receives apart: the ring calms down
+                for i in r:
+                    sender.sendto(buf[i, : lens[i]].tobytes(), ("127.0.0.1", s.getsockname()[1]))
+                    got[gro] += _rows_of(rings[gro], 1)
+            if gso:
+                got[gro] += _rows_of(rings[gro], r.size)
+        if gso:
+            assert rings[True].direct_receives - direct_before == 1     # then it lands messages again
+    want = [buf[r, : lens[r]].tobytes() for r in range(48)]
+    for gro in (True, False):
+        assert [b for b, _ in got[gro]] == want
+        assert {p for _, p in got[gro]} == {sender.getsockname()[1]}
+    ring = rings[True]
+    assert ring.packets == 48 and ring.messages < 48                   # the kernel coalesced
+    # single datagrams straight into rows: all of the first phase, and the last phase's once calm again
+    assert ring.direct_receives >= 6 + 1 + (10 - B.DIRECT_AFTER)
+
+
+@gro_only
 def test_gro_marks_a_datagram_longer_than_a_row_truncated():
     """As without GRO: a datagram longer than the ring's rows reads as stride + 1 bytes (the caller's
     sign of truncation); its neighbours in the same coalesced message are intact."""
