@@ -308,7 +308,7 @@ def _segment_size(ctl, controllen, length):
 
 
 @intrinsic
-def _copy_bytes(typingctx, dst, dst_at, src, src_at, count):
+def copy_bytes(typingctx, dst, dst_at, src, src_at, count):
     """memcpy of ``count`` bytes from flat byte ``src_at`` of C-contiguous uint8 array ``src`` to
     ``dst_at`` of ``dst`` (numba's slice assignment is an element loop; this is LLVM's memcpy)."""
     def codegen(context, builder, signature, args):
@@ -334,7 +334,7 @@ def _cut_segments(land, msg, ctl, land_src, st, buf, lens, src, n):
         while n < buf.shape[0]:
             size = min(seg, length - off)
             take = min(size, stride)
-            _copy_bytes(buf, n * stride, land, q * land.shape[1] + off, take)
+            copy_bytes(buf, n * stride, land, q * land.shape[1] + off, take)
             lens[n] = size if size <= stride else stride + 1
             src[n, :] = land_src[q, :]
             off += size
@@ -396,7 +396,7 @@ def _cut_in_place(buf, segs, src, n, fit, lens, land, land_msg, land_ctl, land_s
     for i in range(fit, n):                                     # what does not fit: landed whole
         q = i - fit
         length = min(lens[i], stride, land.shape[1])
-        _copy_bytes(land, q * land.shape[1], buf, i * stride, length)
+        copy_bytes(land, q * land.shape[1], buf, i * stride, length)
         land_msg[q, 7] = np.uint64(length)
         land_msg[q, 5] = np.uint64(24)                          # CMSG_SPACE(4)
         land_ctl[q, :] = 0
@@ -420,7 +420,7 @@ def _cut_in_place(buf, segs, src, n, fit, lens, land, land_msg, land_ctl, land_s
         for s in range(k - 1, -1, -1):
             size = min(seg, length - s * seg) if length else 0
             if pos + s != i:
-                _copy_bytes(buf, (pos + s) * stride, buf, i * stride + s * seg, min(size, stride))
+                copy_bytes(buf, (pos + s) * stride, buf, i * stride + s * seg, min(size, stride))
                 src[pos + s, :] = src[i, :]
             lens[pos + s] = size
     return rows

@@ -313,3 +313,40 @@ def test_gro_receive_fills_the_burst_from_more_messages_than_it_lands_at_once():
     assert B.GRO_LANDING < 64
     assert ring.recv(wait=True) == 64 and ring.recv(wait=False) == 36
     assert [int(b) for b in ring.buf[:36, 0]] == list(range(64, 100))
+
+
+# ------------------------------------------------------------------------------------------------
+# the client's compiled per-burst steps
+# ------------------------------------------------------------------------------------------------
+def test_copy_rows_puts_each_code_row_after_the_header_of_its_ring_row():
+    """Codes go into the payload of the named ring rows only: headers and other rows untouched."""
+    from ina import stream_kernels as SK
+    from ina.wire import HEADER_SIZE, PayloadType, payload_view
+    rng = np.random.default_rng(8)
+    ring = rng.integers(0, 256, (10, HEADER_SIZE + 64 + 4), dtype=np.uint8)     # a trailer after the payload
+    before = ring.copy()
+    codes = rng.integers(0, 256, (6, 64), dtype=np.uint8)
+    rows, src = np.array([7, 2, 9]), np.array([5, 0, 3])
+    SK.copy_rows(ring, rows, HEADER_SIZE, codes, src)
+    assert np.array_equal(payload_view(ring, PayloadType.NC8, 64)[rows], codes[src])
+    assert np.array_equal(ring[:, :HEADER_SIZE], before[:, :HEADER_SIZE])
+    assert np.array_equal(ring[:, HEADER_SIZE + 64:], before[:, HEADER_SIZE + 64:])
+    others = np.setdiff1d(np.arange(10), rows)
+    assert np.array_equal(ring[others], before[others])
+
+
+@pytest.mark.parametrize("tries", [[0, 0, 0, 0, 0], [0, 1, 0, 0, 2], [0, 1, 0, 0, 0], [3, 1, 2, 1, 1]])
+def test_round_trips_follow_karns_rule(tries):
+    """Round-trip samples come only from chunks never resent: count, fastest and median (the mean of
+    the middle two when even) of those, and whether the burst held a resent chunk."""
+    from ina import stream_kernels as SK
+    sent_at = np.array([0.5, 0.1, 0.7, 0.3, 0.2, 0.9])
+    tries_all = np.zeros(6, np.int64)
+    jj = np.array([4, 1, 0, 3, 2])
+    tries_all[jj] = tries
+    m, fastest, median, resent = SK.round_trips(jj, tries_all, sent_at, 1.0, np.zeros(8))
+    first = jj[tries_all[jj] == 0]
+    assert m == first.size and resent == bool(tries_all[jj].any())
+    if m:
+        rtts = np.sort(1.0 - sent_at[first])
+        assert fastest == rtts[0] and median == np.median(rtts)
