@@ -12,11 +12,13 @@ allreduces go through the switch, its broadcasts and everything else through an 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
 
 import torch
+import torch._dynamo  # noqa: F401 - before init_process_group: see the end of main()
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -100,6 +102,13 @@ def main() -> int:
     dist.barrier()
     if hook_state is not None:
         hook_state.close()
+    # destroy_process_group joins Gloo's worker threads only when it drops the last reference to the group;
+    # one left running can drop a finished collective while the interpreter finalizes, and the process
+    # aborts (SIGABRT). The DDP model (its reducer) and the hook's state hold the group, and torch.distributed
+    # modules imported after init_process_group bind it as an argument default (DDP's constructor imports
+    # many through torch._dynamo: imported above, first).
+    del model, hook_state, opt
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

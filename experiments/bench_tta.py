@@ -65,6 +65,7 @@ def setup(framework: str, backend: str, model):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
         return hvd.rank(), model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    import torch._dynamo  # noqa: F401, PLC0415 - before init_process_group: see finish()
     import torch.distributed as dist  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
@@ -79,12 +80,20 @@ def setup(framework: str, backend: str, model):
 
 
 def finish(framework: str) -> None:
+    """The end of a rank; DDP: the caller has dropped its model first. destroy_process_group joins Gloo's
+    worker threads only when it drops the last reference to the group; one left running can drop a finished
+    collective while the interpreter finalizes, and the process aborts (SIGABRT). The DDP model (its reducer,
+    the hook's state) holds the group, and torch.distributed modules imported after init_process_group bind it
+    as an argument default: DDP's constructor imports many through torch._dynamo, so setup() imports it first."""
     if framework == "horovod":
         import horovod.torch as hvd  # noqa: PLC0415
         hvd.shutdown()
         return
+    import gc  # noqa: PLC0415
+
     import torch.distributed as dist  # noqa: PLC0415
     dist.barrier()      # no rank closes its Gloo pairs while another still talks to it
+    gc.collect()        # the dropped model's reference cycles
     dist.destroy_process_group()
 
 
@@ -131,6 +140,7 @@ def worker(a) -> None:
     train_s = time.perf_counter() - t0
     checksum = float(sum(float(p.detach().double().sum()) for p in module.parameters()))
     ina = ina_stats(a.framework, a.backend, model, windows[len(windows) // 5:])
+    del model, opt, sched           # the DDP model holds the process group (see finish)
     finish(a.framework)
     if rank != 0:
         return

@@ -174,18 +174,27 @@ class WorkerGroup:
                                        f"{what}; see worker-n{self.n}-r{r}.log")
         return [got[r] for r in range(self.n)]
 
-    def close(self) -> None:
+    def close(self, grace: float = 15.0) -> None:
+        """Ask every worker to quit; kill those still running after ``grace`` seconds (one deadline for all:
+        a worker inside an allreduce, e.g. after Ctrl-C, reads no quit until its timeout, x K when dilated).
+        The kill runs whatever interrupts the wait (a second Ctrl-C included)."""
         for p in self.procs:
             try:
                 p.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 p.stdin.flush()
             except (BrokenPipeError, OSError):
                 pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        deadline = time.monotonic() + grace
+        try:
+            for p in self.procs:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("sweep workers still running %g s after quit: killing them", grace)
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in self.procs:
                 p.wait(timeout=5)
 
 

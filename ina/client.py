@@ -61,6 +61,9 @@ class ClientStats(WorkerStats):
     fast_retransmissions: int = 0     # resent because results of later chunks arrived first
     probe_retransmissions: int = 0    # resent after a silence of the probe timeout (tail losses)
     timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
+    fast_replayed: int = 0            # resends by each rule that the switch answered with a replay (the round
+    probe_replayed: int = 0           # had completed: a result lost on the way back was recovered); the others
+    timeout_replayed: int = 0         # waited for this rank's lost data packet or a peer's (ina.recovery)
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
     coalesce_pause_s: float = 0.0     # time spent pausing for receive coalescing (a slow link's trickle)
     stale_results: int = 0
@@ -534,7 +537,9 @@ class _Transfer:
             else:         # straight from the receive ring into the output
                 self.decode(jj, payload_view(buf, self.result_type, E), idx)
         ld = self.ld
-        samples, fastest, median, _ = self.rtts
+        if replayed.any():                        # resends the switch answered with a replay, by rule
+            ld.count_replayed(jj[replayed], self.cl.stats)
+        samples, fastest, median, _ = self.rtts   # Karn: no samples from retransmitted chunks
         if samples:
             # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
             # is at most that long (so the tail probe has a bound from the first allreduce on)
@@ -580,7 +585,7 @@ class _Transfer:
             rows = lost % self.R
             self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
             self.send_rows(rows)
-            self.ld.resent(lost, now, probed=probe.size > 0)
+            self.ld.resent(lost, now, probed=probe.size > 0, rules=(fast, probe, late))
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size

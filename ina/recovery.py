@@ -35,9 +35,14 @@ Four rules, in the order a lost chunk meets them:
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
    for as long (TCP restarts its retransmission timer with every acknowledgement).
 
-The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart.
-A waiting peer (a rank that has not sent its packet yet) looks like a loss to rule 3; the resend is
-then only read by the switch, and the backoff keeps such resends to a handful per silence.
+The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart,
+and per rule the resends the switch answered with a replay (``LossDetector.rule`` keeps the rule of a
+chunk's last resend): the round had completed, so the resend recovered a result lost on the way back.
+The other resends waited for a packet that had not reached the switch: this rank's own lost data
+packet, or a peer's packet not sent yet. A waiting peer looks like a loss to rules 1 to 3: a rank
+that lost a result sends the chunk it frees late, and the last chunk of its stream (or its next
+negotiation packet) later still, after its own tail probe, so its peers see the same silence and
+probe too; the switch only reads such a resend, and the backoff keeps them to a handful per silence.
 :meth:`LossDetector.next_deadline` says when the next rule could fire, so that the client's receive
 waits no longer than that (a probe timeout below the receive's usual wait would otherwise wait for it).
 """
@@ -47,6 +52,7 @@ import numpy as np
 
 DUPTHRESH = 3          # later results that mark a chunk lost (TCP's three duplicate ACKs)
 REO_FLOOR = 5e-4       # seconds a chunk may trail a later one before it counts as lost (reordering)
+FAST, PROBE, TIMEOUT = 1, 2, 3   # the rule of a chunk's last resend (LossDetector.rule; 0: never resent)
 
 
 class LossDetector:
@@ -58,6 +64,7 @@ class LossDetector:
         self.later = np.zeros(n, np.int64)         # results of chunks sent after it, since its last send
         self.tries = np.zeros(n, np.int64)         # resends so far (Karn: no RTT sample from these)
         self.witness = np.ones(n, bool)            # its result may count against chunks sent before it
+        self.rule = np.zeros(n, np.int64)          # the rule of its last resend: FAST, PROBE, TIMEOUT (0: none)
         self._next_seq = 1
         self.unsent = n                            # chunks never sent yet
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
@@ -165,10 +172,22 @@ class LossDetector:
         outstanding = len(pending) + int(later[np.argmin(self.seq[pending])])
         return max(1, min(DUPTHRESH, outstanding - 1))
 
-    def resent(self, chunks: np.ndarray, now: float, probed: bool = False) -> None:
-        """``chunks`` went out again at ``now``; ``probed``: one of them is a tail probe (rule 3)."""
+    def resent(self, chunks: np.ndarray, now: float, probed: bool = False, rules=None) -> None:
+        """``chunks`` went out again at ``now``; ``probed``: one of them is a tail probe (rule 3).
+        ``rules``: the (fast, probe, timed_out) chunks of :meth:`lost`, for :meth:`count_replayed`."""
         if probed:
             self.probes += 1
             self.probe_base = now
+        for rule, which in enumerate(rules or (), start=FAST):
+            self.rule[which] = rule
         self.tries[chunks] += 1
         self.sent(chunks, now, self.witness[chunks])
+
+    def count_replayed(self, chunks: np.ndarray, stats) -> None:
+        """Results of ``chunks`` came back as replays (the switch had completed their rounds): add the
+        resent ones to ``stats``' fast_replayed, probe_replayed, timeout_replayed by the rule of their
+        last resend (a first send's replay counts nowhere)."""
+        by_rule = np.bincount(self.rule[chunks], minlength=TIMEOUT + 1)
+        stats.fast_replayed += int(by_rule[FAST])
+        stats.probe_replayed += int(by_rule[PROBE])
+        stats.timeout_replayed += int(by_rule[TIMEOUT])

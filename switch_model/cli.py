@@ -238,6 +238,15 @@ def _serve(args) -> int:
     hagg = _host_aggregator(args, token)
     try:
         cfg, group, sw = _switch(args)
+
+        def on_signal(signum, frame):
+            logging.getLogger("ina.switch").info("signal %d: shutting down", signum)
+            sw.stop()
+
+        # before the control plane answers (a launcher stopping the switch as soon as it is ready must
+        # not meet the default action); a stop before serve_forever makes it return at once
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
         if hagg is not None:
             hagg.wait_ready()
     except (ValueError, OSError, RuntimeError) as e:
@@ -257,13 +266,6 @@ def _serve(args) -> int:
     logging.getLogger("ina.switch").info("control plane on tcp %s:%d; shared token %s", args.host, sw.port,
                                          "required for join and impair" if token else "off (loopback only)")
     cp.start()
-
-    def on_signal(signum, frame):
-        logging.getLogger("ina.switch").info("signal %d: shutting down", signum)
-        sw.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         sw.serve_forever()
     finally:

@@ -383,7 +383,9 @@ class HostAggregatorProcess:
             raise RuntimeError(val)
         return val
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the aggregator and wait (at most ``timeout`` s, then SIGTERM) for its process to end: it
+        logs its last line within a second, but ending a spawned interpreter takes seconds on a loaded machine."""
         with self._lock:
             try:
                 self._conn.send(None)

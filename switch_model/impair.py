@@ -4,16 +4,20 @@ One :class:`Impairment` per direction (ingress: workers -> switch, egress: switc
 Seeded, so a run with the same seed and the same traffic drops the same packets. When every
 probability and the delay are zero the stage is a pass-through and costs nothing.
 
-A burst is impaired as arrays, never packet by packet: one draw of three uniforms per packet from the
-direction's seeded generator decides loss, duplication and reordering for the whole burst, and a
-burst nothing happens to (no loss, no copy, nothing held back or due) is handed on untouched. Held
-packets (delay, reordering) wait in a pool of rows with their release times.
+A burst is impaired as arrays, never packet by packet: three uniforms per packet from the direction's
+seeded generator decide loss, duplication and reordering. They are drawn ahead in blocks of
+``DRAW_BLOCK`` packets, with a running count of the packets something happens to, so that a burst
+nothing happens to (no loss, no copy, nothing held back or due: nearly every burst at a low loss
+rate) costs a subtraction and is handed on untouched. Held packets (delay, reordering) wait in a pool
+of rows with their release times; only the bytes a packet has are copied.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+DRAW_BLOCK = 4096         # packets whose uniforms are drawn at once (the same stream as one draw per burst)
 
 
 @dataclass
@@ -62,7 +66,7 @@ class HeldPackets:
         if self.n + k > len(self.at):
             self._grow(self.n + k)
         s = slice(self.n, self.n + k)
-        w = min(buf.shape[1], self.buf.shape[1])
+        w = min(buf.shape[1], self.buf.shape[1], int(np.max(lens)))
         self.buf[s, :w] = buf[rows, :w]
         self.lens[s], self.tags[s], self.at[s] = lens, tags, at
         self.seq[s] = np.arange(self._next_seq, self._next_seq + k)
@@ -113,6 +117,19 @@ class Impairment:
     def set(self, config: ImpairmentConfig) -> None:
         self.config = config
         self._rng = np.random.default_rng(config.seed)
+        self._u = np.zeros((0, 3))            # the drawn uniforms not used yet, a row per packet
+        self._quiet = np.zeros(1, np.int64)   # _quiet[i]: packets among _u[:i] something happens to
+
+    def _draw(self, n: int) -> tuple[np.ndarray, bool]:
+        """The next ``n`` packets' uniforms, and whether something happens to one of them."""
+        if n > len(self._u):
+            cfg = self.config
+            u = np.concatenate([self._u, self._rng.random((max(DRAW_BLOCK, n), 3))])
+            touched = (u[:, 0] < cfg.loss) | (u[:, 1] < cfg.duplicate) | (u[:, 2] < cfg.reorder) | (cfg.delay_ms > 0)
+            self._u, self._quiet = u, np.concatenate([[0], np.cumsum(touched)])
+        u, touched = self._u[:n], self._quiet[n] != self._quiet[0]
+        self._u, self._quiet = self._u[n:], self._quiet[n:]
+        return u, bool(touched)
 
     @property
     def active(self) -> bool:
@@ -134,10 +151,13 @@ class Impairment:
         packets that are due first (in release order), then this burst's survivors in their order.
         When nothing happened to the burst and nothing is due, these are the arguments themselves."""
         cfg, n = self.config, len(rows)
-        go = np.arange(n)
         touched = False                               # a packet of the burst was dropped, copied or held
         if n and cfg.active:
-            u = self._rng.random((n, 3))
+            u, touched = self._draw(n)
+        if not (touched or self.held.n) and n <= limit:
+            return buf, rows, lens, tags                # nothing happens to this burst (the common case)
+        go = np.arange(n)
+        if touched:
             copies = (u[:, 0] >= cfg.loss).astype(np.int64) * (1 + (u[:, 1] < cfg.duplicate))
             self.dropped += int(np.count_nonzero(copies == 0))
             self.duplicated += int(np.count_nonzero(copies == 2))
@@ -171,7 +191,7 @@ class Impairment:
         if k > len(self.out_lens):
             self._grow(k)
         a = min(due.size, k)
-        w = min(buf.shape[1], self.out.shape[1])
+        w = min(buf.shape[1], self.out.shape[1], int(lens.max()) if lens.size else 0)
         self.out[:a] = hd.buf[due[:a]]
         self.out_lens[:a], self.out_tags[:a] = hd.lens[due[:a]], hd.tags[due[:a]]
         self.out[a:k, :w] = buf[rows, :w]

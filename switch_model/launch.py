@@ -109,7 +109,7 @@ class SwitchService:
     def running(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 15.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds; its exit code
         (0 after a clean shutdown, -9 if it had to be killed)."""
         if self.proc.poll() is None:

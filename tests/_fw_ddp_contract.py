@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ddp_exit  # before init_process_group
 from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook
 
 out_dir = sys.argv[1]
@@ -82,5 +83,7 @@ def hook():
 case("hook", hook)
 json.dump({"cases": cases, "stats": pg.stats()}, open(f"{out_dir}/contract{r}.json", "w"), indent=1, default=str)
 torch.save(tensors, f"{out_dir}/contract{r}.pt")
-dist.destroy_process_group()
+dist.barrier()
+del pg
+ddp_exit.end()
 print(f"rank {r} contract done", flush=True)

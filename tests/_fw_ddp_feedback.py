@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ddp_exit  # before init_process_group
 from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook
 
 out_dir, mode = sys.argv[1], sys.argv[2]
@@ -52,4 +53,5 @@ torch.save({"true": true, "steps": torch.stack(steps), "stats": stats, "keys": k
 if state:
     state.close()
 dist.barrier()
-dist.destroy_process_group()
+del model, state      # its reducer and the hook's state hold the groups
+ddp_exit.end()

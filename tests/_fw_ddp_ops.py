@@ -5,6 +5,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import ddp_exit  # before init_process_group
 import gloo_patch.torch_backend  # noqa: F401 - registers 'ina'
 
 out_dir = sys.argv[1]
@@ -55,5 +56,6 @@ outputs["reduce_scatter"] = t
 dist.barrier()
 stats = dist.group.WORLD.stats()
 torch.save({"inputs": inputs, "outputs": outputs, "stats": stats, "backend": dist.get_backend()}, f"{out_dir}/rank{r}.pt")
-dist.destroy_process_group()
+dist.barrier()
+ddp_exit.end()
 print(f"rank {r} ops done", flush=True)

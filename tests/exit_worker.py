@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sw_harness import make_input  # noqa: E402
 
-CLIENT = {"elements": 64, "slots": 8, "timeout": 10.0}      # the default retransmission timeouts
+CLIENT = {"elements": 64, "slots": 8, "timeout": 30.0}      # the default retransmission timeouts; a no-progress
+# timeout with room for a loaded machine (10 s: a rank not scheduled for 10 s made another time out)
 
 
 def op(i: int) -> dict:

@@ -216,11 +216,15 @@ class Workers:
         self.name = name or f"job{job}"
         self.procs = {}
         self.files = {}
-        for r in (range(n) if ranks is None else ranks):
+        launched = list(range(n) if ranks is None else ranks)
+        # the ranks join together once all have started (imports take seconds on a loaded machine: a rank
+        # started late must not use up the others' join timeout, which is also their allreduce timeout)
+        up = [str(self.tmp / f"{self.name}-rank{r}.up") for r in launched]
+        for r in launched:
             base = self.tmp / f"{self.name}-rank{r}"
             spec = {"port": port, "rank": r, "world_size": n, "job": job, "ops": ops,
                     "client": client or {}, "loop": loop, "stop_file": stop_file, "start_file": start_file, "warmup_ops": warmup_ops, "out": str(base) + ".npz",
-                    "meta": str(base) + ".json", "progress": str(base) + ".progress"}
+                    "meta": str(base) + ".json", "progress": str(base) + ".progress", "up": up}
             Path(str(base) + ".spec.json").write_text(json.dumps(spec))
             log = open(str(base) + ".log", "wb")
             self.files[r] = base

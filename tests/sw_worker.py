@@ -38,6 +38,15 @@ def to_f32(t) -> np.ndarray:
     return t.detach().float().numpy().copy()
 
 
+def wait_for_files(paths: list[str], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(Path(p).exists() for p in paths):
+        if time.monotonic() > deadline:
+            missing = [p for p in paths if not Path(p).exists()]
+            raise TimeoutError(f"{what}: {missing} did not appear within {timeout:g} s")
+        time.sleep(0.005)      # polling files, bounded by the deadline above
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     from ina.client import AllreduceError, Client
@@ -47,6 +56,9 @@ def main(spec_path: str) -> int:
     progress = open(spec["progress"], "a")
     client = None
     try:
+        if spec.get("up"):             # join together once every rank of the job has started (imported)
+            Path(spec["meta"].removesuffix(".json") + ".up").touch()
+            wait_for_files(spec["up"], 120, "the other ranks to start")
         client = Client(("127.0.0.1", spec["port"]), rank=spec["rank"], world_size=spec["world_size"],
                         job=spec["job"], **spec["client"])
         meta["joined_at"] = time.time()
@@ -55,11 +67,7 @@ def main(spec_path: str) -> int:
             import torch  # noqa: F401 - imported before the start line, not during the first allreduce
         if spec.get("start_file"):     # a start line shared with other jobs (bounded wait)
             Path(spec["meta"] + ".joined").touch()
-            deadline = time.monotonic() + 60
-            while not Path(spec["start_file"]).exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"start file {spec['start_file']} did not appear within 60 s")
-                time.sleep(0.005)      # polling a file, bounded by the deadline above
+            wait_for_files([spec["start_file"]], 60, "the start line")
         ops = spec["ops"]
         loop = int(spec.get("loop", 1))
         it = 0

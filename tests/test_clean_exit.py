@@ -79,7 +79,7 @@ def test_workers_exiting_without_close_under_loss_never_abort_the_others(lossy_s
         job = 3000 + 100 * (mode == "hard") + k
         got = run_job(sw, tmp_path, job, 4, 3, {r: mode for r in range(4)})
         check_exact(got, 4, 3, job)
-        wait_until(lambda: str(job) not in sw.stats()["jobs"], 10, f"job {job} to be removed")
+        wait_until(lambda: str(job) not in sw.stats()["jobs"], 30, f"job {job} to be removed")   # hard: after the grace
         why = ended(sw, job)
         if mode == "exit":
             assert why == "all workers left", why
@@ -93,7 +93,7 @@ def test_workers_exiting_without_close_under_loss_never_abort_the_others(lossy_s
 
 def test_a_crashed_worker_aborts_the_others_after_the_grace_period_saying_so(lossy_switch, tmp_path):
     """Rank 2 dies (os._exit) before its last allreduce: ranks 0, 1, 3 are aborted once the grace
-    period is over (5 s here, before their own 10 s timeout: a stall would read differently), and the error
+    period is over (5 s here, before their own 30 s timeout: a stall would read differently), and the error
     says it disconnected without leaving."""
     got = run_job(lossy_switch, tmp_path, 3500, 4, 3, {0: "exit", 1: "exit", 2: "hard-early", 3: "exit"})
     for r in (0, 1, 3):
@@ -104,7 +104,7 @@ def test_a_crashed_worker_aborts_the_others_after_the_grace_period_saying_so(los
 
 def test_a_rank_that_closed_early_is_named_as_having_left_cleanly(lossy_switch, tmp_path):
     got = run_job(lossy_switch, tmp_path, 3600, 3, 3, {0: "exit", 1: "close", 2: "exit"},
-                  env={"EXIT_WORKER_TIMEOUT": "2"})
+                  env={"EXIT_WORKER_TIMEOUT": "10"})      # 2 s could expire in the first ops on a loaded machine
     assert got[1][0] == 0
     for r in (0, 2):
         rc, res = got[r]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_frameworks import PY, RUN_TIMEOUT, TESTS, ina_env, launch_ranks, start_test_switch, wait_all
+from test_frameworks import (PY, RUN_TIMEOUT, TESTS, assert_gloo_threads_joined, ina_env, launch_ranks,
+                             start_test_switch, wait_all)
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,7 @@ def run_feedback(switch, mode: str, tmp_path) -> list[dict]:
                          ina_env(switch, "3lc-3v"), tmp_path)
     codes = wait_all(procs, RUN_TIMEOUT, f"ddp error feedback script ({mode})")
     assert codes == [0, 0], [(tmp_path / f"err{r}.txt").read_text()[-3000:] for r in range(2)]
+    assert_gloo_threads_joined(tmp_path, 2)
     return [torch.load(tmp_path / f"feedback{r}.pt") for r in range(2)]
 
 

@@ -41,7 +41,7 @@ def service(tmp_path_factory):
     assert addr[1] == port + 100 or "is taken" in log, log
     assert f"host aggregator (NOT switch-feasible) on tcp 127.0.0.1:{addr[1]}" in log, log
     yield {"port": port, "addr": addr, "log": log_path}
-    assert sw.stop(timeout=15) == 0, log_path.read_text()
+    assert sw.stop(timeout=60) == 0, log_path.read_text()     # bounded generously: a loaded machine
     log = log_path.read_text()
     assert "host aggregator stopped:" in log and "signal 15: shutting down" in log, log
     with pytest.raises(OSError):          # the aggregator process went down with the service
@@ -196,7 +196,7 @@ def test_missing_rank_is_named_within_the_timeout(service):
             assert isinstance(e, AllreduceError)
             assert "rank(s) [2, 3] did not deliver their message within 1 s" in str(e), str(e)
             assert "delivered: ranks [0, 1]" in str(e) and "rank(s) [3] never connected" in str(e), str(e)
-        assert took < 6, took
+        assert took < 20, took      # bounded (by the 1 s deadline, not the 30 s frame timeout); a loaded machine adds seconds
         # the idle rank learns of the abort before it sends anything
         with pytest.raises(AllreduceError, match=r"\[timeout\].*rank\(s\) \[2, 3\]"):
             idle.allreduce(np.ones(1000, np.float32), C.get("3lc", seed=2), key="w")
@@ -207,15 +207,15 @@ def test_missing_rank_is_named_within_the_timeout(service):
 
 def test_disconnected_rank_aborts_the_round(service):
     before = agg_stats(service)["errors"]["disconnect"]
-    c0 = HostAggClient(service["addr"], rank=0, world_size=2, job=51, timeout=10.0)
-    c1 = HostAggClient(service["addr"], rank=1, world_size=2, job=51, timeout=10.0)
+    c0 = HostAggClient(service["addr"], rank=0, world_size=2, job=51, timeout=60.0)
+    c1 = HostAggClient(service["addr"], rank=1, world_size=2, job=51, timeout=60.0)
     try:
         c1.sock.close()                       # rank 1 dies without BYE
         c1.sock = None
         t0 = time.monotonic()
         with pytest.raises(AllreduceError, match="rank 1 disconnected"):
             c0.allreduce(np.ones(500, np.float32), C.get("wgt", seed=0), key="w")
-        assert time.monotonic() - t0 < 5      # not the job's 10 s timeout
+        assert time.monotonic() - t0 < 30     # not the job's 60 s timeout (room for a loaded machine)
     finally:
         c0.close()
     assert agg_stats(service)["errors"]["disconnect"] == before + 1

@@ -106,3 +106,57 @@ def test_strong_baselines_and_thc_in_a_tiny_sweep(tmp_path):
     assert set(acc) == {"gloo", "gloo-fp16", "powersgd", "ina:thc"}
     report = (out / "report.md").read_text()
     assert "Gloo ring fp16 (Horovod Compression.fp16" in report and "PyTorch PowerSGD DDP hook" in report
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The sweep workers among ``pid``'s children."""
+    try:
+        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return [k for k in kids if _alive(k) and b"experiments.sweep_worker" in _cmdline(k)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, or gone, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(400)
+def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path):
+    """SIGINT while the workers of a dilated sweep (x10: their timeouts x10) run a long allreduce
+    configuration: the sweep exits by the interrupt and none of its worker processes keeps running."""
+    import signal
+
+    from sw_harness import wait_until
+    out, err = tmp_path / "sweep", tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "experiments.sweep", "--out", str(out), "--target-rates", "1gbit",
+                              "--dilation", "10", "--workers", "2", "--sizes", "60000", "--methods", "ina:bfp32",
+                              "--reps", "100000", "--timeout", "30", "--tcp-cc", "reno", "--no-plots"],
+                             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "allreduce ina:bfp32 n=2" in err.read_text(errors="replace") or p.poll() is not None,
+                   240, "the sweep to start its allreduce configuration")
+        assert p.poll() is None, err.read_text(errors="replace")[-3000:]
+        workers = wait_until(lambda: _workers_of(p.pid), 60, "the sweep's worker processes")
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    log = err.read_text(errors="replace")
+    assert rc == -signal.SIGINT and "KeyboardInterrupt" in log, (rc, log[-3000:])
+    # (a killed process may take a moment to be reaped)
+    wait_until(lambda: not [w for w in workers if _alive(w)], 10, f"the sweep's workers {workers} to end")

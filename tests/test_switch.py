@@ -177,13 +177,13 @@ def test_join_timeout_names_the_missing_ranks(switch):
             errs[rank] = (str(e), time.monotonic())
 
     t0 = time.monotonic()
-    t = threading.Thread(target=join, args=(3, 3.0))
+    t = threading.Thread(target=join, args=(3, 10.0))
     t.start()
     join(0, 1.0)
-    t.join(timeout=15)
+    t.join(timeout=40)
     msg0, t_0 = errs[0]
     assert "timed out after 1 s waiting for ranks [1, 2] to join" in msg0, msg0
-    assert t_0 - t0 < 4.0
+    assert t_0 - t0 < 8.0           # before rank 3's 10 s (it was 3 s: a loaded machine delayed rank 0's join past it)
     msg3, _ = errs[3]
     assert "waiting for ranks [0, 1, 2] to join" in msg3, msg3     # rank 0 gave up first
     assert "30" not in switch.stats()["jobs"]
@@ -242,7 +242,7 @@ def test_control_plane_refuses_bad_requests_with_clear_errors(switch, msg, error
     with pytest.raises(ControlError) as ei:
         control(switch.port, msg, timeout=10)
     assert error in str(ei.value), str(ei.value)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15         # not the rendezvous wait of 30 s (room for a loaded machine)
     assert "32" not in switch.stats()["jobs"]
 
 
@@ -291,14 +291,16 @@ def test_stats_cli(switch):
 
 def test_sigterm_shuts_down_cleanly(tmp_path):
     sw = SwitchProc("--slots", "8", "--elements", "16", log_path=tmp_path / "sw.log")
-    (c,) = join_all(sw.port, 1, 1, elements=16, slots=2, timeout=10)   # an idle job with an open connection
+    # an idle job with an open connection and a 600 s timeout: the service does not wait for it (a stop
+    # takes seconds on a loaded machine: the bound is far below the job's timeout, not a speed)
+    (c,) = join_all(sw.port, 1, 1, elements=16, slots=2, timeout=600)
     try:
         x = np.ones(40, np.float32)
         c.allreduce(x, "bfp32")
         assert np.all(x == 1)
         t0 = time.monotonic()
-        assert sw.terminate(timeout=10) == 0
-        assert time.monotonic() - t0 < 10
+        assert sw.terminate(timeout=60) == 0
+        assert time.monotonic() - t0 < 60
     finally:
         c.sock.close()
         c.ctl.close()
