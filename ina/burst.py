@@ -23,9 +23,9 @@ import logging
 import struct
 
 import numpy as np
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
+
+from . import gro as G
 
 log = logging.getLogger("ina.burst")
 
@@ -147,10 +147,12 @@ class RxRing:
     found there is cut in place, its segments moved to the rows after it (what does not fit the burst
     goes to the landing buffers, first in the next call). After a receive that found a coalesced
     message the ring lands messages again, and it goes back to receiving straight into the rows after
-    ``DIRECT_AFTER`` receives in a row that found none. ``direct_receives`` counts those receives.
+    ``DIRECT_AFTER`` receives in a row that found none. ``direct_receives`` counts those receives;
+    ``direct=False`` always lands (to measure against it).
     """
 
-    def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048, gro: bool | None = None):
+    def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048, gro: bool | None = None,
+                 direct: bool | None = None):
         self.sock = sock
         self.fd = sock.fileno()
         self.burst = burst
@@ -171,7 +173,7 @@ class RxRing:
             self._landing(min(burst, GRO_LANDING))
             self._src8 = self.src.view(np.uint8).reshape(burst, SOCKADDR_IN.itemsize)
             self._land_state = np.zeros(3, np.int64)        # landed messages, next message, next byte in it
-            self._direct_ok = self._direct = stride >= GRO_MAX_MESSAGE
+            self._direct_ok = self._direct = stride >= GRO_MAX_MESSAGE and direct is not False
             self._calm = 0                                  # receives in a row that found no coalesced message
             if self._direct_ok:                             # the rows' own msghdrs, with a cmsg buffer each
                 self._ctl = np.zeros((burst, 64), np.uint8)
@@ -193,11 +195,11 @@ class RxRing:
         """Load (or compile) the receive kernels now, on an empty burst, not in the first real one."""
         _take_lengths(self._msg64, 0, self.stride, self.lens)
         if self.gro:
-            _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state, self.buf,
+            G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state, self.buf,
                           self.lens, self._src8, 0)
         if self._direct_ok:
-            _direct_fit(self._dir_msg64, self._ctl, 0, self.stride, self.lens, self._segs)
-            _cut_in_place(self.buf, self._segs, self._src8, 0, 0, self.lens, self._land, self._land_msg64,
+            G.direct_fit(self._dir_msg64, self._ctl, 0, self.stride, self.lens, self._segs)
+            G.cut_in_place(self.buf, self._segs, self._src8, 0, 0, self.lens, self._land, self._land_msg64,
                           self._land_ctl, self._land_src8, self._land_state)
 
     def recv(self, wait: bool = True) -> int:
@@ -225,7 +227,7 @@ class RxRing:
         or the socket is empty (so that fewer rows than a burst still means an emptied socket)."""
         st, m = self._land_state, self._land.shape[0]
         messages0 = self.messages - (st[0] - st[1])         # the landed messages not cut yet count as this call's
-        n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
+        n = G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
                           self._src8, 0)
         first = True
         while n < self.burst and st[1] >= st[0]:         # every landed message is cut: receive more
@@ -238,7 +240,7 @@ class RxRing:
                 break
             st[0], st[1], st[2] = got, 0, 0
             self.messages += got
-            n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf,
+            n = G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf,
                               self.lens, self._src8, n)
             if got < m:                                  # the socket had no more
                 break
@@ -256,16 +258,16 @@ class RxRing:
             return self._recv_error()
         self.messages += n
         self.direct_receives += 1
-        fit, rows = _direct_fit(self._dir_msg64, self._ctl, n, self.stride, self.lens, self._segs)
+        fit, rows = G.direct_fit(self._dir_msg64, self._ctl, n, self.stride, self.lens, self._segs)
         if rows > n or fit < n:                          # a coalesced message: cut it, land what does not fit
             if n - fit > self._land.shape[0]:
                 log.info("more coalesced messages than landing buffers (%d > %d): more buffers",
                          n - fit, self._land.shape[0])
                 self._landing(n - fit)
-            rows = _cut_in_place(self.buf, self._segs, self._src8, n, fit, self.lens, self._land, self._land_msg64,
+            rows = G.cut_in_place(self.buf, self._segs, self._src8, n, fit, self.lens, self._land, self._land_msg64,
                                  self._land_ctl, self._land_src8, self._land_state)
             if fit < n:                                  # the rows left take the first landed datagrams
-                rows = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state,
+                rows = G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state,
                                      self.buf, self.lens, self._src8, rows)
             self._direct, self._calm = False, 0
         self.packets += rows
@@ -287,143 +289,6 @@ def _take_lengths(msg, n, stride, lens):
         lens[i] = stride + 1 if truncated else np.int64(msg[i, 7] & np.uint64(0xFFFFFFFF))
         msg[i, 1] = 16                                          # namelen: sockaddr_in
         msg[i, 6] = 0
-
-
-@njit(cache=True)
-def _segment_size(ctl, controllen, length):
-    """The UDP_GRO cmsg's segment size in a message's control buffer (``length``: no such cmsg)."""
-    at = 0
-    while at + 20 <= controllen:
-        clen = np.int64(ctl[at]) | (np.int64(ctl[at + 1]) << 8) | (np.int64(ctl[at + 2]) << 16) | \
-            (np.int64(ctl[at + 3]) << 24)
-        level = np.int64(ctl[at + 8]) | (np.int64(ctl[at + 9]) << 8)
-        kind = np.int64(ctl[at + 12]) | (np.int64(ctl[at + 13]) << 8)
-        if level == 17 and kind == 104 and clen >= 20:          # SOL_UDP, UDP_GRO: an int
-            seg = np.int64(ctl[at + 16]) | (np.int64(ctl[at + 17]) << 8) | (np.int64(ctl[at + 18]) << 16)
-            return seg if seg > 0 else length
-        if clen < 16:
-            break
-        at += (clen + 7) // 8 * 8
-    return length
-
-
-@intrinsic
-def copy_bytes(typingctx, dst, dst_at, src, src_at, count):
-    """memcpy of ``count`` bytes from flat byte ``src_at`` of C-contiguous uint8 array ``src`` to
-    ``dst_at`` of ``dst`` (numba's slice assignment is an element loop; this is LLVM's memcpy)."""
-    def codegen(context, builder, signature, args):
-        d, da, s, sa, c = args
-        dp = builder.gep(context.make_array(signature.args[0])(context, builder, d).data, [da])
-        sp = builder.gep(context.make_array(signature.args[2])(context, builder, s).data, [sa])
-        cgutils.raw_memcpy(builder, dp, sp, c, 1)
-        return context.get_dummy_value()
-    return types.void(dst, dst_at, src, src_at, count), codegen
-
-
-@njit(cache=True)
-def _cut_segments(land, msg, ctl, land_src, st, buf, lens, src, n):
-    """Cut landed messages into datagrams, one row of ``buf`` each, from row ``n`` on until the rows run
-    out. ``st``: (landed messages, next message, byte offset in it), kept for the next call; each
-    message's msghdr is made ready for the next receive once it is cut. Returns the rows filled."""
-    stride = buf.shape[1]
-    while st[1] < st[0] and n < buf.shape[0]:
-        q = st[1]
-        length = np.int64(msg[q, 7] & np.uint64(0xFFFFFFFF))
-        seg = _segment_size(ctl[q], np.int64(msg[q, 5]), length)
-        off = st[2]
-        while n < buf.shape[0]:
-            size = min(seg, length - off)
-            take = min(size, stride)
-            copy_bytes(buf, n * stride, land, q * land.shape[1] + off, take)
-            lens[n] = size if size <= stride else stride + 1
-            src[n, :] = land_src[q, :]
-            off += size
-            n += 1
-            if off >= length:                                   # (an empty datagram is one empty row)
-                break
-        if off < length:
-            st[2] = off
-            break
-        msg[q, 1] = 16                                          # namelen
-        msg[q, 5] = ctl.shape[1]                                # controllen
-        msg[q, 6] = 0
-        st[1] += 1
-        st[2] = 0
-    return n
-
-
-@njit(cache=True)
-def _datagrams(length, seg):
-    """How many datagrams a message of ``length`` bytes cut at ``seg`` bytes holds (an empty one: 1)."""
-    if seg <= 0 or length <= seg:
-        return 1
-    return (length + seg - 1) // seg
-
-
-@njit(cache=True)
-def _direct_fit(msg, ctl, n, stride, lens, segs):
-    """After a receive of ``n`` messages straight into the rows: (messages whose datagrams fit the
-    rows, rows they fill). Without a coalesced message that is (n, n), and ``lens`` holds the lengths
-    (``stride + 1``: truncated). ``segs``: each message's segment size. Every msghdr is made ready for
-    the next receive."""
-    rows = 0
-    fit = n
-    for i in range(n):
-        length = np.int64(msg[i, 7] & np.uint64(0xFFFFFFFF))
-        truncated = (msg[i, 6] & np.uint64(0x20)) != 0          # msg_flags & MSG_TRUNC
-        lens[i] = stride + 1 if truncated else length
-        segs[i] = stride + 1 if truncated else _segment_size(ctl[i], np.int64(msg[i, 5]), length)
-        k = _datagrams(lens[i], segs[i])
-        if fit == n and rows + k > lens.size:
-            fit = i
-        if fit == n:
-            rows += k
-        msg[i, 1] = 16                                          # namelen
-        msg[i, 5] = ctl.shape[1]                                # controllen
-        msg[i, 6] = 0
-    return fit, rows
-
-
-@njit(cache=True)
-def _cut_in_place(buf, segs, src, n, fit, lens, land, land_msg, land_ctl, land_src, st):
-    """Cut the ``n`` messages received into rows 0.. (lengths ``lens``, segment sizes ``segs``) into
-    their datagrams, one row each. Messages ``fit``.. (whose datagrams do not fit the rows) are copied
-    to the landing buffers first, each with a UDP_GRO cmsg naming its segment size (``st``: the landing
-    state; the next receive cuts them first); then messages ``fit - 1`` down to 0 are spread over the
-    rows from the last one back: a message's datagrams go to rows at or after its own, which no
-    message still to be cut occupies. Returns the rows filled."""
-    stride = buf.shape[1]
-    for i in range(fit, n):                                     # what does not fit: landed whole
-        q = i - fit
-        length = min(lens[i], stride, land.shape[1])
-        copy_bytes(land, q * land.shape[1], buf, i * stride, length)
-        land_msg[q, 7] = np.uint64(length)
-        land_msg[q, 5] = np.uint64(24)                          # CMSG_SPACE(4)
-        land_ctl[q, :] = 0
-        land_ctl[q, 0] = 20                                     # CMSG_LEN(4)
-        land_ctl[q, 8] = 17                                     # SOL_UDP
-        land_ctl[q, 12] = 104                                   # UDP_GRO
-        seg = min(segs[i], length) if length else 1
-        for b in range(4):
-            land_ctl[q, 16 + b] = (seg >> (8 * b)) & 0xFF
-        land_src[q, :] = src[i, :]
-    if n > fit:
-        st[0], st[1], st[2] = n - fit, 0, 0
-    pos = 0
-    for i in range(fit):
-        pos += _datagrams(lens[i], segs[i])
-    rows = pos
-    for i in range(fit - 1, -1, -1):
-        length, seg = lens[i], segs[i]
-        k = _datagrams(length, seg)
-        pos -= k
-        for s in range(k - 1, -1, -1):
-            size = min(seg, length - s * seg) if length else 0
-            if pos + s != i:
-                copy_bytes(buf, (pos + s) * stride, buf, i * stride + s * seg, min(size, stride))
-                src[pos + s, :] = src[i, :]
-            lens[pos + s] = size
-    return rows
 
 
 def gso_supported(sock: socket.socket) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .burst import copy_bytes
+from .gro import copy_bytes
 from .wire import OFFSET, Flag, MsgType, slot_of_chunk
 
 _MSG_TYPE, _FLAGS, _JOB, _SLOT = OFFSET["msg_type"], OFFSET["flags"], OFFSET["job"], OFFSET["slot"]
