@@ -116,9 +116,23 @@ class Dilation:
         return rec
 
 
+def best_cpu_time(fn, reps: int = 3) -> float:
+    """The least CPU time of this thread over ``reps`` calls of ``fn`` after an untimed one (numba
+    compiles on the first). CPU time, not wall time: on a shared machine a thread waiting for a core
+    is not computing (wall-clock best-of-3 of terngrad's 2 ms read 43-88 ms at load average 30)."""
+    fn()
+    return min(_thread_cpu(fn) for _ in range(reps))
+
+
+def _thread_cpu(fn) -> float:
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
 def codec_time(method: str, n: int, elements: int, device_gbps: float | None = None, reps: int = 3) -> dict:
     """Encode + decode CPU seconds of one worker's share of an allreduce, measured here at real speed
-    (best of ``reps`` after an untimed warm-up), and the same work at ``device_gbps`` GB/s of float32 input per pass
+    (this thread's CPU time, best of ``reps`` after an untimed warm-up: :func:`best_cpu_time`), and the same work at ``device_gbps`` GB/s of float32 input per pass
     (None: this CPU). Gloo's ring: 0 (its float sums are part of the measured transfer); the Gloo-based
     baselines (experiments/baselines.py) compress inside their reducer: 0, not measured."""
     import numpy as np
@@ -131,16 +145,15 @@ def codec_time(method: str, n: int, elements: int, device_gbps: float | None = N
     from ina.wire import PAYLOAD_DTYPE
     c = compression.get(method[4:])
     x = (np.random.default_rng(0).standard_normal(elements) * 1e-2).astype(np.float32)
-    best = math.inf
-    for i in range(reps + 1):              # the first run compiles (numba) and is not timed
-        t0 = time.perf_counter()
+
+    def encode_decode():
         if c.aggregation == "host":
             c.decompress(c.compress(x))
         else:
             ctx = ScaleContext(c.scale_exponent(x), n, agreed=c.negotiated())
             codes = c.encode_shared(x, ctx)      # the switch's result has the shape and type of a sum
             c.decode_sum(codes.astype(PAYLOAD_DTYPE[c.result_type(ctx)].newbyteorder("=")), ctx, raw=False)
-        best = min(best, time.perf_counter() - t0) if i else best
+    best = best_cpu_time(encode_decode, reps)
     out["codec_time_cpu"] = best
     out["codec_time_device"] = best if device_gbps is None else 2 * elements * 4 / (device_gbps * 1e9)
     return out
@@ -322,6 +335,17 @@ def set_tcp_rto_min(topo, dil: Dilation) -> float:
     return floor
 
 
+#: the probe's job ids: their own range of the switch's 16-bit job field, away from the sweep's (0..~10 000)
+PROBE_JOBS = (40_000, 65_536)
+
+
+def probe_job(n: int, i: int) -> int:
+    """The job id of the ``i``-th probe run with ``n`` workers: in :data:`PROBE_JOBS` for any ``n`` and
+    ``i`` (the probe's runs are sequential, so ids only need to differ from one run to the next)."""
+    lo, hi = PROBE_JOBS
+    return lo + (n * 1000 + i) % (hi - lo)
+
+
 def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> dict:
     """--dilation auto: K per (target rate, size) of the allreduce rows of ``plan`` with ``n`` workers,
     by :func:`auto_factor` over every method of the row (short real-time runs: 2 repetitions; the
@@ -337,7 +361,7 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
     for wl, _, rate, el, m in plan:
         if wl == "allreduce":
             rows.setdefault((rate, el), []).append(m)
-    ks, job = {}, 50000 + n * 1000
+    ks, i = {}, 0
     set_tcp_rto_min(topo, Dilation(pa.worker_timeout / args.timeout))      # the largest K probed
     group = WorkerGroup(topo, n, out, pa)
     try:
@@ -345,8 +369,9 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
             start, k = 0, 1.0
             for m in methods:
                 def probe(r, kp, m=m):
-                    nonlocal job
-                    job += 1
+                    nonlocal i
+                    i += 1
+                    job = probe_job(n, i)
                     if bar is not None:
                         bar.set_postfix_str(f"dilation probe {m} n={n} {rate} x{kp:g} {el:,}")
                     topo.set_rate("workers", r)

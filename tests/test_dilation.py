@@ -122,6 +122,34 @@ def test_auto_factor_rule():
     assert auto_factor("300mbit", lambda r, k: 1.0)[0] == 1
 
 
+def test_codec_time_counts_cpu_time_not_waiting():
+    """The codec's encode + decode is timed in the thread's CPU time: time the thread spends not
+    computing (descheduled on a loaded machine; here: asleep) is not counted, computing is."""
+    import time
+
+    from experiments.dilation import best_cpu_time
+    calls = []
+    assert best_cpu_time(lambda: calls.append(time.sleep(0.05)), reps=2) < 0.02 and len(calls) == 3
+
+    def spin():
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.02:
+            pass
+    assert best_cpu_time(spin, reps=2) >= 0.02
+
+
+def test_probe_job_ids_fit_the_switchs_job_field():
+    """The auto probe's job ids stay in the switch's 16-bit job field for every worker count the switch
+    takes (it refused job 66006 with 16 workers before), apart from the sweep's own ids, and differ
+    from one probe run to the next."""
+    from experiments.dilation import probe_job
+    from switch_model.control import MAX_WORKERS
+    for n in range(1, MAX_WORKERS + 1):
+        ids = [probe_job(n, i) for i in range(1, 2000)]
+        assert all(40_000 <= j <= 0xFFFF for j in ids)
+        assert all(a != b for a, b in zip(ids, ids[1:]))
+
+
 def test_dilation_keeps_the_links_queues_in_bytes():
     """tbf's bucket and queues are sized from the shaped rate: for the slow rates dilation shapes at
     (target/K at or below about 72 Mbit/s with MTU 9000) they are the same number of bytes at K and
@@ -159,6 +187,29 @@ def test_consistency_check_separates_the_fixed_cost():
     # without the fixed-cost runs the raw ratio decides
     bare = compare(attach_fixed([rec("gloo", 10, 1.0)], None, []), attach_fixed([rec("gloo", 10, 1.04)], None, []), 0.05)
     assert bare["gloo"]["marginal_ratio"] is None and bare["gloo"]["within"]
+
+
+def test_consistency_check_names_a_reference_that_is_not_link_bound():
+    """A run whose time above its fixed cost is more than the tolerance above the time of the bytes its
+    links counted (at the target rate) is no reference: the check says which run and by how much,
+    rather than blaming dilation; a link-bound pair that disagrees is still OUTSIDE."""
+    from experiments.bench_dilation import attach_fixed, compare, line
+
+    def run(t, k, fixed):       # 4 workers at 100 Mbit/s: 1.7 MB up per worker = 136 ms of link time
+        recs = [{"workload": "allreduce", "method": "ina:nc", "elements": el, "time_median": tt, "dilation": k,
+                 "dilation_label": Dilation(k).label, "bound_ratio": tt / 0.136, "rate_bps": 100_000_000,
+                 "wire_up_bytes_per_worker": 1_700_000.0} for el, tt in ((1_700_000, t), (256, fixed))]
+        return attach_fixed(recs, 256, ["20.0"])
+    dil = run(0.1390, 4, 0.0015)                                       # 1.011 of its links' time
+    loaded = compare(run(0.1560, 1, 0.0060), dil, 0.05)["ina:nc"]      # real time: 1.103 above its fixed cost
+    assert not loaded["within"] and loaded["links_ratio_a"] == pytest.approx(1.1029, abs=1e-3)
+    assert loaded["links_ratio_b"] == pytest.approx(1.0110, abs=1e-3)
+    assert loaded["verdict"] == "not link-bound: real time at 1.103 of its links' time"
+    assert "not link-bound: real time at 1.103" in line("dilated_vs_real", "ina:nc", loaded, 0.05)
+    quiet = compare(run(0.1440, 1, 0.0035), dil, 0.05)["ina:nc"]
+    assert quiet["within"] and quiet["verdict"] == "ok"
+    both_bound = compare(run(0.1400, 1, 0.0035), run(0.1250, 4, 0.0015), 0.05)["ina:nc"]
+    assert not both_bound["within"] and both_bound["verdict"] == "OUTSIDE"
 
 
 def test_profile_sets_the_sweeps_switch():
