@@ -124,7 +124,7 @@ class Client(Worker):
         self._rx_wait = RX_WAIT
         B.set_recv_timeout(self.sock, RX_WAIT)
         # rows of 64 kB or more take a coalesced (GRO) message whole: received into straight, no landing copy
-        self.rx = B.RxRing(self.sock, burst=256, stride=max(max_packet_size(self.elements), B.GRO_MAX_MESSAGE))
+        self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
         self.tx = B.TxBatch(self.sock, capacity=1024)
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
         if not 0 <= first_chunk < self.chunk_modulus:
