@@ -9,7 +9,10 @@ destination (what ``Switch.stage_tx`` hands to ``TxBatch``). The sender's thread
 receivers' (``recvmmsg``) are measured for plain datagrams and for GSO messages, alternating, and
 reported with their ratio (the figure that matters on a shared machine). A third mode sends GSO
 messages to receivers with UDP GRO on (``ina.burst.RxRing``: the kernel delivers each GSO message
-whole and the ring cuts it into its datagrams).
+whole and the ring cuts it into its datagrams). ``--rx-stride 65560`` gives the receive rings rows of
+64 kB (the client's), which take a message straight into the rows while GRO coalesces nothing, and
+adds the mode ``gso_gro_landing`` (the same rings, always landing): e.g. ``--sizes 8212 32792
+--rx-stride 65560`` (32 kB: bfp32's 8192 int32 results, one datagram a GSO message).
 """
 from __future__ import annotations
 
@@ -23,13 +26,14 @@ import numpy as np
 from ina import burst as B
 
 
-def measure(size: int, rows: int, dests: int, rounds: int, gso: bool, gro: bool = False) -> dict:
+def measure(size: int, rows: int, dests: int, rounds: int, gso: bool, gro: bool = False, stride: int | None = None,
+            direct: bool | None = None) -> dict:
     tx_sock = B.udp_socket("127.0.0.1", 0)
     socks = [B.udp_socket("127.0.0.1", 0) for _ in range(dests)]
     addrs = np.zeros(dests, B.SOCKADDR_IN)
     for i, s in enumerate(socks):
         addrs[i] = B.sockaddr("127.0.0.1", s.getsockname()[1])[0]
-    rings = [B.RxRing(s, 256, size, gro=gro) for s in socks]
+    rings = [B.RxRing(s, 256, stride or size, gro=gro, direct=direct) for s in socks]
     buf = np.zeros((rows, size), np.uint8)
     order = np.argsort(np.tile(np.arange(dests), rows), kind="stable")
     row_of, dest_of = np.repeat(np.arange(rows), dests)[order], np.tile(np.arange(dests), rows)[order]
@@ -61,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dests", type=int, default=4, help="receivers (workers)")
     ap.add_argument("--rounds", type=int, default=20, help="bursts per measurement")
     ap.add_argument("--reps", type=int, default=3, help="alternating plain/GSO measurements (median)")
+    ap.add_argument("--rx-stride", type=int, default=None, help="receive rows' bytes (default: the datagram's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if not B.gso_supported(B.udp_socket("127.0.0.1", 0, bufsize=1 << 16)):
@@ -68,11 +73,13 @@ def main(argv=None) -> int:
         return 1
     rows = []
     for size in a.sizes:
-        modes = {"plain": (False, False), "gso": (True, False), "gso_gro": (True, True)}
+        modes = {"plain": (False, False, None), "gso": (True, False, None), "gso_gro": (True, True, None)}
+        if a.rx_stride:
+            modes["gso_gro_landing"] = (True, True, False)
         runs = {m: [] for m in modes}
         for _ in range(a.reps):
-            for m, (gso, gro) in modes.items():
-                runs[m].append(measure(size, a.rows, a.dests, a.rounds, gso, gro))
+            for m, (gso, gro, direct) in modes.items():
+                runs[m].append(measure(size, a.rows, a.dests, a.rounds, gso, gro, a.rx_stride, direct))
         row = {"bytes": size}
         for m in modes:
             row[m] = {k: float(np.median([r[k] for r in runs[m]])) for k in ("send_us_per_packet", "recv_us_per_packet")}
@@ -82,10 +89,14 @@ def main(argv=None) -> int:
         row["send_cpu_gso_vs_plain"] = row["gso"]["send_us_per_packet"] / row["plain"]["send_us_per_packet"]
         both = {m: row[m]["send_us_per_packet"] + row[m]["recv_us_per_packet"] for m in modes}
         row["send_recv_cpu_gro_vs_gso"] = both["gso_gro"] / both["gso"]
+        if a.rx_stride:
+            row["recv_cpu_gro_rows_vs_landing"] = (row["gso_gro"]["recv_us_per_packet"]
+                                                   / row["gso_gro_landing"]["recv_us_per_packet"])
         rows.append(row)
     if a.json:
         print(json.dumps({"benchmark": "burst_send_gso", "reference": "the same burst as plain datagrams (GRO: as GSO without GRO)",
-                          "rows_per_burst": a.rows, "destinations": a.dests, "results": rows}, indent=2))
+                          "rows_per_burst": a.rows, "destinations": a.dests, "rx_stride": a.rx_stride,
+                          "results": rows}, indent=2))
     else:
         print(f"{'bytes':>6} {'plain snd/rcv us':>17} {'gso snd/rcv us':>15} {'gso+gro snd/rcv us':>19} "
               f"{'gso/plain snd':>14} {'gro/gso snd+rcv':>16}")

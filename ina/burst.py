@@ -23,9 +23,9 @@ import logging
 import struct
 
 import numpy as np
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
+
+from . import gro as G
 
 log = logging.getLogger("ina.burst")
 
@@ -45,6 +45,8 @@ UDP_GRO = 104                 # setsockopt / cmsg: receive coalesced datagrams (
 GSO_MAX_SEGMENTS = 64         # UDP_MAX_SEGMENTS of Linux before 6.x (later kernels allow 128)
 GSO_MAX_BYTES = 65507         # one IPv4 datagram's payload: the most a GSO message may carry
 GRO_LANDING = 16              # coalesced messages a receive takes at most (64 kB each)
+GRO_MAX_MESSAGE = 1 << 16     # the longest message GRO hands over (rows this long are received into directly)
+DIRECT_AFTER = 4              # receives without a coalesced message before the ring receives into its rows again
 
 # struct iovec { void *base; size_t len; }
 IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
@@ -138,9 +140,19 @@ class RxRing:
     this burst's rows come first in the next). ``gro_refused``: why the
     kernel refused it (then every message is one datagram, received straight into the rows).
     ``messages`` counts what the kernel handed over, ``packets`` the rows.
+
+    Rows of at least 64 kB hold any coalesced message whole, so while the kernel coalesces nothing
+    (datagrams too large to share a GSO message, or links that cut super-frames) the ring receives
+    straight into its rows, a burst per call, with no landing copy (``direct``); a coalesced message
+    found there is cut in place, its segments moved to the rows after it (what does not fit the burst
+    goes to the landing buffers, first in the next call). After a receive that found a coalesced
+    message the ring lands messages again, and it goes back to receiving straight into the rows after
+    ``DIRECT_AFTER`` receives in a row that found none. ``direct_receives`` counts those receives;
+    ``direct=False`` always lands (to measure against it).
     """
 
-    def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048, gro: bool | None = None):
+    def __init__(self, sock: socket.socket, burst: int = 64, stride: int = 2048, gro: bool | None = None,
+                 direct: bool | None = None):
         self.sock = sock
         self.fd = sock.fileno()
         self.burst = burst
@@ -155,24 +167,40 @@ class RxRing:
             gro = os.environ.get("INA_GRO", "1") != "0"
         self.gro_refused = gro_enable(sock) if gro else None
         self.gro = bool(gro) and self.gro_refused is None
+        self.direct_receives = 0
+        self._direct_ok = self._direct = False
         if self.gro:
-            m = min(burst, GRO_LANDING)
-            self._land = np.zeros((m, 1 << 16), np.uint8)      # a whole UDP datagram's payload
-            self._land_src = np.zeros(m, SOCKADDR_IN)
-            self._land_ctl = np.zeros((m, 64), np.uint8)
-            self._land_iov, self._land_msg, self._land_msg64 = _msghdrs(self._land, self._land_src, self._land_ctl)
-            self._land_msgp = _ptr(self._land_msg)
-            self._land_src8 = self._land_src.view(np.uint8).reshape(m, SOCKADDR_IN.itemsize)
+            self._landing(min(burst, GRO_LANDING))
             self._src8 = self.src.view(np.uint8).reshape(burst, SOCKADDR_IN.itemsize)
             self._land_state = np.zeros(3, np.int64)        # landed messages, next message, next byte in it
+            self._direct_ok = self._direct = stride >= GRO_MAX_MESSAGE and direct is not False
+            self._calm = 0                                  # receives in a row that found no coalesced message
+            if self._direct_ok:                             # the rows' own msghdrs, with a cmsg buffer each
+                self._ctl = np.zeros((burst, 64), np.uint8)
+                self._segs = np.zeros(burst, np.int64)
+                self._dir_iov, self._dir_msg, self._dir_msg64 = _msghdrs(self.buf, self.src, self._ctl)
+                self._dir_msgp = _ptr(self._dir_msg)
         self._warm_up()
+
+    def _landing(self, m: int) -> None:
+        """``m`` landing buffers of a whole UDP datagram's payload (64 kB), their sources and cmsgs."""
+        self._land = np.zeros((m, GRO_MAX_MESSAGE), np.uint8)
+        self._land_src = np.zeros(m, SOCKADDR_IN)
+        self._land_ctl = np.zeros((m, 64), np.uint8)
+        self._land_iov, self._land_msg, self._land_msg64 = _msghdrs(self._land, self._land_src, self._land_ctl)
+        self._land_msgp = _ptr(self._land_msg)
+        self._land_src8 = self._land_src.view(np.uint8).reshape(m, SOCKADDR_IN.itemsize)
 
     def _warm_up(self) -> None:
         """Load (or compile) the receive kernels now, on an empty burst, not in the first real one."""
         _take_lengths(self._msg64, 0, self.stride, self.lens)
         if self.gro:
-            _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state, self.buf,
+            G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state, self.buf,
                           self.lens, self._src8, 0)
+        if self._direct_ok:
+            G.direct_fit(self._dir_msg64, self._ctl, 0, self.stride, self.lens, self._segs)
+            G.cut_in_place(self.buf, self._segs, self._src8, 0, 0, self.lens, self._land, self._land_msg64,
+                          self._land_ctl, self._land_src8, self._land_state)
 
     def recv(self, wait: bool = True) -> int:
         """Receive up to a burst. With ``wait`` block until one packet or the socket's timeout.
@@ -182,6 +210,9 @@ class RxRing:
         0 on timeout.
         """
         if self.gro:
+            st = self._land_state
+            if self._direct and st[1] >= st[0]:
+                return self._recv_direct(wait)
             return self._recv_gro(wait)
         n = _recvmmsg(self.fd, self._msgp, self.burst, MSG_WAITFORONE if wait else MSG_DONTWAIT, None)
         if n < 0:
@@ -195,7 +226,8 @@ class RxRing:
         """As :meth:`recv`: rows are filled from landed messages, receiving more until the rows are full
         or the socket is empty (so that fewer rows than a burst still means an emptied socket)."""
         st, m = self._land_state, self._land.shape[0]
-        n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
+        messages0 = self.messages - (st[0] - st[1])         # the landed messages not cut yet count as this call's
+        n = G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
                           self._src8, 0)
         first = True
         while n < self.burst and st[1] >= st[0]:         # every landed message is cut: receive more
@@ -208,12 +240,38 @@ class RxRing:
                 break
             st[0], st[1], st[2] = got, 0, 0
             self.messages += got
-            n = _cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf,
+            n = G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf,
                               self.lens, self._src8, n)
             if got < m:                                  # the socket had no more
                 break
         self.packets += n
+        if self._direct_ok and n:                        # every message one datagram: calm
+            coalesced = n > self.messages - messages0 or st[1] < st[0]
+            self._calm = 0 if coalesced else self._calm + 1
+            self._direct = self._calm >= DIRECT_AFTER
         return n
+
+    def _recv_direct(self, wait: bool) -> int:
+        """As :meth:`recv`, straight into the rows (each may hold a coalesced message: it is cut in place)."""
+        n = _recvmmsg(self.fd, self._dir_msgp, self.burst, MSG_WAITFORONE if wait else MSG_DONTWAIT, None)
+        if n < 0:
+            return self._recv_error()
+        self.messages += n
+        self.direct_receives += 1
+        fit, rows = G.direct_fit(self._dir_msg64, self._ctl, n, self.stride, self.lens, self._segs)
+        if rows > n or fit < n:                          # a coalesced message: cut it, land what does not fit
+            if n - fit > self._land.shape[0]:
+                log.info("more coalesced messages than landing buffers (%d > %d): more buffers",
+                         n - fit, self._land.shape[0])
+                self._landing(n - fit)
+            rows = G.cut_in_place(self.buf, self._segs, self._src8, n, fit, self.lens, self._land, self._land_msg64,
+                                 self._land_ctl, self._land_src8, self._land_state)
+            if fit < n:                                  # the rows left take the first landed datagrams
+                rows = G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, self._land_state,
+                                     self.buf, self.lens, self._src8, rows)
+            self._direct, self._calm = False, 0
+        self.packets += rows
+        return rows
 
     def _recv_error(self) -> int:
         e = ctypes.get_errno()
@@ -231,69 +289,6 @@ def _take_lengths(msg, n, stride, lens):
         lens[i] = stride + 1 if truncated else np.int64(msg[i, 7] & np.uint64(0xFFFFFFFF))
         msg[i, 1] = 16                                          # namelen: sockaddr_in
         msg[i, 6] = 0
-
-
-@njit(cache=True)
-def _segment_size(ctl, controllen, length):
-    """The UDP_GRO cmsg's segment size in a message's control buffer (``length``: no such cmsg)."""
-    at = 0
-    while at + 20 <= controllen:
-        clen = np.int64(ctl[at]) | (np.int64(ctl[at + 1]) << 8) | (np.int64(ctl[at + 2]) << 16) | \
-            (np.int64(ctl[at + 3]) << 24)
-        level = np.int64(ctl[at + 8]) | (np.int64(ctl[at + 9]) << 8)
-        kind = np.int64(ctl[at + 12]) | (np.int64(ctl[at + 13]) << 8)
-        if level == 17 and kind == 104 and clen >= 20:          # SOL_UDP, UDP_GRO: an int
-            seg = np.int64(ctl[at + 16]) | (np.int64(ctl[at + 17]) << 8) | (np.int64(ctl[at + 18]) << 16)
-            return seg if seg > 0 else length
-        if clen < 16:
-            break
-        at += (clen + 7) // 8 * 8
-    return length
-
-
-@intrinsic
-def _copy_bytes(typingctx, dst, dst_at, src, src_at, count):
-    """memcpy of ``count`` bytes from flat byte ``src_at`` of C-contiguous uint8 array ``src`` to
-    ``dst_at`` of ``dst`` (numba's slice assignment is an element loop; this is LLVM's memcpy)."""
-    def codegen(context, builder, signature, args):
-        d, da, s, sa, c = args
-        dp = builder.gep(context.make_array(signature.args[0])(context, builder, d).data, [da])
-        sp = builder.gep(context.make_array(signature.args[2])(context, builder, s).data, [sa])
-        cgutils.raw_memcpy(builder, dp, sp, c, 1)
-        return context.get_dummy_value()
-    return types.void(dst, dst_at, src, src_at, count), codegen
-
-
-@njit(cache=True)
-def _cut_segments(land, msg, ctl, land_src, st, buf, lens, src, n):
-    """Cut landed messages into datagrams, one row of ``buf`` each, from row ``n`` on until the rows run
-    out. ``st``: (landed messages, next message, byte offset in it), kept for the next call; each
-    message's msghdr is made ready for the next receive once it is cut. Returns the rows filled."""
-    stride = buf.shape[1]
-    while st[1] < st[0] and n < buf.shape[0]:
-        q = st[1]
-        length = np.int64(msg[q, 7] & np.uint64(0xFFFFFFFF))
-        seg = _segment_size(ctl[q], np.int64(msg[q, 5]), length)
-        off = st[2]
-        while n < buf.shape[0]:
-            size = min(seg, length - off)
-            take = min(size, stride)
-            _copy_bytes(buf, n * stride, land, q * land.shape[1] + off, take)
-            lens[n] = size if size <= stride else stride + 1
-            src[n, :] = land_src[q, :]
-            off += size
-            n += 1
-            if off >= length:                                   # (an empty datagram is one empty row)
-                break
-        if off < length:
-            st[2] = off
-            break
-        msg[q, 1] = 16                                          # namelen
-        msg[q, 5] = ctl.shape[1]                                # controllen
-        msg[q, 6] = 0
-        st[1] += 1
-        st[2] = 0
-    return n
 
 
 def gso_supported(sock: socket.socket) -> bool:

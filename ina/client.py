@@ -123,6 +123,7 @@ class Client(Worker):
         self._host: HostAggClient | None = None             # connected on first use
         self._rx_wait = RX_WAIT
         B.set_recv_timeout(self.sock, RX_WAIT)
+        # rows of 64 kB or more take a coalesced (GRO) message whole: received into straight, no landing copy
         self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
         self.tx = B.TxBatch(self.sock, capacity=1024)
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
@@ -339,7 +340,7 @@ class Client(Worker):
                     pkt_len = np.asarray(pkt_len)[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
-        self.stats.bytes_sent += int(np.broadcast_to(pkt_len, (len(rows),)).sum())
+        self.stats.bytes_sent += int(np.sum(pkt_len)) if np.ndim(pkt_len) else int(pkt_len) * len(rows)
 
     def _stall_message(self, n_chunks, n_done, c0) -> str:
         msg = (f"job {self.job} rank {self.rank}: no progress for {self.timeout:g} s; "
@@ -413,6 +414,8 @@ class _Transfer:
         burst = cl.rx.burst                        # a receive burst's fresh results (rows, positions, REPLAY)
         self.fresh_idx, self.fresh_jj, self.fresh_replay = np.zeros(burst, np.int64), np.zeros(burst, np.int64), \
             np.zeros(burst, bool)
+        self.rtt_scratch = np.zeros(burst)
+        self.rtts = (0, 0.0, 0.0, False)          # the burst's round trips (SK.round_trips)
         self.ld = LossDetector(n_chunks)
         self.overflow = 0
         self.checked = False          # the loss check ran in this loop turn
@@ -439,7 +442,11 @@ class _Transfer:
                 if b not in self.blocks:
                     self.blocks[b] = self.encode_block(b)
                     self.left_in_block[b] = self.blocks[b].shape[0]
-                self.pv[rows[sel]] = self.blocks[b][here - b * self.block]
+                codes = self.blocks[b]
+                if codes.dtype.itemsize == 1 and codes.flags.c_contiguous:    # a memcpy a row, no temporary
+                    SK.copy_rows(self.pkts, rows[sel], HEADER_SIZE, codes.view(np.uint8), here - b * self.block)
+                else:                                  # byte order of the wire
+                    self.pv[rows[sel]] = codes[here - b * self.block]
                 self.left_in_block[b] -= here.size
                 if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
                     del self.blocks[b], self.left_in_block[b]
@@ -509,7 +516,9 @@ class _Transfer:
         cl.stats.duplicate_results += ok - fresh
         cl.stats.stale_results += other
         self.overflow += overflow
-        self.spacing.sample(k, now, bool(fresh) and bool(self.ld.tries[self.fresh_jj[:fresh]].any()))
+        if fresh:    # Karn: round-trip samples only from chunks never resent
+            self.rtts = SK.round_trips(self.fresh_jj[:fresh], self.ld.tries, self.ld.sent_at, now, self.rtt_scratch)
+        self.spacing.sample(k, now, bool(fresh) and self.rtts[3])
         if fresh:
             self.complete(buf, self.fresh_idx[:fresh], self.fresh_jj[:fresh], self.fresh_replay[:fresh], now)
         self.cl.stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, self.cl.coalesce)
@@ -530,15 +539,15 @@ class _Transfer:
         ld = self.ld
         if replayed.any():                        # resends the switch answered with a replay, by rule
             ld.count_replayed(jj[replayed], self.cl.stats)
-        first_try = jj[ld.tries[jj] == 0]         # Karn: no samples from retransmitted chunks
-        if first_try.size:
-            rtts = np.sort(now - ld.sent_at[first_try])
+        samples, fastest, median, _ = self.rtts   # Karn: no samples from retransmitted chunks
+        if samples:
             # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
             # is at most that long (so the tail probe has a bound from the first allreduce on)
-            self.cl.rtt_min = min(self.cl.rtt_min, float(rtts[0]))
+            self.cl.rtt_min = min(self.cl.rtt_min, fastest)
             if E:         # the median
-                self.cl._rtt_sample(float(rtts[(rtts.size - 1) // 2] + rtts[rtts.size // 2]) / 2)
-        ld.delivered(jj, ld.pending(self.low, self.max_sent, self.done), now)
+                self.cl._rtt_sample(median)
+        pending = ld.pending(self.low, self.max_sent, self.done)
+        ld.delivered(jj, pending, now)
         self.n_done += jj.size
         if sp:            # the streams' next rounds; the chunks in between are zero everywhere
             skipped, nxt = sp.advance(buf, idx, lens, jj)
@@ -551,7 +560,7 @@ class _Transfer:
         if self.tl and self.n_done == self.n_chunks:
             self.tl.mark("last_result")
         follows = nxt < self.n_chunks
-        self.retransmit_lost(now)                 # resends go out ahead of the new chunks: a peer that
+        self.retransmit_lost(now, pending)        # resends go out ahead of the new chunks: a peer that
         self.checked = True                       # waits for one of ours gets it before what follows it
         if follows.any():
             # a replay came to this rank alone, after the others had the result: the chunk it frees is
@@ -560,11 +569,12 @@ class _Transfer:
         while self.low < self.n_chunks and self.done[self.low]:
             self.low += 1
 
-    def retransmit_lost(self, now: float) -> None:
+    def retransmit_lost(self, now: float, pending: np.ndarray | None = None) -> None:
         """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results
         show the gap, after a silence or the timeout for the tail."""
         cl = self.cl
-        pending = self.ld.pending(self.low, self.max_sent, self.done)
+        if pending is None:   # (``pending``: computed since nothing was sent or completed)
+            pending = self.ld.pending(self.low, self.max_sent, self.done)
         # a full receive burst: results may still wait in the socket (after a stall): no silence, no timeout yet
         queued = (self.n_sent - self.n_done) * self.spacing.per_pkt
         pto = cl.probe_timeout(self.spacing.per_pkt) if self.drained else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .gro import copy_bytes
 from .wire import OFFSET, Flag, MsgType, slot_of_chunk
 
 _MSG_TYPE, _FLAGS, _JOB, _SLOT = OFFSET["msg_type"], OFFSET["flags"], OFFSET["job"], OFFSET["slot"]
@@ -98,3 +99,33 @@ def fill_headers(pkts, rows, chunks, c0, modulus, slots, exps_in, count, element
         _put16(row, _FLAGS, 0)
         if elements:
             _put16(row, _COUNT, min(elements, count - c * elements))
+
+
+@njit(cache=True)
+def round_trips(jj, tries, sent_at, now, scratch):
+    """Karn's rule over a burst of fresh results of chunks ``jj``: the round trips ``now - sent_at`` of
+    the chunks never resent. Returns (how many, the fastest, the median: the mean of the two middle
+    ones when even) and whether any chunk of the burst was resent; ``scratch`` holds at least
+    ``jj.size`` floats."""
+    m = 0
+    resent = False
+    for q in range(jj.size):
+        j = jj[q]
+        if tries[j] == 0:
+            scratch[m] = now - sent_at[j]
+            m += 1
+        else:
+            resent = True
+    if m == 0:
+        return 0, 0.0, 0.0, resent
+    r = np.sort(scratch[:m])
+    return m, r[0], (r[(m - 1) // 2] + r[m // 2]) / 2, resent
+
+
+@njit(cache=True)
+def copy_rows(dst, dst_rows, at, src, src_rows):
+    """``dst[dst_rows[q], at:at + w] = src[src_rows[q]]`` for every q, one memcpy a row (C-contiguous
+    uint8 arrays; ``w``: the width of ``src``'s rows)."""
+    w = src.shape[1]
+    for q in range(dst_rows.size):
+        copy_bytes(dst, dst_rows[q] * dst.shape[1] + at, src, src_rows[q] * w, w)

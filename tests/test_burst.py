@@ -195,6 +195,48 @@ def test_gro_rows_equal_per_datagram_receive(burst):
 
 
 @gro_only
+@pytest.mark.parametrize("burst", [5, 64])
+def test_gro_into_rows_of_64k_equals_per_datagram_receive(burst):
+    """Rows of 64 kB are received into straight (no landing copy) while nothing is coalesced. The
+    same datagrams and order as a ring without GRO, whatever the mix: first single datagrams, then GSO
+    messages (cut in place, or landed when they do not fit the burst's rows), then single datagrams
+    again, after which the ring receives straight into its rows again."""
+    big = B.GRO_MAX_MESSAGE
+    sender = B.udp_socket("127.0.0.1", 0)
+    rx = {gro: B.udp_socket("127.0.0.1", 0) for gro in (True, False)}
+    rings = {gro: B.RxRing(s, burst=burst, stride=big, gro=gro) for gro, s in rx.items()}
+    assert rings[True].gro and rings[True].direct_receives == 0
+    buf = _packets(48, 1500, seed=6)
+    lens = np.array([1500] * 6 + [1000] * 9 + [333] + [1400] * 20 + [7, 0] + [1200] * 12)
+    phases = [(slice(0, 6), False), (slice(6, 38), True), (slice(38, 48), False)]   # (rows, GSO)
+    got = {True: [], False: []}
+    for rows, gso in phases:
+        direct_before = rings[True].direct_receives
+        for gro, s in rx.items():
+            B.set_recv_timeout(s, 2.0)
+            addr = B.sockaddr("127.0.0.1", s.getsockname()[1])
+            r = np.arange(48)[rows]
+            if gso:
+                B.TxBatch(sender, capacity=64, gso=True).send(buf, r, lens[rows], addr, 0)
+            else:          # one datagram a message, a few receives apart: the ring calms down
+                for i in r:
+                    sender.sendto(buf[i, : lens[i]].tobytes(), ("127.0.0.1", s.getsockname()[1]))
+                    got[gro] += _rows_of(rings[gro], 1)
+            if gso:
+                got[gro] += _rows_of(rings[gro], r.size)
+        if gso:
+            assert rings[True].direct_receives - direct_before == 1     # then it lands messages again
+    want = [buf[r, : lens[r]].tobytes() for r in range(48)]
+    for gro in (True, False):
+        assert [b for b, _ in got[gro]] == want
+        assert {p for _, p in got[gro]} == {sender.getsockname()[1]}
+    ring = rings[True]
+    assert ring.packets == 48 and ring.messages < 48                   # the kernel coalesced
+    # single datagrams straight into rows: all of the first phase, and the last phase's once calm again
+    assert ring.direct_receives >= 6 + 1 + (10 - B.DIRECT_AFTER)
+
+
+@gro_only
 def test_gro_marks_a_datagram_longer_than_a_row_truncated():
     """As without GRO: a datagram longer than the ring's rows reads as stride + 1 bytes (the caller's
     sign of truncation); its neighbours in the same coalesced message are intact."""
@@ -271,3 +313,40 @@ def test_gro_receive_fills_the_burst_from_more_messages_than_it_lands_at_once():
     assert B.GRO_LANDING < 64
     assert ring.recv(wait=True) == 64 and ring.recv(wait=False) == 36
     assert [int(b) for b in ring.buf[:36, 0]] == list(range(64, 100))
+
+
+# ------------------------------------------------------------------------------------------------
+# the client's compiled per-burst steps
+# ------------------------------------------------------------------------------------------------
+def test_copy_rows_puts_each_code_row_after_the_header_of_its_ring_row():
+    """Codes go into the payload of the named ring rows only: headers and other rows untouched."""
+    from ina import stream_kernels as SK
+    from ina.wire import HEADER_SIZE, PayloadType, payload_view
+    rng = np.random.default_rng(8)
+    ring = rng.integers(0, 256, (10, HEADER_SIZE + 64 + 4), dtype=np.uint8)     # a trailer after the payload
+    before = ring.copy()
+    codes = rng.integers(0, 256, (6, 64), dtype=np.uint8)
+    rows, src = np.array([7, 2, 9]), np.array([5, 0, 3])
+    SK.copy_rows(ring, rows, HEADER_SIZE, codes, src)
+    assert np.array_equal(payload_view(ring, PayloadType.NC8, 64)[rows], codes[src])
+    assert np.array_equal(ring[:, :HEADER_SIZE], before[:, :HEADER_SIZE])
+    assert np.array_equal(ring[:, HEADER_SIZE + 64:], before[:, HEADER_SIZE + 64:])
+    others = np.setdiff1d(np.arange(10), rows)
+    assert np.array_equal(ring[others], before[others])
+
+
+@pytest.mark.parametrize("tries", [[0, 0, 0, 0, 0], [0, 1, 0, 0, 2], [0, 1, 0, 0, 0], [3, 1, 2, 1, 1]])
+def test_round_trips_follow_karns_rule(tries):
+    """Round-trip samples come only from chunks never resent: count, fastest and median (the mean of
+    the middle two when even) of those, and whether the burst held a resent chunk."""
+    from ina import stream_kernels as SK
+    sent_at = np.array([0.5, 0.1, 0.7, 0.3, 0.2, 0.9])
+    tries_all = np.zeros(6, np.int64)
+    jj = np.array([4, 1, 0, 3, 2])
+    tries_all[jj] = tries
+    m, fastest, median, resent = SK.round_trips(jj, tries_all, sent_at, 1.0, np.zeros(8))
+    first = jj[tries_all[jj] == 0]
+    assert m == first.size and resent == bool(tries_all[jj].any())
+    if m:
+        rtts = np.sort(1.0 - sent_at[first])
+        assert fastest == rtts[0] and median == np.median(rtts)
