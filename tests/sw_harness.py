@@ -204,6 +204,9 @@ def join_all(port: int, job: int, n: int, **kw) -> list:
     return out
 
 
+START_BOUND = 180.0      # seconds for a job's worker processes to start (sw_worker.py waits 120 s for its peers)
+
+
 class Workers:
     """``n`` worker processes of one job, each running ``tests/sw_worker.py`` on a spec file."""
 
@@ -243,8 +246,19 @@ class Workers:
     def log(self, r: int) -> str:
         return Path(str(self.files[r]) + ".log").read_text(errors="replace")
 
+    def started(self) -> bool:
+        """Every worker has started (imported what it needs; its ``.up`` marker exists) or has exited."""
+        return all(p.poll() is not None or Path(str(self.files[r]) + ".up").exists() for r, p in self.procs.items())
+
     def wait(self, timeout: float = 60.0, check: bool = True) -> dict:
-        """Wait for every worker (bounded); return {rank: meta dict} with meta["results"] arrays."""
+        """Wait for every worker (bounded); return {rank: meta dict} with meta["results"] arrays.
+        ``timeout`` bounds the job's work, counted once every rank has started: interpreter start-up
+        (numpy, numba, torch: tens of seconds on a starved machine) has its own bound, START_BOUND."""
+        try:
+            wait_until(self.started, START_BOUND, f"{self.name}'s {len(self.procs)} ranks to start")
+        except AssertionError:
+            self.kill()
+            raise
         deadline = time.monotonic() + timeout
         out = {}
         for r, p in self.procs.items():
