@@ -56,6 +56,10 @@ def main(spec_path: str) -> int:
     progress = open(spec["progress"], "a")
     client = None
     try:
+        if any(op.get("kind") == "torch" for op in spec["ops"]):
+            # before the join: a rank importing torch after it (seconds of CPU, tens of seconds on a loaded
+            # machine) kept its peers' first allreduce waiting that long, retransmitting on their timers
+            import torch  # noqa: F401
         if spec.get("up"):             # join together once every rank of the job has started (imported)
             Path(spec["meta"].removesuffix(".json") + ".up").touch()
             wait_for_files(spec["up"], 120, "the other ranks to start")
@@ -63,8 +67,7 @@ def main(spec_path: str) -> int:
                         job=spec["job"], **spec["client"])
         meta["joined_at"] = time.time()
         meta["job_info"] = request("127.0.0.1", spec["port"], {"op": "stats"})["stats"]["jobs"].get(str(spec["job"]))
-        if any(op.get("kind") == "torch" for op in spec["ops"]):
-            import torch  # noqa: F401 - imported before the start line, not during the first allreduce
+        modules_at_join = set(sys.modules)
         if spec.get("start_file"):     # a start line shared with other jobs (bounded wait)
             Path(spec["meta"] + ".joined").touch()
             wait_for_files([spec["start_file"]], 60, "the start line")
@@ -80,6 +83,8 @@ def main(spec_path: str) -> int:
                     results.append(to_f32(t))
                 progress.write(f"{it} {time.time()}\n")
                 done_ops = len(results) if spec.get("keep_results", True) else None
+                if "imported_after_join" not in meta:       # between the join and the first result
+                    meta["imported_after_join"] = sorted(set(sys.modules) - modules_at_join)
                 if done_ops == spec.get("warmup_ops"):      # counters once the warm-up ops are done
                     meta["stats_after_warmup"] = client.stats.as_dict()
                 progress.flush()

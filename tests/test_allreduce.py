@@ -80,6 +80,10 @@ def test_bfp32_bit_identical_to_numpy_reference(switch, tmp_path, n, ops):
     ops = [{"codec": "bfp32", **op} for op in ops]
     out = Workers(tmp_path, switch.port, n, job=100 + n, ops=ops, client=CLIENT).wait(timeout=90)
     check_bfp(ops, out, n)
+    # nothing imported between a rank's join and its first result (no module loaded by the first
+    # allreduce, no import of the worker's): a rank busy importing keeps its peers' first round waiting
+    late = {r: sorted({name.split(".")[0] for name in m["imported_after_join"]}) for r, m in out.items()}
+    assert not any(late.values()), f"packages imported between the join and the first result, by rank: {late}"
     # every rank read back the same multicast results
     for i in range(len(ops)):
         assert all(np.array_equal(bits(out[0]["results"][i]), bits(out[r]["results"][i])) for r in out)
