@@ -158,7 +158,8 @@ def main(argv=None):
         q.add_argument("--bind", default="0.0.0.0")
         q.add_argument("--port", type=int, required=True)
         q.add_argument("--timeout", type=float, default=30.0)
-        q.add_argument("--idle", type=float, default=0.5)
+        q.add_argument("--idle", type=float, default=2.0,
+                       help="udp-recv: seconds without a datagram that end the transfer when its end marker was lost (a starved sender can pause for most of a second)")
     for name in ("tcp-send", "udp-send"):
         q = sub.add_parser(name)
         q.add_argument("--to", required=True)
