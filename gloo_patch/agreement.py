@@ -220,10 +220,16 @@ class Rounds:
     def wait(handle, timeout: float) -> torch.Tensor | None:
         """The summed vector, or None if the round did not complete within ``timeout`` seconds (then this rank
         gives it up: the callers raise)."""
+        rows = Rounds.rows(handle, timeout)
+        return None if rows is None else torch.from_numpy(rows.sum(axis=0))
+
+    @staticmethod
+    def rows(handle, timeout: float):
+        """Every rank's vector (a numpy int64 array, one row per rank), or None as :meth:`wait`."""
         rounds, k = handle
         return rounds.read(k, timeout)
 
-    def read(self, k: int, timeout: float) -> torch.Tensor | None:
+    def read(self, k: int, timeout: float):
         import datetime  # noqa: PLC0415
         import numpy as np  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
@@ -251,7 +257,7 @@ class Rounds:
             for j in range(self.deleted_up_to + 1, done + 1):
                 reader.delete_key(self.key(j, self.rank))
             self.deleted_up_to = max(self.deleted_up_to, done)
-        return torch.from_numpy(rows[:, 1:].sum(axis=0))
+        return rows[:, 1:]
 
     def close(self) -> None:
         self.store = self.reader = None     # rank 0: the server goes with it, and the other ranks' reads end

@@ -1,0 +1,95 @@
+"""The agreement rounds on rank 0's TCPStore (``gloo_patch.agreement.Rounds``), with a real store and one
+``Rounds`` per rank (ranks as threads of this process: the store's clients are real TCP connections).
+
+What the Horovod backend and the DDP hook rely on: the k-th round a rank starts pairs with the k-th round of
+every other rank, whatever the order and timing of the starts and reads; each rank reads every rank's vector
+(summed for Horovod); a round not every rank started gives None within the bound (no hang); the store keeps
+only the rounds in flight, not one key per round ever started; a closed ``Rounds`` refuses to read.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from gloo_patch import agreement
+
+TIMEOUT = 30.0     # generous: every wait below returns as soon as the rounds complete
+
+
+def make_ranks(size: int) -> list[agreement.Rounds]:
+    store = agreement.Rounds.serve(size, TIMEOUT)
+    others = [agreement.Rounds.reach("127.0.0.1", store.port, size, TIMEOUT) for _ in range(size - 1)]
+    return [agreement.Rounds(s, r, size, TIMEOUT) for r, s in enumerate([store, *others])]
+
+
+def vector(rank: int, k: int) -> torch.Tensor:
+    v = torch.zeros(agreement.LENGTH, dtype=torch.int64)
+    v[0], v[1], v[2] = 1, 1000 * k + rank, rank * rank
+    return v
+
+
+def test_rounds_pair_by_number_and_sum_every_rank():
+    ranks = make_ranks(3)
+    rounds, errors = 40, []
+    sums: dict = {r: [] for r in range(3)}
+
+    def run(r: int, rounds_obj: agreement.Rounds):
+        try:
+            # start several rounds before reading any (as buckets are sealed while the worker streams),
+            # each rank with its own lag between starts and reads
+            pending = []
+            for k in range(1, rounds + 1):
+                pending.append(rounds_obj.start(vector(r, k)))
+                if len(pending) > r + 1:
+                    sums[r].append(agreement.Rounds.wait(pending.pop(0), TIMEOUT))
+            sums[r].extend(agreement.Rounds.wait(h, TIMEOUT) for h in pending)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r, x)) for r, x in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * TIMEOUT)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for r in range(3):
+        assert len(sums[r]) == rounds
+        for k, total in enumerate(sums[r], start=1):
+            assert total.tolist()[:3] == [3, 3000 * k + 3, 5]     # ranks 0+1+2 of round k, nothing else
+    # the rows themselves, for the DDP hook: one per rank, in rank order
+    hs = [x.start(vector(r, 99)) for r, x in enumerate(ranks)]
+    rows = agreement.Rounds.rows(hs[1], TIMEOUT)
+    assert rows.shape == (3, agreement.LENGTH) and rows[:, 1].tolist() == [99000, 99001, 99002]
+    # a rank's key goes once every rank has read its round (as each rank's next start says): the store holds
+    # keys for the rounds in flight (here a rank lags up to 3 rounds; the bound allows twice that, plus the
+    # last rounds), not one per rank for each of the 41 rounds started
+    assert ranks[0].store.num_keys() <= 3 * (2 * 3 + 2)
+    for x in ranks:
+        x.close()
+
+
+def test_a_round_not_every_rank_starts_gives_none_within_the_bound():
+    ranks = make_ranks(2)
+    mine = ranks[0].start(vector(0, 1))
+    assert agreement.Rounds.wait(mine, 0.5) is None      # rank 1 never started round 1
+    # the rounds after it still pair up by number
+    late = ranks[1].start(vector(1, 1))
+    h0, h1 = ranks[0].start(vector(0, 2)), ranks[1].start(vector(1, 2))
+    assert agreement.Rounds.wait(late, TIMEOUT).tolist()[1] == 1001 + 1000
+    assert agreement.Rounds.wait(h0, TIMEOUT).tolist()[1] == agreement.Rounds.wait(h1, TIMEOUT).tolist()[1] == 4001
+    for x in ranks:
+        x.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        agreement.Rounds.wait(h0, TIMEOUT)
+
+
+def test_vectors_keep_int64_range():
+    ranks = make_ranks(2)
+    big = torch.full((agreement.LENGTH,), (1 << 40) - 1, dtype=torch.int64)
+    hs = [x.start(big) for x in ranks]
+    assert np.array_equal(agreement.Rounds.wait(hs[0], TIMEOUT).numpy(), (big * 2).numpy())
+    for x in ranks:
+        x.close()
