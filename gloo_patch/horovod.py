@@ -124,7 +124,7 @@ class _HorovodIna(HorovodNative):
         self.rounds = 0
         # where the worker's time goes (seconds, since init): waiting for agreement rounds, the switch
         # allreduces (fuse, stream, unfuse), Horovod's own allreduces; and the worker thread's CPU
-        self.seconds = {"agreement_wait": 0.0, "switch": 0.0, "native": 0.0, "worker_cpu": 0.0}
+        self.seconds = {"agreement_wait": 0.0, "switch": 0.0, "native": 0.0, "worker_cpu": 0.0, "agreement_cpu": 0.0}
         self.switch_failed = False   # an allreduce through the switch failed: the client is latched broken
         # (sealed, started, finished, worker CPU s, 0) per bucket, time.perf_counter(): as the DDP lane's timeline
         self.timeline: collections.deque = collections.deque(maxlen=4096)
@@ -339,9 +339,10 @@ class _HorovodIna(HorovodNative):
     def _decide(self, batch, started):
         """Wait for the batch's agreement round (``started``: its handle): (the handles decided now, {name: why
         it goes to Horovod's allreduce}, the agreement)."""
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.thread_time()
         total = self._round_result(started, "the agreement round")
         self.seconds["agreement_wait"] += time.perf_counter() - t0
+        self.seconds["agreement_cpu"] += time.thread_time() - cpu
         ag = agreement.read(total)
         self.rounds += 1
         batch = sorted(batch, key=lambda h: (h.name, h.seq))
