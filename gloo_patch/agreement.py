@@ -159,9 +159,9 @@ def address_from_ints(v: list[int]) -> tuple[int, str, int]:
 class Rounds:
     """The agreement rounds of one Horovod job, on a ``TCPStore`` that rank 0 serves (:meth:`serve`; the caller
     hands its address and port to the others through Horovod's broadcast). Round k is one key per rank,
-    ``r<k>/<rank>``: a rank starts it by writing its vector there (one request, from the thread that seals the
-    bucket) and reads it by fetching every rank's key (one request that waits until all are written, from the
-    worker) and adding them up. A round is started when a bucket is sealed and read when the worker reaches that
+    ``r<k>/<rank>``: a rank starts it by writing its vector there (one request, made by a writer thread: the
+    thread that seals the bucket only queues it) and reads it by fetching every rank's key (one request that
+    waits until all are written, from the worker) and adding them up. A round is started when a bucket is sealed and read when the worker reaches that
     bucket, so its latency hides behind the buckets before it. Rounds pair up across ranks by their number: the
     k-th round each rank starts. Each value also carries how many rounds its writer had read (all of them, in
     order); a rank deletes its own key of a round once every rank has said it read that round, so the store
@@ -175,10 +175,17 @@ class Rounds:
     def __init__(self, store, rank: int, size: int, timeout: float):
         import threading  # noqa: PLC0415
 
+        import queue  # noqa: PLC0415
+
         self.rank, self.size, self.timeout = rank, size, timeout
-        self.store = store                # starts: a set, from the sealing thread (under the caller's lock)
+        self.store = store                # starts: a set each, by the writer thread
         # reads wait in the store; a client blocked in a wait holds its connection, so the reads get their own
         self.reader = store.clone()
+        # a start is a request to rank 0's store: the thread that seals a bucket (backward's) only queues it,
+        # so it never waits for the store's thread to be scheduled on a busy machine
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self._write, name="ina-agree-writer", daemon=True)
+        self.writer.start()
         self.lock = threading.Lock()      # the counters
         self.reading = threading.Lock()   # the reader (a read may wait: starts must not wait behind it)
         self.started = 0                  # rounds started here
@@ -213,8 +220,15 @@ class Rounds:
         with self.lock:
             self.started += 1
             k, read = self.started, self.read_up_to
-        self.store.set(self.key(k, self.rank), np.concatenate([[read], vector.numpy()]).astype(np.int64).tobytes())
+        self.outbox.put((self.key(k, self.rank), np.concatenate([[read], vector.numpy()]).astype(np.int64).tobytes()))
         return self, k
+
+    def _write(self) -> None:
+        while (item := self.outbox.get()) is not None:
+            try:
+                self.store.set(*item)
+            except Exception:  # noqa: BLE001 - the store is gone (shut down): the reads fail and say so
+                return
 
     @staticmethod
     def wait(handle, timeout: float) -> torch.Tensor | None:
@@ -260,4 +274,6 @@ class Rounds:
         return rows[:, 1:]
 
     def close(self) -> None:
+        self.outbox.put(None)
+        self.writer.join(self.timeout)      # the starts already queued are written first
         self.store = self.reader = None     # rank 0: the server goes with it, and the other ranks' reads end
