@@ -23,6 +23,8 @@ the framework's own error on every rank). A bucket shared by two names only send
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -161,9 +163,9 @@ class Rounds:
     hands its address and port to the others through Horovod's broadcast). Round k is one key per rank,
     ``r<k>/<rank>``: a rank starts it by writing its vector there (one request, made by a writer thread: the
     thread that seals the bucket only queues it) and reads it by fetching every rank's key (one request that
-    waits until all are written, from the worker) and adding them up. A round is started when a bucket is sealed and read when the worker reaches that
-    bucket, so its latency hides behind the buckets before it. Rounds pair up across ranks by their number: the
-    k-th round each rank starts. Each value also carries how many rounds its writer had read (all of them, in
+    waits until all are written, from the worker) and adding them up. A round is started when a bucket is
+    sealed and read when the worker reaches that bucket, so its latency hides behind the buckets before it.
+    Rounds pair up across ranks by their number: the k-th round each rank starts. Each value also carries how many rounds its writer had read (all of them, in
     order); a rank deletes its own key of a round once every rank has said it read that round, so the store
     holds only the rounds in flight.
 
@@ -173,10 +175,6 @@ class Rounds:
     2 ranks on loopback, load average about 10). On two cores that CPU is taken from backward."""
 
     def __init__(self, store, rank: int, size: int, timeout: float):
-        import threading  # noqa: PLC0415
-
-        import queue  # noqa: PLC0415
-
         self.rank, self.size, self.timeout = rank, size, timeout
         self.store = store                # starts: a set each, by the writer thread
         # reads wait in the store; a client blocked in a wait holds its connection, so the reads get their own
