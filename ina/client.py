@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import burst as B
-from . import compression, lifetime, staging
+from . import chunk_encoding, compression, lifetime, staging
 from . import sparse as sparse_mod
 from . import stream_kernels as SK
 from .compression.base import ScaleContext
@@ -221,10 +221,10 @@ class Client(Worker):
         return tensor
 
     def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False) -> np.ndarray:
-        """Encode, stream and decode, pipelined: a block of ``slots`` chunks is encoded when its first
-        chunk is about to be sent, and each burst of results is decoded as it arrives, so the codec's
-        CPU time overlaps the link time instead of adding to it. Codecs with error feedback encode the
-        tensor as one block (their residual is kept per key for the whole tensor)."""
+        """Encode, stream and decode, pipelined: chunks are encoded into their packets as they are sent
+        (:mod:`ina.chunk_encoding`: one by one for nc and bfp32, else a block of ``slots`` chunks when its
+        first is sent) and each burst of results is decoded as it arrives, so the codec's CPU time
+        overlaps the link time instead of adding to it."""
         n, E, S = x32.size, self.elements, self.slots
         n_chunks = max(1, math.ceil(n / E))
         block = n_chunks if kw else S                      # chunks per encoding block
@@ -235,17 +235,6 @@ class Client(Worker):
         out2d = out.reshape(n_chunks, E)
         tl = self._timeline
 
-        def encode_block(b: int) -> np.ndarray:
-            t = time.perf_counter()
-            lo, hi = b * block * E, min(n, (b + 1) * block * E)
-            codes = c.encode_shared(x32[lo:hi], ctx.from_element(lo), **kw)
-            rows = math.ceil((hi - lo) / E)
-            if codes.size != rows * E:                     # the last chunk is zero-padded
-                codes = np.concatenate([codes, np.zeros(rows * E - codes.size, codes.dtype)])
-            if tl:
-                tl.encode_s += time.perf_counter() - t
-            return codes.reshape(rows, E)
-
         def decode(chunks: np.ndarray, payload: np.ndarray, which: np.ndarray | None = None) -> None:
             t = time.perf_counter()
             c.decode_sum_into(payload, ctx, raw, out2d, chunks, which)
@@ -255,6 +244,11 @@ class Client(Worker):
                 tl.results += chunks.size
 
         streams = None
+        if c.encodes_rows and not kw and not sparse:
+            encoder = chunk_encoding.RowEncoder(c, x32, ctx, E, tl)
+        else:
+            encode_block = chunk_encoding.encode_block_fn(c, x32, ctx, kw, E, block, tl)
+            encoder = chunk_encoding.BlockEncoder(encode_block, block)
         if sparse:        # every chunk's codes first: a worker announces its next non-zero chunk
             codes = np.concatenate([encode_block(b) for b in range(math.ceil(n_chunks / block))])
             zero = c.decode_sum(sparse_mod.zero_sums(res_type, E), ctx, raw=raw)    # an all-zero chunk's sum
@@ -263,9 +257,9 @@ class Client(Worker):
                 out2d[chunks] = zero
             streams = functools.partial(sparse_mod.SparseStream, codes=codes, streams=S, modulus=self.chunk_modulus,
                                         ptype=ptype, result_type=res_type, fill_zero=fill_zero)
-            encode_block = sparse_mod.encoded_blocks(codes, block)      # the codes are ready
-        self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n,
-                     encode_block=encode_block, block=block, decode=decode, sparse=streams)
+            encoder = chunk_encoding.BlockEncoder(sparse_mod.encoded_blocks(codes, block), block)   # codes ready
+        self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n, encoder=encoder,
+                     decode=decode, sparse=streams)
         return out[:n]
 
     # ----------------------------------------------------------------------------------------------
@@ -275,12 +269,12 @@ class Client(Worker):
         return self._next_chunk
 
     def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
-                count: int = 0, encode_block=None, block: int = 1, decode=None, sparse=None):
+                count: int = 0, encoder=None, decode=None, sparse=None):
         """Send ``n_chunks`` chunks through the job's slots and collect their results.
 
         Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
-        holds the switch's maxima. With payload, ``encode_block(b)`` gives the codes of chunks
-        ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads, which)`` takes each burst
+        holds the switch's maxima. With payload, ``encoder.load(...)`` writes new chunks' codes into
+        their ring rows (:mod:`ina.chunk_encoding`), and ``decode(chunk_ids, payloads, which)`` takes each burst
         of results (``payloads[which]``: their payload rows; which None: all rows, in order). Packets
         live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is done, which is
         sent only after c is done, so a row is never reused while its chunk is pending.
@@ -289,8 +283,8 @@ class Client(Worker):
         """
         c0 = self._next_chunk
         self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
-        return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encode_block, block,
-                         decode, sparse(c0) if sparse else None).run()
+        return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
+                         sparse(c0) if sparse else None).run()
 
     def _rtt_sample(self, r: float) -> None:
         if self.srtt is None:
@@ -388,7 +382,7 @@ class _Transfer:
     """One :meth:`Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
 
     def __init__(self, cl: Client, c0: int, n_chunks: int, ptype: PayloadType, codec_id: int, exponent,
-                 result_type: PayloadType, count: int, encode_block, block: int, decode, sparse=None):
+                 result_type: PayloadType, count: int, encoder, decode, sparse=None):
         self.cl, self.c0, self.n_chunks = cl, c0, n_chunks
         self.sparse = sparse          # an ina.sparse.SparseStream: chunks zero everywhere are skipped
         self.E = E = cl.elements if ptype != PayloadType.NONE else 0
@@ -405,9 +399,7 @@ class _Transfer:
         hv["payload_type"] = int(ptype)
         self.pv = payload_view(self.pkts, ptype, E) if E else None
         self.exps_in = np.asarray(exponent, np.int64).reshape(-1)     # one per chunk, or one for all
-        self.count, self.encode_block, self.block, self.decode = count, encode_block, block, decode
-        self.blocks: dict[int, np.ndarray] = {}
-        self.left_in_block: dict[int, int] = {}
+        self.count, self.encoder, self.decode = count, encoder, decode
         self.result_type = result_type
         self.res_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E
         self.exps = np.zeros(n_chunks, np.int64)
@@ -433,24 +425,7 @@ class _Transfer:
         rows = chunks % self.R
         SK.fill_headers(self.pkts, rows, chunks, self.c0, self.cl.chunk_modulus, self.S, self.exps_in, self.count, E)
         if E:
-            bs = chunks // self.block
-            lo, hi = int(bs.min()), int(bs.max())
-            for b in range(lo, hi + 1) if hi > lo else (lo,):
-                sel = slice(None) if hi == lo else bs == b       # one block: no mask
-                here = chunks[sel]
-                if not here.size:
-                    continue
-                if b not in self.blocks:
-                    self.blocks[b] = self.encode_block(b)
-                    self.left_in_block[b] = self.blocks[b].shape[0]
-                codes = self.blocks[b]
-                if codes.dtype.itemsize == 1 and codes.flags.c_contiguous:    # a memcpy a row, no temporary
-                    SK.copy_rows(self.pkts, rows[sel], HEADER_SIZE, codes.view(np.uint8), here - b * self.block)
-                else:                                  # byte order of the wire
-                    self.pv[rows[sel]] = codes[here - b * self.block]
-                self.left_in_block[b] -= here.size
-                if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
-                    del self.blocks[b], self.left_in_block[b]
+            self.encoder.load(self.pkts, self.pv, rows, chunks)
         if self.sparse:
             self.cl.stats.sparse_header_only += self.sparse.load(self.pkts, self.hv, rows, chunks)
         return rows

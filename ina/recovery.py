@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import recovery_kernels as RK
+
 DUPTHRESH = 3          # later results that mark a chunk lost (TCP's three duplicate ACKs)
 REO_FLOOR = 5e-4       # seconds a chunk may trail a later one before it counts as lost (reordering)
 FAST, PROBE, TIMEOUT = 1, 2, 3   # the rule of a chunk's last resend (LossDetector.rule; 0: never resent)
@@ -75,32 +77,26 @@ class LossDetector:
         """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the
         chunk went out here later than at the peers (its send waited for a replay of a result this rank
         lost), so its result may come back before those of chunks sent here earlier without a loss."""
-        k = len(chunks)
-        self.unsent -= int(np.count_nonzero(self.seq[chunks] == 0))
-        self.witness[chunks] = witness
+        chunks = np.asarray(chunks, np.int64)
         if self._next_seq == 1:
             self.last_arrival = self.probe_base = now
-        self.sent_at[chunks] = now
-        self.seq[chunks] = np.arange(self._next_seq, self._next_seq + k)
-        self.later[chunks] = 0
-        self._next_seq += k
+        w = np.asarray(witness, bool).reshape(-1)
+        self.unsent -= RK.mark_sent(chunks, now, w, w.size == 1, self._next_seq, self.sent_at, self.seq, self.later,
+                                    self.witness)
+        self._next_seq += len(chunks)
 
     def pending(self, low: int, high: int, done: np.ndarray) -> np.ndarray:
         """Chunks in ``low..high`` that were sent and have no result yet. A chunk of the window can be
         unsent while a later one went out: chunk c + S is sent once c is done, in any order."""
-        w = slice(low, high + 1)
-        return low + np.flatnonzero(~done[w] & (self.seq[w] > 0))
+        return RK.pending_chunks(low, high, done, self.seq)
 
     def delivered(self, chunks: np.ndarray, pending: np.ndarray, now: float) -> None:
         """Results of ``chunks`` arrived; count them against every still ``pending`` chunk sent before."""
         self.last_arrival = self.probe_base = now
         self.probes = 0
         # a resent chunk's result may answer its first send: it says nothing of the order (Karn's ambiguity)
-        chunks = chunks[(self.tries[chunks] == 0) & self.witness[chunks]]
-        if not (len(chunks) and len(pending)):
-            return
-        arrived = np.sort(self.seq[chunks])
-        self.later[pending] += arrived.size - np.searchsorted(arrived, self.seq[pending], side="right")
+        RK.count_later(np.asarray(chunks, np.int64), np.asarray(pending, np.int64), self.seq, self.tries, self.witness,
+                       self.later)
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
              pto: float | None = None, rttvar: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -146,6 +146,9 @@ class Codec:
     #: and encode_shared take ``key=`` (see :meth:`key_argument`); ``error_feedback`` says whether it is on
     keeps_residuals: ClassVar[bool] = False
     error_feedback: bool = False
+    #: can :meth:`encode_rows` encode any chunk of a tensor alone, straight into a packet (codes that are
+    #: elementwise, their random stream positioned by element)?
+    encodes_rows: ClassVar[bool] = False
 
     def __init__(self, seed: int | None = 0):
         self._rng = np.random.default_rng(seed)
@@ -272,6 +275,15 @@ class Codec:
 
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
+
+    def encode_rows(self, x32: np.ndarray, ctx: ScaleContext, dst: np.ndarray, rows: np.ndarray, chunks: np.ndarray,
+                    at: int, elements: int) -> None:
+        """:meth:`encode_shared` of the whole tensor ``x32``, cut into chunks of ``elements``, but only
+        chunks ``chunks`` and each straight into its packet: chunk ``chunks[q]``'s codes, in wire byte
+        order and zero-padded past the tensor's end, go to ``dst[rows[q], at:]`` (``dst``: a 2-D
+        C-contiguous uint8 packet ring). The same codes, bit for bit, without an encoded copy of the
+        tensor. Only for codecs with ``encodes_rows``."""
+        raise NotImplementedError(f"codec {self.name!r} encodes whole blocks (encode_shared), not single chunks")
 
     def decode_sum(self, payload: np.ndarray, ctx: ScaleContext, raw: bool) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
