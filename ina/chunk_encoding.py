@@ -4,9 +4,9 @@ One interface, ``load(pkts, pv, rows, chunks)``: the codes of ``chunks`` (positi
 chunks) into the payloads of ring ``rows`` (``pkts``: the ring, ``pv``: its payload view in wire
 byte order), in wire byte order, the tensor's last chunk zero-padded. Two ways:
 
-* :class:`RowEncoder`, for codecs with ``encodes_rows`` (nc, bfp32): each chunk is encoded straight
+* :class:`RowEncoder`, for codecs with ``encodes_rows`` (nc, nc-det): each chunk is encoded straight
   into its ring row when it is loaded (``Codec.encode_rows``), a burst of chunks in one compiled
-  call: no encoded copy of the tensor, no copy into the ring, no byte swap afterwards;
+  call: no encoded copy of the tensor, no copy into the ring;
 * :class:`BlockEncoder`, for the others: a block of chunks is encoded at a time
   (``Codec.encode_shared`` with the block's random stream, ``ScaleContext.from_element``) just
   before its first chunk is sent, and each chunk's codes are copied into its row. Codecs with error
@@ -84,3 +84,45 @@ class BlockEncoder:
             self.left_in_block[b] -= here.size
             if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
                 del self.blocks[b], self.left_in_block[b]
+
+
+class ChunkOutput:
+    """Where the streaming client decodes results: straight into the tensor's flat float32 host array
+    ``x32`` (the caller's own memory for a contiguous float32 array or CPU tensor, else its host copy),
+    so that no result array is written back afterwards. Chunk j's elements are read (encoded) before
+    chunk j is first sent, so its result may overwrite them; the tensor's last chunk, when partial,
+    goes through a one-row scratch. A read-only ``x32`` gets a result array of its own."""
+
+    def __init__(self, x32: np.ndarray, elements: int, n_chunks: int):
+        E, n = elements, x32.size
+        self.flat = x32 if x32.flags.writeable else np.empty(n, np.float32)
+        self.full = n // E                              # whole chunks
+        self.rows = self.flat[:self.full * E].reshape(self.full, E)
+        self.tail = np.empty((1, E), np.float32) if self.full < n_chunks else None
+
+    def decode(self, decode_into, chunks: np.ndarray, payload: np.ndarray, which: np.ndarray | None) -> None:
+        """``decode_into(payload, out_rows, chunks, which)`` (Codec.decode_sum_into's order) of ``chunks``."""
+        if self.tail is None:
+            return decode_into(payload, self.rows, chunks, which)
+        last = chunks == self.full
+        if not last.any():
+            return decode_into(payload, self.rows, chunks, which)
+        at = np.flatnonzero(last)
+        keep = ~last
+        which = np.arange(chunks.size) if which is None else which
+        if keep.any():
+            decode_into(payload, self.rows, chunks[keep], which[keep])
+        decode_into(payload, self.tail, np.zeros(1, np.int64), which[at[:1]])
+        self._tail_out()
+
+    def fill(self, chunks: np.ndarray, value: np.ndarray) -> None:
+        """Chunks ``chunks`` get the decoded sum ``value`` (a row: sparse streaming's all-zero chunk)."""
+        last = chunks == self.full
+        self.rows[chunks[~last]] = value
+        if last.any():
+            self.tail[0] = value
+            self._tail_out()
+
+    def _tail_out(self) -> None:
+        lo = self.full * self.rows.shape[1] if self.full else 0
+        self.flat[lo:] = self.tail[0, :self.flat.size - lo]

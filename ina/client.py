@@ -222,7 +222,7 @@ class Client(Worker):
 
     def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False) -> np.ndarray:
         """Encode, stream and decode, pipelined: chunks are encoded into their packets as they are sent
-        (:mod:`ina.chunk_encoding`: one by one for nc and bfp32, else a block of ``slots`` chunks when its
+        (:mod:`ina.chunk_encoding`: one by one for nc, else a block of ``slots`` chunks when its
         first is sent) and each burst of results is decoded as it arrives, so the codec's CPU time
         overlaps the link time instead of adding to it."""
         n, E, S = x32.size, self.elements, self.slots
@@ -231,13 +231,15 @@ class Client(Worker):
         ptype = c.uplink_type(ctx)                         # INT8_NARROW when the sum fits int8
         res_type = c.result_type(ctx, raw=self.raw)
         raw = self.raw or res_type != c.payload_type       # results are register sums, not codes
-        out = np.empty(n_chunks * E, np.float32)
-        out2d = out.reshape(n_chunks, E)
+        output = chunk_encoding.ChunkOutput(x32, E, n_chunks)      # results go straight into x32
         tl = self._timeline
+
+        def decode_into(payload, rows, chunks, which):
+            c.decode_sum_into(payload, ctx, raw, rows, chunks, which)
 
         def decode(chunks: np.ndarray, payload: np.ndarray, which: np.ndarray | None = None) -> None:
             t = time.perf_counter()
-            c.decode_sum_into(payload, ctx, raw, out2d, chunks, which)
+            output.decode(decode_into, chunks, payload, which)
             if tl:
                 tl.decode_s += time.perf_counter() - t
                 tl.rx_bursts += 1
@@ -254,13 +256,13 @@ class Client(Worker):
             zero = c.decode_sum(sparse_mod.zero_sums(res_type, E), ctx, raw=raw)    # an all-zero chunk's sum
 
             def fill_zero(chunks: np.ndarray) -> None:
-                out2d[chunks] = zero
+                output.fill(chunks, zero)
             streams = functools.partial(sparse_mod.SparseStream, codes=codes, streams=S, modulus=self.chunk_modulus,
                                         ptype=ptype, result_type=res_type, fill_zero=fill_zero)
             encoder = chunk_encoding.BlockEncoder(sparse_mod.encoded_blocks(codes, block), block)   # codes ready
         self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n, encoder=encoder,
                      decode=decode, sparse=streams)
-        return out[:n]
+        return output.flat
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -402,6 +404,7 @@ class _Transfer:
         self.count, self.encoder, self.decode = count, encoder, decode
         self.result_type = result_type
         self.res_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E
+        self.res_pv = payload_view(cl.rx.buf, result_type, E) if E else None    # the receive ring's payloads
         self.exps = np.zeros(n_chunks, np.int64)
         self.done = np.zeros(n_chunks, bool)
         burst = cl.rx.burst                        # a receive burst's fresh results (rows, positions, REPLAY)
@@ -511,7 +514,7 @@ class _Transfer:
             if sp:        # zeros for header-only results
                 self.decode(jj, sp.payloads(buf, idx, lens))
             else:         # straight from the receive ring into the output
-                self.decode(jj, payload_view(buf, self.result_type, E), idx)
+                self.decode(jj, self.res_pv, idx)
         ld = self.ld
         if replayed.any():                        # resends the switch answered with a replay, by rule
             ld.count_replayed(jj[replayed], self.cl.stats)

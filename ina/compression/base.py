@@ -89,13 +89,23 @@ def from_numpy_like(arr: np.ndarray, like, shape=None):
 
 
 def write_back(tensor, out: np.ndarray) -> None:
-    """Copy a flat float32 result into ``tensor`` in place (numpy array, or torch tensor on any device)."""
+    """Copy a flat float32 result into ``tensor`` in place (numpy array, or torch tensor on any device);
+    nothing to copy when ``out`` is the tensor's own memory (a contiguous float32 one, decoded into)."""
     if isinstance(tensor, np.ndarray):
-        np.copyto(tensor, out.reshape(tensor.shape), casting="unsafe")
+        if not (tensor.dtype == np.float32 and tensor.flags.c_contiguous and _same_data(out, tensor.ctypes.data,
+                                                                                        tensor.size)):
+            np.copyto(tensor, out.reshape(tensor.shape), casting="unsafe")
         return
     torch = _torch()
+    if (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
+            and _same_data(out, tensor.data_ptr(), tensor.numel())):
+        return
     with torch.no_grad():
         tensor.copy_(torch.from_numpy(out).reshape(tensor.shape))
+
+
+def _same_data(out: np.ndarray, address: int, size: int) -> bool:
+    return out.size == size and out.flags.c_contiguous and (size == 0 or out.ctypes.data == address)
 
 
 def native(a: np.ndarray) -> np.ndarray:

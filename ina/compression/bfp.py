@@ -12,7 +12,7 @@ import numpy as np
 from ina.wire import PayloadType
 
 from . import kernels as K
-from .base import Codec, Encoded, ScaleContext, check_finite, from_numpy_like, max_exponent, native, to_numpy_f32
+from .base import Codec, Encoded, ScaleContext, from_numpy_like, max_exponent, native, to_numpy_f32
 
 INT32_MAX = 2**31 - 1
 
@@ -26,7 +26,6 @@ class BlockFloatingPoint(Codec):
     wire_id = 3
     payload_type = PayloadType.INT32
     switch_summable = True
-    encodes_rows = True
     unbiased = False   # round to nearest: error below half a code step, deterministic
     description = "block floating point, int32 codes with a shared exponent (INA without compression)"
 
@@ -36,26 +35,13 @@ class BlockFloatingPoint(Codec):
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         e = max_exponent(x32)  # raises on NaN/Inf
         if e + 1 > ctx.exponent:
-            self._too_large(x32, ctx)
+            raise ValueError(f"value(s) of magnitude >= 2**{ctx.exponent} (the largest is >= 2**{e}): the negotiated "
+                             f"exponent {ctx.exponent} is smaller than this tensor's, so the sum of {ctx.n_workers} "
+                             "workers could overflow int32")
         out = np.empty(x32.size, np.int32)
         if K.bfp_encode(x32, bfp_scale(ctx.exponent, ctx.n_workers), out):
             raise AssertionError("bfp32: an int32 code saturated although |x| < 2**exponent")
         return out
-
-    @staticmethod
-    def _too_large(x32: np.ndarray, ctx: ScaleContext):
-        raise ValueError(f"value(s) of magnitude >= 2**{ctx.exponent} (the largest is >= 2**{max_exponent(x32)}): the "
-                         f"negotiated exponent {ctx.exponent} is smaller than this tensor's, so the sum of "
-                         f"{ctx.n_workers} workers could overflow int32")
-
-    def encode_rows(self, x32, ctx, dst, rows, chunks, at, elements) -> None:
-        bad, big, above = K.bfp_encode_rows(x32, bfp_scale(ctx.exponent, ctx.n_workers), 2.0 ** ctx.exponent,
-                                            dst.reshape(-1), dst.shape[1], rows, chunks, at, elements)
-        check_finite(int(bad))
-        if big:
-            self._too_large(x32, ctx)
-        if above:
-            raise AssertionError("bfp32: an int32 code saturated although |x| < 2**exponent")
 
     def decode_sum(self, payload: np.ndarray, ctx: ScaleContext, raw: bool = True) -> np.ndarray:
         out = np.empty(payload.size, np.float32)

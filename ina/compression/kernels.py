@@ -300,35 +300,6 @@ def nc_encode_rows(x, e_low, window, seed, deterministic, dst, stride, rows, chu
 
 
 @njit(cache=True)
-def bfp_encode_rows(x, scale, limit, dst, stride, rows, chunks, at, elements):
-    """bfp_encode of chunks straight into packet rows as big-endian int32 (the wire's order): chunk
-    ``chunks[q]`` (elements ``chunks[q] * elements ..`` of ``x``) to ``dst[rows[q] * stride + at ..]``,
-    zero past the end of ``x``. Returns (non-finite values, values with |x| >= ``limit``, codes that
-    saturated): the caller raises on any."""
-    n = x.size
-    bad = big = above = 0
-    lim = 2147483647.0
-    for q in range(rows.size):
-        lo = chunks[q] * elements
-        hi = min(n, lo + elements)
-        o = rows[q] * stride + at
-        for i in range(lo, hi):
-            a = np.float64(x[i])
-            bad += np.int64(not np.isfinite(a))
-            big += np.int64(abs(a) >= limit)
-            v = np.rint(a * scale)
-            above += np.int64(abs(v) > lim)
-            c = np.uint32(np.int64(min(max(v, -lim), lim)) & 0xFFFFFFFF)
-            b = o + 4 * (i - lo)
-            dst[b] = np.uint8(c >> np.uint32(24))
-            dst[b + 1] = np.uint8((c >> np.uint32(16)) & np.uint32(0xFF))
-            dst[b + 2] = np.uint8((c >> np.uint32(8)) & np.uint32(0xFF))
-            dst[b + 3] = np.uint8(c & np.uint32(0xFF))
-        dst[o + 4 * (hi - lo):o + 4 * elements] = 0
-    return bad, big, above
-
-
-@njit(cache=True)
 def int_sum_decode(codes, inv_scale, out):
     for i in range(codes.size):
         out[i] = np.float32(np.float64(codes[i]) * inv_scale)
