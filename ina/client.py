@@ -150,6 +150,8 @@ class Client(Worker):
         the same object. ``sparse=True`` streams only the chunks whose codes are not all zero
         (OmniReduce-style sparse block streaming, :mod:`ina.sparse`; every worker of the allreduce must
         pass the same value); None: the client's ``sparse`` (which host-aggregated codecs ignore).
+        Results are decoded straight into a contiguous float32 host tensor's memory: if the allreduce
+        raises after packets went out, such a tensor holds partial sums (as with Gloo's ring).
         """
         self._check_usable()
         c = self.codec(codec)
