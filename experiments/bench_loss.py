@@ -67,7 +67,9 @@ def switch_counts(host: str, port: int) -> dict:
             "ingress_reordered": imp["ingress"]["reordered"], "egress_reordered": imp["egress"]["reordered"],
             "replays": st["counters"]["replays"], "retransmit_pending": st["drops"]["retransmit_pending"],
             # the data plane's CPU time (less disturbed by a loaded machine than wall time)
-            "cpu_ns": st["timing"]["busy_cpu_ns"]}
+            "cpu_ns": st["timing"]["busy_cpu_ns"], "tx_cpu_ns": st["timing"]["tx_cpu_ns"], "bursts": st["timing"]["bursts"],
+            "tail_repeats": st["counters"].get("tail_repeats", 0),
+            **{f"{k}_ns": v for k, v in st["timing"]["stage_ns"].items()}}
 
 
 def needed_resends(sw: dict, workers: int) -> int:

@@ -35,7 +35,7 @@ from . import stream_kernels as SK
 from .compression.base import ScaleContext
 from .coalescing import ArrivalSpacing
 from .control import ControlChannel, ControlError
-from .recovery import LossDetector
+from .recovery import LossDetector, tail_copies
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
@@ -65,6 +65,7 @@ class ClientStats(WorkerStats):
     probe_replayed: int = 0           # had completed: a result lost on the way back was recovered); the others
     timeout_replayed: int = 0         # waited for this rank's lost data packet or a peer's (ina.recovery)
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
+    tail_copies: int = 0              # second copies of a stream's last chunk sent (ina.recovery.tail_copies)
     coalesce_pause_s: float = 0.0     # time spent pausing for receive coalescing (a slow link's trickle)
     stale_results: int = 0
     sparse_header_only: int = 0       # sparse streaming: rounds this worker took part in with 24 bytes (zero chunk)
@@ -464,7 +465,10 @@ class _Transfer:
         whether a chunk's result may show the loss of chunks sent before it (ina.recovery)."""
         if not chunks.size:
             return
-        self.send_rows(self.load(chunks))
+        rows = self.load(chunks)
+        if not self.sparse:       # the stream's last chunk goes out twice, flagged TAIL (ina.recovery)
+            rows = tail_copies(rows, chunks, self.n_chunks, self.hv, self.cl.stats)
+        self.send_rows(rows)
         self.ld.sent(chunks, time.monotonic(), witness)
         self.n_sent += chunks.size
         self.max_sent = max(self.max_sent, int(chunks.max()))     # sparse rounds come in any order

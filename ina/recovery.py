@@ -50,9 +50,27 @@ from __future__ import annotations
 
 import numpy as np
 
+from .wire import Flag
+
 DUPTHRESH = 3          # later results that mark a chunk lost (TCP's three duplicate ACKs)
 REO_FLOOR = 5e-4       # seconds a chunk may trail a later one before it counts as lost (reordering)
 FAST, PROBE, TIMEOUT = 1, 2, 3   # the rule of a chunk's last resend (LossDetector.rule; 0: never resent)
+
+
+def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats) -> np.ndarray:
+    """The ring ``rows`` of ``chunks`` (first sends of a dense stream of ``n_chunks``), with a second
+    copy of the stream's last chunk, flagged TAIL in ``headers`` (ina.wire.header_view of the ring),
+    counted in ``stats.tail_copies``. Nothing sent after the last chunk can show its loss (a negotiation
+    round is one chunk): a copy makes its loss on the way to the switch take both (p^2), and the TAIL
+    flag makes the switch multicast its result twice for the way back. The switch absorbs one copy (the
+    other meets the worker's bit set: dropped while the round waits, replayed once it completed)."""
+    last = chunks == n_chunks - 1
+    if not last.any():
+        return rows
+    tail = rows[last]
+    headers["flags"][tail] |= int(Flag.TAIL)
+    stats.tail_copies += tail.size
+    return np.concatenate([rows, tail])
 
 
 class LossDetector:

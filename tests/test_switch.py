@@ -386,8 +386,10 @@ def test_fuzz_bad_packets_counted_by_reason_while_allreduce_runs(switch, tmp_pat
         after["drops"][k] for k in PARSE_REASONS)
     assert c["parsed_ok"] >= model.ok
     assert c["harvested"] >= model.harvested
-    retx = sum(m["stats"]["retransmissions"] for m in res.values())
-    for reason in PROTOCOL_REASONS:      # a retransmission of the real job may add one drop each
+    # a retransmission of the real job, or the second copy of a stream's last chunk (ina.recovery's tail
+    # copies), may add one drop or replay each
+    retx = sum(m["stats"]["retransmissions"] + m["stats"]["tail_copies"] for m in res.values())
+    for reason in PROTOCOL_REASONS:
         assert model.expected[reason] <= d[reason], (reason, d, model.expected)
     assert sum(d[r] - model.expected[r] for r in PROTOCOL_REASONS) <= retx
     assert model.replays <= c["replays"] <= model.replays + retx
@@ -552,5 +554,7 @@ def test_client_raises_on_overflow(switch32, tmp_path):
     m = out[0]
     assert m["error_type"] == "AllreduceError" and "OVERFLOW" in m["error"], m
     for chunk in range(1, 6):
-        ((v, flags, _),) = got.got[chunk]
-        assert flags & int(Flag.OVERFLOW) and np.all(v == 2**31 - 1), (chunk, v, flags)
+        copies = got.got[chunk]      # chunk 5, rank 0's last, is a TAIL round: its result may come twice
+        assert len(copies) == 1 or (chunk == 5 and len(copies) == 2), (chunk, len(copies))
+        for v, flags, _ in copies:
+            assert flags & int(Flag.OVERFLOW) and np.all(v == 2**31 - 1), (chunk, v, flags)
