@@ -24,13 +24,12 @@ import numpy as np
 from ina import burst as B
 from ina.wire import MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, max_packet_size, pack
 
-from . import alu, dataplane as D, harvest
+from . import alu, dataplane as D, harvest, tail
 from .impair import Impairment, ImpairmentConfig
 
 log = logging.getLogger("ina.switch")
 
 COUNTERS, C = D.COUNTERS, D.C
-_FLAGS_LO, _TAIL_LO = OFFSET["flags"] + 1, int(Flag.TAIL)     # the flags' low byte (big-endian) holds TAIL
 C_REPLAYS, C_TX_PACKETS, C_TX_BYTES = C["replays"], C["tx_packets"], C["tx_bytes"]
 STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
 MAX_ACTIVE_JOBS = 64
@@ -276,24 +275,10 @@ class Switch:
         return m
 
     def _repeat_tail_results(self, buf, n: int, m: int) -> int:
-        """Plan a second multicast copy of every result harvested by a packet flagged TAIL (the last chunk
-        of a worker's stream, e.g. an exponent negotiation packet: nothing after it would show its loss),
-        each copy right after the first (the plan stays grouped by destination). Replays go once.
-        Counted in ``tail_repeats``. Returns the plan's new length (at most the plan's capacity)."""
-        tail = (buf[:n, _FLAGS_LO] & _TAIL_LO) != 0
-        if not tail.any():
-            return m
-        pk = self.state.pkts[:n]
-        sets = pk["set_id"][tail & (pk["action"] == D.Action.HARVEST)]
-        if not sets.size:
-            return m
-        plan = self.state.tx
-        twice = np.isin(plan["set_id"][:m], sets) & (plan["length"][:m] > 0)
-        twice[np.flatnonzero(twice)[len(plan) - m:]] = False       # beyond the plan's capacity: once
-        rep = np.repeat(plan[:m], 1 + twice.astype(np.int64))
-        plan[:rep.size] = rep
-        self.tail_repeats += rep.size - m
-        return rep.size
+        """A second multicast of each TAIL round's result (tail.py); counted in ``tail_repeats``."""
+        m2 = self._repeat_tail(self.state, buf, n, m)
+        self.tail_repeats += m2 - m
+        return m2
 
     def stage_tx(self, m: int) -> None:
         """Send harvest's plan (grouped by destination there: one GSO message per worker and burst).
@@ -581,6 +566,7 @@ class Switch:
         self._parse = D.bind(D.parse, st, buf, lens, 0)
         self._aggregate = D.bind(alu.aggregate, st, buf, 0)
         self._harvest = D.bind(harvest.harvest, st, 0)
+        self._repeat_tail = D.bind(tail.repeat_tail_results, st, buf, 0, 0)
         self._rx_account = D.bind(D.rx_account, st, self._rx_src, lens, 0, 0)
         self.stage_parse(buf, lens, 0)
         self.stage_aggregate(buf, 0)
