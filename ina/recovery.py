@@ -14,7 +14,8 @@ round is one such chunk per worker; a loss there used to cost a probe timeout (r
 waiting for the rank that recovered it, probed too (at 20,000 elements, 4 workers, 1% loss: 76 of 142
 probes were for the negotiation packet, 34 for chunk 0 of the stream after it). With the copies the
 round stalls only when both copies are lost (p^2). The switch adds a worker's packet once (a second
-copy meets the worker's bit set), so a copy never adds twice. Counted: ``ClientStats.tail_copies``,
+copy meets the worker's bit set: dropped, and not replayed, since it lacks the RETRANSMIT flag), so a
+copy never adds twice. Counted: ``ClientStats.tail_copies``,
 the switch's ``tail_repeats``. Chosen over a tighter probe timeout (the probe fires after a silence,
 which on a loaded machine is the scheduler's, several ms, whatever the timeout) and over the switch
 telling a resending rank which contributions a round misses (every rank already resends at the same
@@ -76,7 +77,7 @@ def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np
     counted in ``stats.tail_copies``. Nothing sent after the last chunk can show its loss (a negotiation
     round is one chunk): a copy makes its loss on the way to the switch take both (p^2), and the TAIL
     flag makes the switch multicast its result twice for the way back. The switch absorbs one copy (the
-    other meets the worker's bit set: dropped while the round waits, replayed once it completed)."""
+    other meets the worker's bit set and is dropped: switch_model/tail.py)."""
     last = chunks == n_chunks - 1
     if not last.any():
         return rows

@@ -171,6 +171,7 @@ class Switch:
         self.job_info: dict[int, Job] = {}
         self._replays = False             # the last harvest planned replays
         self.tail_repeats = 0             # results of TAIL rounds multicast a second time
+        self.tail_duplicates = 0          # second TAIL copies that arrived after their round completed
         self._rx_src = self.rx.src.view(np.uint8).reshape(cfg.burst, B.SOCKADDR_IN.itemsize)   # as bytes
         self.ingress = Impairment(cfg.ingress, width=stride)
         self.egress = Impairment(cfg.egress, width=stride)
@@ -275,9 +276,13 @@ class Switch:
         return m
 
     def _repeat_tail_results(self, buf, n: int, m: int) -> int:
-        """A second multicast of each TAIL round's result (tail.py); counted in ``tail_repeats``."""
-        m2 = self._repeat_tail(self.state, buf, n, m)
-        self.tail_repeats += m2 - m
+        """A second multicast of each TAIL round's result, no replay of a second TAIL copy (tail.py);
+        counted in ``tail_repeats`` and ``tail_duplicates``."""
+        m2, dropped = self._repeat_tail(self.state, buf, n, m)
+        self.tail_repeats += m2 - m + dropped
+        self.tail_duplicates += dropped
+        if dropped and not (self.state.tx["length"][:m2] < 0).any():
+            self._replays = False
         return m2
 
     def stage_tx(self, m: int) -> None:
@@ -530,6 +535,7 @@ class Switch:
         drops = {name: c.pop(name) for name in D.DROP_REASONS[1:]}
         c["parsed_ok"] = c.pop("ok")
         c["tail_repeats"] = self.tail_repeats     # second multicast copies of TAIL rounds' results
+        c["tail_duplicates"] = self.tail_duplicates   # second TAIL copies after the round completed: not replayed
         c["tx_refused"] = self.txq.refused     # sends the kernel refused after an ICMP port unreachable
         c["tx_messages"] = self.txq.sent_messages   # what sendmmsg was handed: a GSO message counts once
         sets = self.state.sets

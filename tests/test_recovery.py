@@ -371,20 +371,22 @@ def _in_process_switch(workers, slots, E):
 def test_both_copies_of_a_tail_chunk_count_once_and_its_result_comes_twice(ptype):
     """Every worker sends its TAIL packet twice (a negotiation packet: no payload, or a data stream's
     last chunk): the switch adds each worker once (the exponent max and the sums as from one copy
-    each), drops a second copy that arrives while the round waits and replays one that arrives after
-    it completed, and multicasts the result twice to every worker."""
+    each), drops a second copy that arrives while the round waits and one that arrives after it
+    completed (not replayed: no RETRANSMIT flag, and the result comes twice anyway), and multicasts
+    the result twice to every worker; a resend (RETRANSMIT) of a tail chunk is still replayed."""
     from ina.wire import Flag, MsgType, PayloadType, max_packet_size, pack, unpack
     workers, slots, E, c = 3, 4, 16, 2
     pt = PayloadType[ptype]
     vals = np.arange(workers * E, dtype=np.int32).reshape(workers, E) - 20
     sw, socks = _in_process_switch(workers, slots, E)
     try:
+        def tail_packet(r, flags=Flag.TAIL):
+            return pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                        payload_type=pt, count=E if ptype == "INT32" else 0, chunk=c, exponent=r - 5,
+                        payload=vals[r] if ptype == "INT32" else None, elements=E, flags=flags)
         for r in range(workers):
-            p = pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
-                     payload_type=pt, count=E if ptype == "INT32" else 0, chunk=c, exponent=r - 5,
-                     payload=vals[r] if ptype == "INT32" else None, elements=E, flags=Flag.TAIL)
             for _ in range(2):
-                socks[r].sendto(p, ("127.0.0.1", sw.port))
+                socks[r].sendto(tail_packet(r), ("127.0.0.1", sw.port))
         got = 0
         while got < 2 * workers:
             k = sw.poll_once()
@@ -392,10 +394,13 @@ def test_both_copies_of_a_tail_chunk_count_once_and_its_result_comes_twice(ptype
             got += k
         st = sw.stats()
         assert st["counters"]["harvested"] == 1 and st["counters"]["tail_repeats"] == workers
-        assert st["drops"]["retransmit_pending"] == workers - 1 and st["counters"]["replays"] == 1
+        assert st["drops"]["retransmit_pending"] == workers - 1
+        assert st["counters"]["replays"] == 0 and st["counters"]["tail_duplicates"] == 1
+        socks[0].sendto(tail_packet(0, Flag.TAIL | Flag.RETRANSMIT), ("127.0.0.1", sw.port))   # rank 0 lost both results
+        assert sw.poll_once() == 1 and sw.stats()["counters"]["replays"] == 1
         for r, s in enumerate(socks):
-            res = [unpack(s.recv(max_packet_size(E))) for _ in range(3 if r == workers - 1 else 2)]
-            assert [bool(p.flags & Flag.REPLAY) for p in res].count(True) == (r == workers - 1)
+            res = [unpack(s.recv(max_packet_size(E))) for _ in range(3 if r == 0 else 2)]
+            assert [bool(p.flags & Flag.REPLAY) for p in res] == [False, False] + [True] * (r == 0)
             for p in res:
                 assert p.msg_type == MsgType.RESULT and p.chunk == c and p.exponent == workers - 1 - 5
                 if ptype == "INT32":
