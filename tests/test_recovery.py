@@ -354,6 +354,8 @@ def test_tail_copies_flag_the_last_chunk_and_count_the_copy():
     rows = tail_copies(np.array([4, 5]), np.array([5, 4]), 6, hv, stats)   # chunk 5 (row 4) is the last
     assert rows.tolist() == [4, 5, 4] and stats.tail_copies == 1
     assert hv["flags"][4] == int(Flag.TAIL) and not hv["flags"][5]
+    rows = tail_copies(np.array([4, 5]), np.array([5, 4]), 6, hv, stats, copy=False)   # a short data stream
+    assert rows.tolist() == [4, 5] and stats.tail_copies == 1
 
 
 def _in_process_switch(workers, slots, E):
@@ -417,7 +419,8 @@ def test_both_copies_of_a_tail_chunk_count_once_and_its_result_comes_twice(ptype
 @pytest.mark.parametrize("direction", ["ingress", "egress"])
 def test_a_lost_tail_packet_is_recovered_by_its_copy_not_a_probe(tmp_path, direction):
     """Allreduces of one data chunk (each is a negotiation round and one data round, both tails: nothing
-    sent after them shows their loss) under 10% loss in one direction. Every tail packet goes out twice
+    sent after them shows their loss; the data chunk copied too, ``tail_copy_from=1``, where by default
+    only streams of 16 chunks or more copy their last) under 10% loss in one direction. Every tail packet goes out twice
     and its result comes back twice, so a round stalls only when both copies are lost (1%), not at each
     loss (10%): the stalls the ranks recover by resending (probes or timeouts, by the clients' counters)
     stay far below the packets the switch dropped. (Without the copies each dropped packet stalls its
@@ -426,7 +429,8 @@ def test_a_lost_tail_packet_is_recovered_by_its_copy_not_a_probe(tmp_path, direc
                     log_path=tmp_path / "switch.log")
     try:
         ops = [{"codec": "bfp32", "shape": [50], "seed": 140 + i} for i in range(60)]
-        out = Workers(tmp_path, sw.port, N, job=8, ops=ops, client=SLOW_TIMEOUT, warmup_ops=1).wait(timeout=150)
+        client = {**SLOW_TIMEOUT, "tail_copy_from": 1}      # a one-chunk data stream's chunk is copied too
+        out = Workers(tmp_path, sw.port, N, job=8, ops=ops, client=client, warmup_ops=1).wait(timeout=150)
         st = sw.stats()
     finally:
         sw.terminate()
