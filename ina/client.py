@@ -35,7 +35,7 @@ from . import stream_kernels as SK
 from .compression.base import ScaleContext
 from .coalescing import ArrivalSpacing
 from .control import ControlChannel, ControlError
-from .recovery import LossDetector
+from .recovery import TAIL_COPY_FROM, LossDetector, tail_copies
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
@@ -65,6 +65,7 @@ class ClientStats(WorkerStats):
     probe_replayed: int = 0           # had completed: a result lost on the way back was recovered); the others
     timeout_replayed: int = 0         # waited for this rank's lost data packet or a peer's (ina.recovery)
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
+    tail_copies: int = 0              # second copies of a stream's last chunk sent (ina.recovery.tail_copies)
     coalesce_pause_s: float = 0.0     # time spent pausing for receive coalescing (a slow link's trickle)
     stale_results: int = 0
     sparse_header_only: int = 0       # sparse streaming: rounds this worker took part in with 24 bytes (zero chunk)
@@ -87,7 +88,8 @@ class Client(Worker):
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
                  codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
-                 token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False):
+                 token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False,
+                 tail_copy_from: int = TAIL_COPY_FROM):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
@@ -95,6 +97,7 @@ class Client(Worker):
         self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
         self.sparse = bool(sparse)            # allreduce's default: sparse block streaming (ina.sparse)
+        self.tail_copy_from = int(tail_copy_from)   # data streams this long send their last chunk twice (ina.recovery)
         self.record_timeline = bool(timeline)  # keep the last allreduce's Timeline in last_timeline
         self.last_timeline: dict | None = None
         self._timeline: Timeline | None = None
@@ -444,7 +447,8 @@ class _Transfer:
         whether a chunk's result may show the loss of chunks sent before it (ina.recovery)."""
         if not chunks.size:
             return
-        self.send_rows(self.load(chunks))
+        self.send_rows(tail_copies(self.load(chunks), chunks, self.n_chunks, self.hv, self.cl.stats,   # ina.recovery
+                                   not self.sparse and (not self.E or self.n_chunks >= self.cl.tail_copy_from)))
         self.ld.sent(chunks, time.monotonic(), witness)
         self.n_sent += chunks.size
         self.max_sent = max(self.max_sent, int(chunks.max()))     # sparse rounds come in any order
