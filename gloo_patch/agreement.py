@@ -203,7 +203,8 @@ class Rounds:
     * rounds before ``i`` stand (they completed with every rank's vector);
     * round ``i`` fails (:class:`RoundError`, naming it, its allreduces and the ranks that had not started it) on
       every rank that started it before the record; a round started later, which Gloo paired with the abandoned
-      contribution, is not the same round: it goes into the next generation with the rounds after ``i``;
+      contribution, is not the same round: it goes into the next generation with the rounds after ``i``. After a
+      Gloo error (the ranks were in step, the group broke) round ``i`` fails on every rank;
     * rounds after ``i`` are started again, in order, in generation ``g + 1``: a new Gloo group, rendezvoused
       (bounded by ``timeout``) when the first of them is waited for; a round of allreduces the record names (a
       rank that reached the abandoned allreduce late) fails at once instead.
@@ -324,7 +325,7 @@ class Rounds:
                 done = work.wait(datetime.timedelta(seconds=max(0.001, min(left, self.POLL))))
             except RuntimeError as e:
                 if work.is_completed():          # Gloo raised: the group of this generation is broken
-                    self._give_up(r, f"Gloo failed in it: {e}")
+                    self._give_up(r, f"Gloo failed in it: {e}", in_step=True)
                     continue
                 done = False                     # "Operation timed out!": still pending
             record = self._record(gen)
@@ -341,14 +342,14 @@ class Rounds:
         if r in self.live:
             self.live.remove(r)
 
-    def _give_up(self, r: Round, why: str) -> None:
+    def _give_up(self, r: Round, why: str, in_step: bool = False) -> None:
         """Write the record of ``r``'s generation (unless another rank's is there: the first wins), then follow it."""
         progress = self._progress()
         missing = [q for q, (g, n) in sorted(progress.items()) if g < r.gen or (g == r.gen and n <= r.index)]
         who = (f"rank(s) {', '.join(map(str, missing))} had not started it ("
                + "; ".join(f"rank {q}: {progress[q][1]} round(s) of generation {progress[q][0]}" for q in missing)
                + ")" if missing else "every rank had started it")
-        mine = {"by": self.rank, "index": r.index, "names": list(r.names), "started": {str(q): n for q, (g, n) in
+        mine = {"by": self.rank, "index": r.index, "names": list(r.names), "in_step": in_step, "started": {str(q): n for q, (g, n) in
                 progress.items() if g == r.gen}, "why": f"rank {self.rank} gave up on {r.describe()}: {why}; "
                 f"{who}"}
         key = f"ina.agree.reset.{r.gen}"
@@ -379,7 +380,7 @@ class Rounds:
         for r in self.live:
             if r.gen != gen or r.index < k:
                 keep.append(r)                         # completed with every rank's vector: it stands
-            elif r.index == k and r.index < before:
+            elif r.index == k and (r.index < before or record["in_step"]):
                 r.error = RoundError(f"INA backend: {record['why']}. The allreduces after it go to a new agreement "
                                      f"group (generation {gen + 1})")
             elif names & set(r.names):

@@ -374,6 +374,48 @@ def test_horovod_contract(switch, horovod_ready, tmp_path):
     assert res[0]["cases"]["join"]["result"]["ret"] == res[1]["cases"]["join"]["result"]["ret"]
 
 
+ROUNDS_TIMEOUT = 8     # INA_TIMEOUT of the rounds test: each of its two give-ups waits this long
+
+
+def test_horovod_agreement_rounds_recover(switch, horovod_ready, tmp_path):
+    """The agreement rounds after a round that cannot complete (tests/_fw_hvd_rounds.py, horovodrun -np 2): a rank
+    that never reaches a round, or reaches it after the other gave up, or a Gloo error in the agreement group (its
+    TCP connections cut) gives a HorovodInternalError naming the allreduce and what is missing, on the waiting rank
+    within INA_TIMEOUT, and the next allreduces go through the switch with the right sums on both ranks (the
+    rounds paired again, in a new agreement group); shutdown/init starts again from generation 0."""
+    horovodrun(2, [str(TESTS / "_fw_hvd_rounds.py"), str(tmp_path)],
+               ina_env(switch, "bfp32", INA_TIMEOUT=ROUNDS_TIMEOUT), "horovodrun agreement rounds script")
+    res = [json.loads((tmp_path / f"rounds{r}.json").read_text()) for r in range(2)]
+    c0, c1 = res[0]["cases"], res[1]["cases"]
+    # rank 0 waited for 'lonely' and got an error naming it and rank 1 (rank 1 never queued it: no case there)
+    e = c0["never_reached"]
+    assert not e["ok"] and "HorovodInternalError" in e["types"], e
+    assert all(p in e["message"] for p in ("'lonely'", "did not complete within 8 s", "rank(s) 1 had not started it",
+                                           "generation 0")), e["message"]
+    assert "never_reached" not in c1
+    # 'late': rank 0 gave up on it; rank 1 reached it afterwards and got an error at once, naming rank 0's give-up
+    assert not c0["late"]["ok"] and "'late'" in c0["late"]["message"], c0["late"]
+    assert "rank(s) 1 had not started it" in c0["late"]["message"], c0["late"]
+    assert not c1["late"]["ok"] and "HorovodInternalError" in c1["late"]["types"], c1["late"]
+    assert "came after the other ranks had given up on these allreduces" in c1["late"]["message"], c1["late"]
+    assert c1["late"]["seconds"] < ROUNDS_TIMEOUT, c1["late"]      # it did not wait out another INA_TIMEOUT
+    # the Gloo error: the connections of the agreement group were cut on rank 0; both ranks raise for 'cut'
+    assert res[0]["group_sockets"], "no TCP connection of the rebuilt agreement group found to cut"
+    for c in (c0, c1):
+        assert not c["gloo_error"]["ok"] and "HorovodInternalError" in c["gloo_error"]["types"], c["gloo_error"]
+        assert "'cut'" in c["gloo_error"]["message"] and "Gloo failed in it" in c["gloo_error"]["message"], \
+            c["gloo_error"]
+    # after each error both ranks' next two allreduces went through the switch with the right sums, in a new
+    # agreement group (one generation per give-up); shutdown/init: generation 0 again
+    want = [(torch.arange(12, dtype=torch.float32) * 3 - 6 + 2 * i).tolist() for i in range(2)]
+    for c in (c0, c1):
+        for after, generation in (("after_never_reached", 1), ("after_late", 2), ("after_gloo_error", 3), ("reinit", 0)):
+            assert c[after]["ok"], (after, c[after])
+            got = c[after]["result"]
+            assert got["runs"] == [{"through_switch": 1, "sum": w} for w in want], (after, got)
+            assert got["generation"] == generation, (after, got)
+
+
 def test_horovod_wrapper_starts_a_switch(horovod_ready, tmp_path):
     port = free_port()
     env = ina_env(None, None)

@@ -1,0 +1,109 @@
+"""Run by tests/test_frameworks.py under real horovodrun -np 2 with INA on (a short INA_TIMEOUT): the agreement
+rounds after a round that cannot complete. Each case records, per rank, what happened to argv[1]/rounds<r>.json.
+
+1. never reached: rank 0 allreduces 'lonely', rank 1 never does (it waits in Horovod's barrier, which rank 0
+   joins after its error): rank 0 gets an error naming 'lonely' and rank 1; the next allreduces work on both.
+2. reached late: rank 0 gives up on 'late'; rank 1 allreduces 'late' only afterwards: an error at once (not
+   after another INA_TIMEOUT); the next allreduces work on both.
+3. a Gloo error inside the agreement group: rank 0 shuts down the TCP connections of the agreement group (the
+   ones the group opened in the allreduce that rebuilt it: case 2's first allreduce after the error); the next
+   allreduce raises a clear error on both ranks, and the one after it works (a new group).
+4. hvd.shutdown(); hvd.init(): a fresh agreement group (generation 0), the switch again."""
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import horovod.torch as hvd
+
+import gloo_patch.horovod as ina_hvd
+
+out_dir = sys.argv[1]
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2, "this script is written for 2 ranks"
+cases = {}
+
+
+def case(name, fn):
+    t0 = time.monotonic()
+    try:
+        res = fn()
+        cases[name] = {"ok": True, "seconds": time.monotonic() - t0, "result": res}
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+        cases[name] = {"ok": False, "seconds": time.monotonic() - t0, "type": type(e).__name__,
+                       "types": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+
+
+def ok_allreduce(tag):
+    """An allreduce that must go through the switch, then a second one (the rounds stay paired)."""
+    got = []
+    for i in range(2):
+        before = ina_hvd.stats()["offloaded_tensors"]
+        x = torch.arange(12, dtype=torch.float32) * (r + 1) - 3 + i
+        y = hvd.allreduce(x, name=f"ok.{tag}.{i}", op=hvd.Sum)
+        got.append({"through_switch": ina_hvd.stats()["offloaded_tensors"] - before, "sum": y.tolist()})
+    return {"runs": got, "generation": ina_hvd.stats()["agreement_generation"]}
+
+
+def established() -> dict:
+    """fd -> inode of this process's established TCP connections (/proc)."""
+    state = {}
+    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        if os.path.exists(path):
+            for line in open(path).read().splitlines()[1:]:
+                f = line.split()
+                state[f[9]] = f[3]
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and state.get(link[8:-1]) == "01":
+            out[int(fd)] = link[8:-1]
+    return out
+
+
+# 1. never reached
+if r == 0:
+    case("never_reached", lambda: hvd.allreduce(torch.ones(8), name="lonely", op=hvd.Sum).tolist())
+hvd.barrier()
+case("after_never_reached", lambda: ok_allreduce("a"))
+
+# 2. reached late
+if r == 0:
+    case("late", lambda: hvd.allreduce(torch.ones(8), name="late", op=hvd.Sum).tolist())
+    hvd.barrier()
+else:
+    hvd.barrier()
+    case("late", lambda: hvd.allreduce(torch.ones(8), name="late", op=hvd.Sum).tolist())
+before = established()
+case("after_late", lambda: ok_allreduce("b"))     # its first round rendezvouses the new agreement group
+group_sockets = sorted(set(established()) - set(before))
+
+# 3. a Gloo error inside the agreement group: its connections cut on rank 0
+hvd.barrier()
+if r == 0:
+    for fd in group_sockets:
+        s = socket.socket(fileno=os.dup(fd))
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+hvd.barrier()
+case("gloo_error", lambda: hvd.allreduce(torch.ones(8), name="cut", op=hvd.Sum).tolist())
+case("after_gloo_error", lambda: ok_allreduce("c"))
+
+
+# 4. shutdown/init
+def reinit():
+    hvd.shutdown()
+    hvd.init()
+    return ok_allreduce("d")
+
+
+case("reinit", reinit)
+json.dump({"cases": cases, "group_sockets": group_sockets, "stats": ina_hvd.stats()},
+          open(f"{out_dir}/rounds{r}.json", "w"), indent=1, default=str)
+print(f"rank {r} rounds done", flush=True)
