@@ -159,6 +159,19 @@ def address_from_ints(v: list[int]) -> tuple[int, str, int]:
     return int(v[0]), str(ipaddress.IPv4Address(int(v[1]))), int(v[2])
 
 
+def open_rounds(rank: int, size: int, timeout: float, switch_host: str, job: int, broadcast) -> tuple[int, "Rounds"]:
+    """The agreement rounds of a job: rank 0 serves the store; ``broadcast(list_of_ints) -> list_of_ints`` hands
+    rank 0's ``[job, address, port]`` to every rank (the framework's own broadcast). Returns (job, rounds). The
+    group's Gloo device uses ``GLOO_SOCKET_IFNAME``, else ``HOROVOD_GLOO_IFACE``."""
+    import os  # noqa: PLC0415
+
+    store = Rounds.serve(size, timeout) if rank == 0 else None
+    mine = [job, *address_ints(switch_host, store)] if rank == 0 else [0, 0, 0]
+    job, host, port = address_from_ints(broadcast(mine))
+    iface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("HOROVOD_GLOO_IFACE")
+    return job, Rounds(store or Rounds.reach(host, port, size, timeout), rank, size, timeout, iface)
+
+
 class RoundError(RuntimeError):
     """An agreement round that did not complete: it names the round, its allreduces and the ranks missing."""
 
@@ -174,7 +187,7 @@ class Round:
     gen: int = -1
     index: int = -1
     work: object = None          # the Gloo allreduce; None until the group of ``gen`` exists
-    error: RoundError | None = None
+    error: str | None = None      # why it failed (a message: an exception kept here would keep its frames alive)
 
     def describe(self) -> str:
         what = ", ".join(repr(n) for n in self.names[:5]) + (f" and {len(self.names) - 5} more" if len(self.names) > 5
@@ -309,7 +322,7 @@ class Rounds:
             with self.lock:
                 if r.error is not None:
                     self._consume(r)
-                    raise r.error
+                    raise RoundError(r.error)
                 work, gen = r.work, r.gen
             if work is None:
                 record = self._record(gen)      # a rank that could not rebuild this generation gave up on it
@@ -339,6 +352,7 @@ class Rounds:
                 self._give_up(r, f"it did not complete within {timeout:g} s")
 
     def _consume(self, r: Round) -> None:
+        r.work = None            # a Gloo work keeps its group (and the group's threads) alive
         if r in self.live:
             self.live.remove(r)
 
@@ -359,8 +373,8 @@ class Rounds:
         self._follow(gen, self.records[gen], r)
         with self.lock:
             if r.error is None and r.gen == gen:      # a round of an earlier generation that never completed
-                r.error = RoundError(f"INA backend: {r.describe()}: {why}; the agreement group was rebuilt "
-                                     f"meanwhile ({self.records[gen]['why']})")
+                r.error = (f"INA backend: {r.describe()}: {why}; the agreement group was rebuilt "
+                           f"meanwhile ({self.records[gen]['why']})")
 
     def _follow(self, gen: int, record: dict, r: Round) -> bool:
         """Apply the record of generation ``gen`` (once per rank; see the class). True if ``r`` is no longer a
@@ -381,11 +395,11 @@ class Rounds:
             if r.gen != gen or r.index < k:
                 keep.append(r)                         # completed with every rank's vector: it stands
             elif r.index == k and (r.index < before or record["in_step"]):
-                r.error = RoundError(f"INA backend: {record['why']}. The allreduces after it go to a new agreement "
-                                     f"group (generation {gen + 1})")
+                r.error = (f"INA backend: {record['why']}. The allreduces after it go to a new agreement "
+                           f"group (generation {gen + 1})")
             elif names & set(r.names):
-                r.error = RoundError(f"INA backend: {r.describe()} came after the other ranks had given up on these "
-                                     f"allreduces ({record['why']})")
+                r.error = (f"INA backend: {r.describe()} came after the other ranks had given up on these "
+                           f"allreduces ({record['why']})")
             else:
                 r.vector.copy_(r.local)
                 again.append(r)
@@ -425,4 +439,7 @@ class Rounds:
                 g.abort()       # rounds still pending (a rank that never came) end now, not at Gloo's bound
             except RuntimeError:
                 pass
-        self.group, self.retired, self.store = None, [], None
+        with self.lock:      # drop every reference to the groups now (rounds refer back here): their threads end
+            for r in self.live:
+                r.work = None
+            self.group, self.retired, self.live, self.store = None, [], [], None

@@ -579,7 +579,8 @@ def test_ddp_contract(switch, tmp_path):
     """Backend 'ina' and the DDP hook: a mismatch (shape, int32 vs float32, SUM vs AVG) raises a RuntimeError
     naming every rank's tensor on every rank at once; NaN/Inf propagate exactly as with Gloo; the group keeps
     going through the switch afterwards."""
-    procs = launch_ranks(2, [PY, str(TESTS / "_fw_ddp_contract.py"), str(tmp_path)], ina_env(switch, "bfp32"), tmp_path)
+    procs = launch_ranks(2, [PY, str(TESTS / "_fw_ddp_contract.py"), str(tmp_path)],
+                         ina_env(switch, "bfp32", HOOK_TIMEOUT=ROUNDS_TIMEOUT), tmp_path)
     codes = wait_all(procs, RUN_TIMEOUT, "ddp contract script")
     assert codes == [0, 0], [(tmp_path / f"err{r}.txt").read_text()[-3000:] for r in range(2)]
     assert_gloo_threads_joined(tmp_path, 2)
@@ -602,6 +603,23 @@ def test_ddp_contract(switch, tmp_path):
             "DDP bucket: NaN/Inf on some rank (Gloo propagates them)": 1}, hook
         assert torch.isfinite(ts[r]["hook.finite"]).all() and torch.isinf(ts[r]["hook.inf"]).all()
     assert torch.equal(ts[0]["hook.inf"], ts[1]["hook.inf"]) and torch.equal(ts[0]["hook.finite"], ts[1]["hook.finite"])
+    # the hook's agreement rounds: a round rank 1 never reached fails on rank 0 naming rank 1; a Gloo error in the
+    # agreement group (its connections cut on rank 0) fails on both; after each, DDP steps go through the switch
+    # with the right average (weights: mean of 2 and 4 per element; bias: 2), in a new agreement group
+    rounds = [c["hook_rounds"] for c in res]
+    assert all(x["ok"] for x in rounds), rounds
+    lonely = rounds[0]["result"]["never_reached"]
+    assert not lonely["ok"] and all(p in lonely["message"] for p in (
+        "bucket lonely", "did not complete within 8 s",
+        "rank(s) 1 had not started it")), lonely
+    assert "never_reached" not in rounds[1]["result"]
+    assert rounds[0]["result"]["group_sockets"], "no TCP connection of the rebuilt agreement group found to cut"
+    for x in rounds:
+        got = x["result"]
+        assert not got["gloo_error"]["ok"] and "Gloo failed in it" in got["gloo_error"]["message"], got["gloo_error"]
+        for after, generation in (("after_never_reached", 1), ("after_gloo_error", 2)):
+            assert got[after] == [{"weight": [[3.0] * 4] * 3, "bias": [2.0] * 3, "through_switch": 1,
+                                   "generation": generation}] * 2, (after, got[after])
 
 
 # ---- the switch dies mid-training ---------------------------------------------------------------------------
