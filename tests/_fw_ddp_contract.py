@@ -3,7 +3,6 @@ on a Gloo group: mismatches raise on every rank, NaN/Inf propagate like Gloo, th
 Records per rank to argv[1]/contract<r>.json and .pt."""
 import json
 import os
-import socket
 import sys
 import time
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_exit  # before init_process_group
+import tcp_fault
 from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook
 
 out_dir = sys.argv[1]
@@ -85,25 +85,6 @@ def hook():
 case("hook", hook)
 
 
-def established() -> dict:
-    """fd -> inode of this process's established TCP connections (/proc)."""
-    state = {}
-    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        if os.path.exists(path):
-            for line in open(path).read().splitlines()[1:]:
-                f = line.split()
-                state[f[9]] = f[3]
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and state.get(link[8:-1]) == "01":
-            out[int(fd)] = link[8:-1]
-    return out
-
-
 # the DDP hook's agreement rounds after a round that cannot complete: rank 0 agrees on a bucket rank 1 never sends
 # (an error naming rank 1 within the hook's timeout), then the agreement group's TCP connections are cut on rank 0
 # (a Gloo error: an error on both ranks); after each, a DDP step goes through the switch with the right average
@@ -133,16 +114,12 @@ def hook_rounds():
     if r == 0:
         attempt("never_reached", "bucket lonely")
     dist.barrier(group=gloo)
-    before = established()
-    out["after_never_reached"] = [step(), step()]     # the first rendezvouses the new agreement group
-    sockets = sorted(set(established()) - set(before))
+    # the first step rendezvouses the new agreement group: the connections opened meanwhile are that group's
+    out["after_never_reached"], sockets = tcp_fault.opened_by(lambda: [step(), step()])
     out["group_sockets"] = sockets
     dist.barrier(group=gloo)
     if r == 0:
-        for fd in sockets:
-            c = socket.socket(fileno=os.dup(fd))
-            c.shutdown(socket.SHUT_RDWR)
-            c.close()
+        tcp_fault.cut(sockets)
     dist.barrier(group=gloo)
     attempt("gloo_error", "bucket cut")
     out["after_gloo_error"] = [step(), step()]

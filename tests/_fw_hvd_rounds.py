@@ -10,8 +10,6 @@ rounds after a round that cannot complete. Each case records, per rank, what hap
    allreduce raises a clear error on both ranks, and the one after it works (a new group).
 4. hvd.shutdown(); hvd.init(): a fresh agreement group (generation 0), the switch again."""
 import json
-import os
-import socket
 import sys
 import time
 
@@ -19,6 +17,7 @@ import torch
 import horovod.torch as hvd
 
 import gloo_patch.horovod as ina_hvd
+import tcp_fault
 
 out_dir = sys.argv[1]
 hvd.init()
@@ -48,25 +47,6 @@ def ok_allreduce(tag):
     return {"runs": got, "generation": ina_hvd.stats()["agreement_generation"]}
 
 
-def established() -> dict:
-    """fd -> inode of this process's established TCP connections (/proc)."""
-    state = {}
-    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        if os.path.exists(path):
-            for line in open(path).read().splitlines()[1:]:
-                f = line.split()
-                state[f[9]] = f[3]
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and state.get(link[8:-1]) == "01":
-            out[int(fd)] = link[8:-1]
-    return out
-
-
 # 1. never reached
 if r == 0:
     case("never_reached", lambda: hvd.allreduce(torch.ones(8), name="lonely", op=hvd.Sum).tolist())
@@ -80,17 +60,22 @@ if r == 0:
 else:
     hvd.barrier()
     case("late", lambda: hvd.allreduce(torch.ones(8), name="late", op=hvd.Sum).tolist())
-before = established()
-case("after_late", lambda: ok_allreduce("b"))     # its first round rendezvouses the new agreement group
-group_sockets = sorted(set(established()) - set(before))
+# its first round rendezvouses the new agreement group: the connections opened meanwhile are that group's
+group_sockets = []
+
+
+def after_late():
+    res, fds = tcp_fault.opened_by(lambda: ok_allreduce("b"))
+    group_sockets.extend(fds)
+    return res
+
+
+case("after_late", after_late)
 
 # 3. a Gloo error inside the agreement group: its connections cut on rank 0
 hvd.barrier()
 if r == 0:
-    for fd in group_sockets:
-        s = socket.socket(fileno=os.dup(fd))
-        s.shutdown(socket.SHUT_RDWR)
-        s.close()
+    tcp_fault.cut(group_sockets)
 hvd.barrier()
 case("gloo_error", lambda: hvd.allreduce(torch.ones(8), name="cut", op=hvd.Sum).tolist())
 case("after_gloo_error", lambda: ok_allreduce("c"))
