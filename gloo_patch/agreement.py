@@ -1,10 +1,10 @@
-"""What the ranks agree on before an allreduce goes through the switch, in one small Gloo round.
+"""What the ranks agree on before an allreduce goes through the switch, in one small round.
 
 The switch only adds what arrives in the same slot: it cannot tell a float32 tensor of shape (17, 23*57)
 on one rank from a (17, 23, 57) one on another, or an Average from a Sum, and a rank whose tensor is not
 offloadable (int32 where the other sends float32) would wait in Gloo while the other waits at the
 switch. So before a batch of allreduces goes to the switch, every rank contributes a fixed-size int64
-vector to one Gloo Sum allreduce:
+vector to one sum over the ranks (Horovod: :class:`Rounds`):
 
 ====================  ==============================================================================
 ``present``           1: the number of ranks taking part (Horovod's joined ranks contribute zeros)
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -159,86 +157,75 @@ def address_from_ints(v: list[int]) -> tuple[int, str, int]:
     return int(v[0]), str(ipaddress.IPv4Address(int(v[1]))), int(v[2])
 
 
-def open_rounds(rank: int, size: int, timeout: float, switch_host: str, job: int, broadcast) -> tuple[int, "Rounds"]:
-    """The agreement rounds of a job: rank 0 serves the store; ``broadcast(list_of_ints) -> list_of_ints`` hands
-    rank 0's ``[job, address, port]`` to every rank (the framework's own broadcast). Returns (job, rounds). The
-    group's Gloo device uses ``GLOO_SOCKET_IFNAME``, else ``HOROVOD_GLOO_IFACE``."""
-    import os  # noqa: PLC0415
-
-    store = Rounds.serve(size, timeout) if rank == 0 else None
-    mine = [job, *address_ints(switch_host, store)] if rank == 0 else [0, 0, 0]
-    job, host, port = address_from_ints(broadcast(mine))
-    iface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("HOROVOD_GLOO_IFACE")
-    return job, Rounds(store or Rounds.reach(host, port, size, timeout), rank, size, timeout, iface)
+GAVE_UP = b"ina.gave-up:"     # a round slot given up: this prefix and a JSON record (never an int64 vector's start)
 
 
 class RoundError(RuntimeError):
     """An agreement round that did not complete: it names the round, its allreduces and the ranks missing."""
 
 
-@dataclass
-class Round:
-    """One agreement round of this rank: ``vector`` (this rank's, summed in place by the round) in round ``index``
-    of the agreement group of generation ``gen``; ``names``: the allreduces it decides (for error messages)."""
-    vector: torch.Tensor
-    local: torch.Tensor          # this rank's vector as contributed (a relaunch in a new group adds it again)
-    names: tuple
-    owner: "Rounds"
-    gen: int = -1
-    index: int = -1
-    work: object = None          # the Gloo allreduce; None until the group of ``gen`` exists
-    error: str | None = None      # why it failed (a message: an exception kept here would keep its frames alive)
+def describe_names(names) -> str:
+    names = list(names)
+    if not names:
+        return "no allreduce of this rank (hvd.join())"
+    return "allreduce " + ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5
+                                                                    else "")
 
-    def describe(self) -> str:
-        what = ", ".join(repr(n) for n in self.names[:5]) + (f" and {len(self.names) - 5} more" if len(self.names) > 5
-                                                             else "")
-        return (f"agreement round {self.index} of group generation {self.gen}"
-                + (f" (allreduce {what})" if self.names else " (no allreduce of this rank: hvd.join())"))
+
+def open_rounds(rank: int, size: int, timeout: float, switch_host: str, job: int, broadcast) -> tuple[int, "Rounds"]:
+    """The agreement rounds of a job: rank 0 serves the store; ``broadcast(list_of_ints) -> list_of_ints`` hands
+    rank 0's ``[job, address, port]`` to every rank (the framework's own broadcast). Returns (job, rounds)."""
+    store = Rounds.serve(size, timeout) if rank == 0 else None
+    mine = [job, *address_ints(switch_host, store)] if rank == 0 else [0, 0, 0]
+    job, host, port = address_from_ints(broadcast(mine))
+    return job, Rounds(store or Rounds.reach(host, port, size, timeout), rank, size, timeout)
 
 
 class Rounds:
-    """The agreement rounds of one Horovod job, on a Gloo process group of their own, rendezvoused through a
-    ``TCPStore`` that rank 0 serves (:meth:`serve`; the caller hands its address and port to the others through
-    Horovod's broadcast). A round is started when a bucket is sealed and read when the worker reaches that
-    bucket, so its latency hides behind the buckets before it; Horovod's own allreduce would go through its
-    background cycle (negotiation, then the op) every time. Rounds pair up across ranks in the order they are
-    started, as Gloo collectives do: round ``i`` of one rank is summed with round ``i`` of every other rank.
+    """The agreement rounds of one Horovod job, on a ``TCPStore`` that rank 0 serves (:meth:`serve`; the caller
+    hands its address and port to the others through Horovod's broadcast). Round k is one key per rank,
+    ``r<k>/<rank>``: a rank starts it by writing its vector there (one request, from the thread that seals the
+    bucket) and reads it by fetching every rank's key (one request that waits until all are written, from the
+    worker) and adding them up. A round is started when a bucket is sealed and read when the worker reaches that
+    bucket, so its latency hides behind the buckets before it. Rounds pair up across ranks by their number: the
+    k-th round each rank starts. Each value also carries how many rounds its writer had read (all of them, in
+    order); a rank deletes its own key of a round once every rank has said it read that round, so the store
+    holds only the rounds in flight.
 
-    When a round cannot complete, the pairing would stay off by one: a rank that waited ``timeout`` seconds for a
-    round another rank never started has its own contribution still pending in Gloo, where the other rank's next
-    round would meet it (Gloo cannot cancel one collective), and a Gloo error (a pair closed) leaves the group
-    unusable. So the group has generations. The rank that gives up on round ``i`` of generation ``g`` (it waited
-    ``timeout``, or Gloo raised) writes a record into the store (the first record of a generation wins:
-    ``compare_set``): the round, why, its allreduces' names, and how many rounds each rank had started in ``g``
-    (every rank publishes that count as it starts a round). Every rank reads the record of its generation when a
-    round completes or fails, and every few hundred ms while it waits, and then, the same way on every rank:
+    A round that cannot complete. Round k pairs with round k of every other rank, so a rank giving up on a round
+    another rank never started must not leave that slot for the other rank's next round (it would pair with the
+    abandoned one, and every round after it would be off by one). So a rank starts a round by claiming its slot
+    with ``compare_set`` (written only if empty), and a rank that waited ``timeout`` for round k claims the slots
+    still empty with a record (:data:`GAVE_UP`, who, why, the allreduces). Either way one of the two wins,
+    atomically, in the store: if every slot turns out written, the round completes after all; else every rank that
+    reads round k finds the record and raises the same :class:`RoundError`, and a rank whose slot was taken skips
+    to round k + 1, which pairs with the others' next round; if its own allreduces are the ones given up (it
+    reached them late) they fail at once instead of waiting another ``timeout``. Cost: the start waits for the
+    store's answer (one request either way).
 
-    * rounds before ``i`` stand (they completed with every rank's vector);
-    * round ``i`` fails (:class:`RoundError`, naming it, its allreduces and the ranks that had not started it) on
-      every rank that started it before the record; a round started later, which Gloo paired with the abandoned
-      contribution, is not the same round: it goes into the next generation with the rounds after ``i``. After a
-      Gloo error (the ranks were in step, the group broke) round ``i`` fails on every rank;
-    * rounds after ``i`` are started again, in order, in generation ``g + 1``: a new Gloo group, rendezvoused
-      (bounded by ``timeout``) when the first of them is waited for; a round of allreduces the record names (a
-      rank that reached the abandoned allreduce late) fails at once instead.
+    Why not a Gloo group: a round of a 70-element vector cost its Gloo threads about 1 ms of CPU per rank (a
+    wake-up per message on the group's transport thread and its worker thread) and 2.7 ms from start to sum
+    under load; through the store about 0.1 to 0.2 ms of CPU per rank and 0.5 to 0.9 ms (measured side by side,
+    2 ranks on loopback, load average about 10). On two cores that CPU is taken from backward."""
 
-    The cost when nothing fails: one store write per round started (the count) and one store check per round
-    completed (the record), each about 30 us on loopback."""
+    def __init__(self, store, rank: int, size: int, timeout: float):
+        import threading  # noqa: PLC0415
 
-    POLL = 0.25     # seconds between the record checks of a rank waiting for a round
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.store = store                # starts: a set, from the sealing thread (under the caller's lock)
+        # reads wait in the store; a client blocked in a wait holds its connection, so the reads get their own
+        self.reader = store.clone()
+        self.lock = threading.Lock()      # the counters
+        self.reading = threading.Lock()   # the reader (a read may wait: starts must not wait behind it)
+        self.started = 0                  # rounds started here
+        self.read_up_to = 0               # every round <= this one has been read (or given up) here
+        self.finished: set[int] = set()   # rounds read here beyond read_up_to
+        self.deleted_up_to = 0            # this rank's keys of the rounds <= this one are deleted
+        self.given_up = 0                 # rounds given up here, or skipped (another rank gave up on them)
 
-    def __init__(self, store, rank: int, size: int, timeout: float, iface: str | None):
-        self.store, self.rank, self.size, self.timeout, self.iface = store, rank, size, timeout, iface
-        self.lock = threading.RLock()
-        self.building = threading.Lock()      # one rendezvous of a new generation at a time
-        self.gen, self.index, self.resets = 0, 0, 0
-        self.live: list[Round] = []           # started in this generation and not consumed, in start order
-        self.records: dict[int, dict] = {}
-        self.retired: list = []               # groups of earlier generations (their abandoned rounds stay pending)
-        self._publish()
-        self.group = self._make_group(0)
+    def key(self, k: int, rank: int) -> str:
+        return f"r{k}/{rank}"
 
-    # -- the store: rendezvous, records, counts ---------------------------------------------------------------
     @staticmethod
     def serve(size: int, timeout: float):
         """Rank 0: the store, on a free port of every interface (``store.port``)."""
@@ -256,190 +243,86 @@ class Rounds:
 
         return dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=timeout))
 
-    def _make_group(self, gen: int):
-        import datetime  # noqa: PLC0415
-        import torch.distributed as dist  # noqa: PLC0415
+    def start(self, vector: torch.Tensor, names=()):
+        """Add ``vector`` into the next round (not waited for): the round's handle for :meth:`wait`. ``names``:
+        the allreduces it decides (for the errors, and to fail at once those another rank has given up on)."""
+        import numpy as np  # noqa: PLC0415
 
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=self.iface) if self.iface
-                         else dist.ProcessGroupGloo.create_default_device()]
-        # Gloo's own bound on one round, above every wait of the callers (hvd.join() waits 3 x timeout for a
-        # round while the others train): our waits give up first, with a record, not Gloo with a closed pair
-        opts._timeout, opts._threads = datetime.timedelta(seconds=4 * self.timeout), 2
-        prefix = "ina.agree" if gen == 0 else f"ina.agree.g{gen}"
-        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), self.rank, self.size, opts)
-
-    def _publish(self) -> None:
-        """This rank's progress: generation and rounds started in it (read by a rank that gives up on a round)."""
-        self.store.set(f"ina.agree.started.{self.rank}", f"{self.gen} {self.index}")
-
-    def _progress(self) -> dict[int, tuple[int, int]]:
-        out = {}
-        for r in range(self.size):
-            key = f"ina.agree.started.{r}"
-            if self.store.check([key]):
-                g, n = self.store.get(key).decode().split()
-                out[r] = (int(g), int(n))
-        return out
-
-    def _record(self, gen: int) -> dict | None:
-        if gen not in self.records:
-            key = f"ina.agree.reset.{gen}"
-            if not self.store.check([key]):
-                return None
-            self.records[gen] = json.loads(self.store.get(key).decode())
-        return self.records[gen]
-
-    # -- rounds -------------------------------------------------------------------------------------------------
-    def start(self, vector: torch.Tensor, names=()) -> Round:
-        """Add ``vector`` into the next round (not waited for): the round, for :meth:`wait`."""
-        r = Round(vector, vector.clone(), tuple(names), self)
+        names = tuple(names)
         with self.lock:
-            self._launch(r)
-            self.live.append(r)
-        return r
-
-    def _launch(self, r: Round) -> None:
-        """Give ``r`` the next index of this generation and start it if the group exists (lock held)."""
-        r.gen, r.index, r.work = self.gen, self.index, None
-        self.index += 1
-        self._publish()
-        if self.group is not None:
-            r.work = self.group.allreduce([r.vector])
+            while True:
+                self.started += 1
+                k, read = self.started, self.read_up_to
+                mine = np.concatenate([[read], vector.numpy()]).astype(np.int64).tobytes()
+                got = self.store.compare_set(self.key(k, self.rank), "", mine)
+                if got == mine:
+                    return self, k, names, None
+                # another rank gave up on round k before this rank started it: skip it (the others did too)
+                self.given_up += 1
+                self._finished(k)
+                record = json.loads(got[len(GAVE_UP):])
+                if set(names) & set(record["names"]):
+                    return self, k, names, (f"INA backend: agreement round {k} ({describe_names(names)}) came after "
+                                            f"the other ranks had given up on these allreduces: {record['why']}; "
+                                            f"rank {self.rank} had not started it")
 
     @staticmethod
-    def wait(handle: Round, timeout: float) -> torch.Tensor:
-        """The summed vector of round ``handle``, within ``timeout`` seconds; else :class:`RoundError` naming the
-        round, its allreduces and the ranks that did not reach it (the round is given up on every rank, the
-        pairing of the next rounds restored, see the class)."""
-        return handle.owner.result(handle, timeout)
+    def wait(handle, timeout: float) -> torch.Tensor:
+        """The summed vector, within ``timeout`` seconds; else :class:`RoundError` naming the round, its
+        allreduces and the ranks that had not started it (the round is given up on every rank)."""
+        rounds, k, names, error = handle
+        if error is not None:
+            raise RoundError(error)
+        return rounds.read(k, timeout, names)
 
-    def result(self, r: Round, timeout: float) -> torch.Tensor:
+    def _finished(self, k: int) -> None:
+        """Round k was read (or given up) here (counters lock held)."""
+        self.finished.add(k)
+        while self.read_up_to + 1 in self.finished:
+            self.finished.discard(self.read_up_to + 1)
+            self.read_up_to += 1
+
+    def read(self, k: int, timeout: float, names=()) -> torch.Tensor:
         import datetime  # noqa: PLC0415
+        import numpy as np  # noqa: PLC0415
+        import torch.distributed as dist  # noqa: PLC0415
 
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if r.error is not None:
-                    self._consume(r)
-                    raise RoundError(r.error)
-                work, gen = r.work, r.gen
-            if work is None:
-                record = self._record(gen)      # a rank that could not rebuild this generation gave up on it
-                if record is not None and self._follow(gen, record, r):
-                    continue
-                self._build(gen)
-                if time.monotonic() >= deadline and r.work is None and r.gen == gen and r.error is None:
-                    self._give_up(r, f"the agreement group of generation {gen} was not rebuilt within "
-                                     f"{timeout:g} s")
-                continue
-            left = deadline - time.monotonic()
+        with self.reading:
+            reader = self.reader
+            if reader is None:
+                raise RuntimeError("the agreement rounds are closed (Horovod was shut down)")
+            reader.set_timeout(datetime.timedelta(seconds=timeout))
             try:
-                done = work.wait(datetime.timedelta(seconds=max(0.001, min(left, self.POLL))))
-            except RuntimeError as e:
-                if work.is_completed():          # Gloo raised: the group of this generation is broken
-                    self._give_up(r, f"Gloo failed in it: {e}", in_step=True)
-                    continue
-                done = False                     # "Operation timed out!": still pending
-            record = self._record(gen)
-            if record is not None and self._follow(gen, record, r):
-                continue                        # r failed, or moved to the next generation
-            if done:
-                with self.lock:
-                    self._consume(r)
-                return r.vector
-            if time.monotonic() >= deadline:
-                self._give_up(r, f"it did not complete within {timeout:g} s")
-
-    def _consume(self, r: Round) -> None:
-        r.work = None            # a Gloo work keeps its group (and the group's threads) alive
-        if r in self.live:
-            self.live.remove(r)
-
-    def _give_up(self, r: Round, why: str, in_step: bool = False) -> None:
-        """Write the record of ``r``'s generation (unless another rank's is there: the first wins), then follow it."""
-        progress = self._progress()
-        missing = [q for q, (g, n) in sorted(progress.items()) if g < r.gen or (g == r.gen and n <= r.index)]
-        who = (f"rank(s) {', '.join(map(str, missing))} had not started it ("
-               + "; ".join(f"rank {q}: {progress[q][1]} round(s) of generation {progress[q][0]}" for q in missing)
-               + ")" if missing else "every rank had started it")
-        mine = {"by": self.rank, "index": r.index, "names": list(r.names), "in_step": in_step, "started": {str(q): n for q, (g, n) in
-                progress.items() if g == r.gen}, "why": f"rank {self.rank} gave up on {r.describe()}: {why}; "
-                f"{who}"}
-        key = f"ina.agree.reset.{r.gen}"
-        won = self.store.compare_set(key, "", json.dumps(mine))
-        self.records[r.gen] = json.loads(won.decode() if isinstance(won, bytes) else won)
-        gen = r.gen
-        self._follow(gen, self.records[gen], r)
-        with self.lock:
-            if r.error is None and r.gen == gen:      # a round of an earlier generation that never completed
-                r.error = (f"INA backend: {r.describe()}: {why}; the agreement group was rebuilt "
-                           f"meanwhile ({self.records[gen]['why']})")
-
-    def _follow(self, gen: int, record: dict, r: Round) -> bool:
-        """Apply the record of generation ``gen`` (once per rank; see the class). True if ``r`` is no longer a
-        round of ``gen`` waiting to be read: it failed, or it was started again in the next generation."""
-        with self.lock:
-            if self.gen == gen:
-                self._retire(gen, record)
-            return r.error is not None or r.gen != gen
-
-    def _retire(self, gen: int, record: dict) -> None:
-        """Lock held: generation ``gen`` ends at the record's round; the rounds after it go into ``gen + 1``."""
-        k, before = record["index"], int(record["started"].get(str(self.rank), 0))
-        names = set(record["names"])
-        self.retired.append(self.group)
-        self.gen, self.index, self.group, self.resets = gen + 1, 0, None, self.resets + 1
-        again, keep = [], []
-        for r in self.live:
-            if r.gen != gen or r.index < k:
-                keep.append(r)                         # completed with every rank's vector: it stands
-            elif r.index == k and (r.index < before or record["in_step"]):
-                r.error = (f"INA backend: {record['why']}. The allreduces after it go to a new agreement "
-                           f"group (generation {gen + 1})")
-            elif names & set(r.names):
-                r.error = (f"INA backend: {r.describe()} came after the other ranks had given up on these "
-                           f"allreduces ({record['why']})")
-            else:
-                r.vector.copy_(r.local)
-                again.append(r)
-        self.live = keep + again
-        for r in again:
-            self._launch(r)
-
-    def _build(self, gen: int) -> None:
-        """Rendezvous the group of generation ``gen`` (every rank comes here when it first waits for one of its
-        rounds) and start its rounds in order; bounded by ``timeout`` (the store's)."""
-        with self.building:
+                values = reader.multi_get([self.key(k, r) for r in range(self.size)])   # waits for every rank
+            except dist.DistStoreError:     # not every rank wrote it in time (DistNetworkError: the store is gone)
+                values = self._give_up(k, names, timeout)
             with self.lock:
-                if self.gen != gen or self.group is not None:
-                    return
-            try:
-                group = self._make_group(gen)
-            except RuntimeError as e:
+                self._finished(k)
+            slots = [q for q, v in enumerate(values) if v.startswith(GAVE_UP)]
+            if slots:
                 with self.lock:
-                    head = next((r for r in self.live if r.gen == gen), None)
-                if head is not None:
-                    self._give_up(head, f"the agreement group of generation {gen} could not be rebuilt: {e}")
-                return
-            with self.lock:
-                if self.gen != gen:
-                    self.retired.append(group)
-                    return
-                self.group = group
-                for r in self.live:
-                    if r.gen == gen and r.work is None:
-                        r.work = group.allreduce([r.vector])
+                    self.given_up += 1
+                record = json.loads(values[slots[0]][len(GAVE_UP):])
+                why = (f"{record['why']}; rank(s) {', '.join(map(str, slots))} had not started it. The next rounds "
+                       "pair up again")
+                raise RoundError(f"INA backend: {why}" if record["by"] == self.rank else
+                                 f"INA backend: agreement round {k} ({describe_names(names)}) was given up: {why}")
+            rows = np.stack([np.frombuffer(v, dtype=np.int64) for v in values])
+            # every rank had read the rounds up to min(rows[:, 0]) when it started this one: this rank's keys of
+            # those rounds are read by all, so they go
+            done = int(rows[:, 0].min())
+            for j in range(self.deleted_up_to + 1, done + 1):
+                reader.delete_key(self.key(j, self.rank))
+            self.deleted_up_to = max(self.deleted_up_to, done)
+        return torch.from_numpy(rows[:, 1:].sum(axis=0))
+
+    def _give_up(self, k: int, names, timeout: float) -> list:
+        """Claim the slots of round k still empty with a record, each atomically against that rank's start: the
+        values of round k after that (a rank that wrote meanwhile keeps its vector)."""
+        why = (f"rank {self.rank} gave up on agreement round {k} ({describe_names(names)}): it did not complete "
+               f"within {timeout:g} s")
+        record = GAVE_UP + json.dumps({"by": self.rank, "names": list(names), "why": why}).encode()
+        return [self.store.compare_set(self.key(k, q), "", record) for q in range(self.size)]
 
     def close(self) -> None:
-        for g in [self.group, *self.retired]:
-            if g is None:
-                continue
-            try:
-                g.abort()       # rounds still pending (a rank that never came) end now, not at Gloo's bound
-            except RuntimeError:
-                pass
-        with self.lock:      # drop every reference to the groups now (rounds refer back here): their threads end
-            for r in self.live:
-                r.work = None
-            self.group, self.retired, self.live, self.store = None, [], [], None
+        self.store = self.reader = None     # rank 0: the server goes with it, and the other ranks' reads end
