@@ -377,10 +377,10 @@ class InaHookState:
         self.process_group = process_group or dist.distributed_c10d._get_default_group()
         self.config = InaConfig.from_env(switch=switch, codec=codec, timeout=timeout)
         rank, size = self.process_group.rank(), self.process_group.size()
-        # the agreement rounds get a Gloo group of their own (``agreement.Rounds``: rebuilt after a round that
-        # cannot complete): the hook starts one per bucket without waiting (backward goes on), the lane waits
-        # for it; Gloo fallbacks run on the lane, on ``process_group``. Rank 0 sends the job id and the
-        # rounds' store address through the process group.
+        # the agreement rounds run on a store of their own (``agreement.Rounds``, as Horovod's: a round that
+        # cannot complete raises on the rank that waited, and the next rounds pair up again): the hook starts one
+        # per bucket without waiting (backward goes on), the lane waits for it; Gloo fallbacks run on the lane,
+        # on ``process_group``. Rank 0 sends the job id and the store's address through the process group.
         job, self.rounds = agreement.open_rounds(rank, size, self.config.timeout, self.config.switch[0],
                                                  self.config.job or new_job_id(), self._broadcast)
         self.fallbacks = FallbackLog(f"[ina rank {rank}] DDP comm hook:", announce=rank == 0)
