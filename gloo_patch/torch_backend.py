@@ -377,15 +377,12 @@ class InaHookState:
         self.process_group = process_group or dist.distributed_c10d._get_default_group()
         self.config = InaConfig.from_env(switch=switch, codec=codec, timeout=timeout)
         rank, size = self.process_group.rank(), self.process_group.size()
-        job = self.config.job
-        if job is None:
-            t = torch.tensor([new_job_id() if rank == 0 else 0], dtype=torch.int64)
-            self.process_group.broadcast(t, 0).wait()
-            job = int(t.item())
-        # the agreement rounds get a Gloo group of their own: the hook starts one per bucket without waiting
-        # (backward goes on), the lane waits for it; Gloo fallbacks run on the lane, on ``process_group``
-        self.agree_group = dist.new_group(dist.get_process_group_ranks(self.process_group), backend="gloo",
-                                          use_local_synchronization=True)
+        # the agreement rounds run on a store of their own (``agreement.Rounds``, as Horovod's: a round that
+        # cannot complete raises on the rank that waited, and the next rounds pair up again): the hook starts one
+        # per bucket without waiting (backward goes on), the lane waits for it; Gloo fallbacks run on the lane,
+        # on ``process_group``. Rank 0 sends the job id and the store's address through the process group.
+        job, self.rounds = agreement.open_rounds(rank, size, self.config.timeout, self.config.switch[0],
+                                                 self.config.job or new_job_id(), self._broadcast)
         self.fallbacks = FallbackLog(f"[ina rank {rank}] DDP comm hook:", announce=rank == 0)
         self.lane = _Lane(self.config, rank, size, job)
         if rank == 0:
@@ -396,15 +393,23 @@ class InaHookState:
         without waiting; the returned function waits (bounded by INA_TIMEOUT) and returns what :func:`agree`
         returns, or raises the same RuntimeError on every rank if the ranks disagree."""
         mine = agreement.row(tensors, _OPS.index("AVG"), self.lane.unusable())
-        out = [torch.zeros_like(mine) for _ in range(self.agree_group.size())]
-        work = dist.all_gather(out, mine, group=self.agree_group, async_op=True)
+        size = self.process_group.size()
+        table = torch.zeros(size, mine.numel(), dtype=torch.int64)   # a Sum of one row per rank: an all_gather
+        table[self.process_group.rank()] = mine
+        handle = self.rounds.start(table.reshape(-1))
 
         def decided() -> str | None:
-            if not work.wait(datetime.timedelta(seconds=self.config.timeout)):
-                raise RuntimeError(f"{what}: the agreement round did not complete within {self.config.timeout:g} s "
-                                   "(INA_TIMEOUT)")
-            return judged(out, what)
+            try:
+                rows = agreement.Rounds.wait(handle, self.config.timeout)
+            except agreement.RoundError as e:    # names the round and the ranks missing; the next round works
+                raise RuntimeError(f"{what}: {e}") from None
+            return judged(list(rows.reshape(size, -1)), what)
         return decided
+
+    def _broadcast(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        self.process_group.broadcast(t, 0).wait()
+        return t.tolist()
 
     def stats(self) -> dict:
         d = self.fallbacks.counters.as_dict()
@@ -419,6 +424,7 @@ class InaHookState:
 
     def close(self) -> None:
         self.lane.close()
+        self.rounds.close()
 
     # DDP pickles hook state when it checkpoints; this state holds sockets and threads
     def __getstate__(self):
