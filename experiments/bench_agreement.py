@@ -1,5 +1,5 @@
 """Latency of one Horovod agreement round: through Horovod's own allreduce (its background cycle: negotiation,
-then the op) against the agreement's own Gloo group (``gloo_patch.agreement.Rounds``), 2 ranks, paired.
+then the op) against the agreement's own rounds on a TCPStore (``gloo_patch.agreement.Rounds``), 2 ranks, paired.
 
     python -m experiments.bench_agreement --json
 
@@ -35,8 +35,7 @@ def worker(out: str, reps: int) -> None:
     store = agreement.Rounds.serve(size, 30) if rank == 0 else None
     t = torch.tensor(agreement.address_ints("127.0.0.1", store) if rank == 0 else [0, 0], dtype=torch.int64)
     _, host, port = agreement.address_from_ints([0, *hvd.broadcast(t, 0, name="addr").tolist()])
-    rounds = agreement.Rounds(store or agreement.Rounds.reach(host, port, size, 30), rank, size, 30,
-                              os.environ.get("HOROVOD_GLOO_IFACE"))
+    rounds = agreement.Rounds(store or agreement.Rounds.reach(host, port, size, 30), rank, size, 30)
     v = agreement.local_vector([("w", "float32[3]", False)])
     times: dict[str, list] = {"horovod_1": [], "own_group_1": [], "horovod_5_sequential": [], "own_group_5_started_together": []}
     for i in range(reps):

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from switch_model.launch import free_port, start_switch
 
+from . import thread_cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -134,14 +136,21 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
     x, y = batch(rank)
     windows: list = []
     before: dict = {}
-    if kind == "horovod" and os.environ.get("INA_SWITCH"):     # the INA worker's counters at the first timed step
+    ina_hvd = kind == "horovod" and os.environ.get("INA_SWITCH")
+    if ina_hvd:
         from gloo_patch import horovod as patch  # noqa: PLC0415
+    switch_pid = os.environ.get("BENCH_SWITCH_PID") if rank == 0 else None
 
-        def on_timed():
+    def on_timed():      # the counters at the first timed step
+        if ina_hvd:
             before.update(patch.stats())
-    else:
-        on_timed = None
+        before["threads"] = thread_cpu.snapshot()
+        if switch_pid:
+            before["switch"] = thread_cpu.snapshot(int(switch_pid))
     times = timed_steps(model, opt, x, y, warmup, steps, windows, on_timed)
+    # where the CPU went during the timed steps, per thread of this rank (and of the switch): run and wait for a core
+    threads = thread_cpu.per_step(thread_cpu.since(before["threads"]), steps, 1e-4)
+    Path(out).with_name(f"threads-r{rank}.json").write_text(json.dumps(threads))
     if rank == 0:
         n_tensors = sum(1 for _ in model.parameters())
         n_params = sum(p.numel() for p in model.parameters())
@@ -150,10 +159,14 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
         if kind == "ddp-ina":
             res["overlap"] = overlap(hook.timeline(), windows)
             res["client"] = hook.stats()["client"]
-        if before:
+        if ina_hvd:
             st = patch.stats()       # the worker's seconds per timed step
             res["worker_s_per_step"] = {k: (v - before["seconds"][k]) / steps for k, v in st["seconds"].items()}
             res["agreement_rounds_per_step"] = (st["agreement_rounds"] - before["agreement_rounds"]) / steps
+            if "timeline" in st:
+                res["overlap"] = overlap(st["timeline"], windows)
+        if switch_pid:
+            res["switch_threads"] = thread_cpu.per_step(thread_cpu.since(before["switch"]), steps, 1e-4)
         Path(out).write_text(json.dumps(res))
     if kind != "horovod":
         ddp_shutdown(hook)
@@ -189,11 +202,13 @@ def compute_only(warmup: int, steps: int) -> float:
 
 
 # ---- the launcher ---------------------------------------------------------------------------------------------
-def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dict:
+def run_config(kind: str, codec: str | None, switch: str | None, topo, a, switch_pid: int | None = None) -> dict:
     prefix = topo.prefix if topo else None
     out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k == "INA_TOKEN"}  # the switch's token
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    if switch_pid is not None and codec is not None:     # rank 0 reads the switch's CPU over the timed steps
+        env["BENCH_SWITCH_PID"] = str(switch_pid)
     if codec is not None:   # "nc" or "nc@<bucket bytes>" (Horovod's INA_BUCKET_BYTES; 0: no overlap)
         codec, _, bucket = codec.partition("@")
         env.update(INA_SWITCH=switch, INA_CODEC=codec, INA_SEED="7", INA_TIMEOUT="30")
@@ -220,6 +235,8 @@ def run_config(kind: str, codec: str | None, switch: str | None, topo, a) -> dic
         raise RuntimeError(f"{kind} {codec or 'gloo'} failed ({codes}):\n{err}")
     res = json.loads(out.read_text())
     res["wall_s"] = time.monotonic() - t0
+    res["threads"] = {f"rank{r}": json.loads(f.read_text()) for r in range(2)
+                      if (f := out.with_name(f"threads-r{r}.json")).exists()}
     return res
 
 
@@ -228,16 +245,31 @@ def breakdown(r: dict) -> str:
     thread's seconds per timed step (the agreement wait: the worker waiting for a bucket's round, i.e. for the
     other rank to seal the same bucket; it overlaps backward and the switch time of the buckets before)."""
     ov, w = r.get("overlap"), r.get("worker_s_per_step")
+    out = ""
     if ov:
-        return (f"  {ov['buckets_per_step']:.1f} buckets/step, forward+backward {ov['backward_s_per_step'] * 1e3:.1f} "
+        out = (f"  {ov['buckets_per_step']:.1f} buckets/step, forward+backward {ov['backward_s_per_step'] * 1e3:.1f} "
                 f"ms, switch {ov['switch_s_per_step'] * 1e3:.1f} ms/step, {100 * ov['overlapped_fraction']:.0f}% of it "
                 f"during backward, exposed {ov['exposed_s_per_step'] * 1e3:.1f} ms; lane CPU "
                 f"{ov['lane_cpu_s_per_step'] * 1e3:.1f} ms/step (codec {ov['codec_cpu_s_per_step'] * 1e3:.1f})")
     if w:
-        return (f"  {r['agreement_rounds_per_step']:.1f} rounds/step; worker per step: agreement wait "
+        out += (f"\n    {r['agreement_rounds_per_step']:.1f} rounds/step; worker per step: agreement wait "
                 f"{w['agreement_wait'] * 1e3:.1f} ms, switch {w['switch'] * 1e3:.1f} ms, Gloo {w['native'] * 1e3:.1f} "
                 f"ms, CPU {w['worker_cpu'] * 1e3:.1f} ms")
-    return ""
+    return out
+
+
+def cpu_breakdown(r: dict) -> str:
+    """Per rank: the main thread's (forward, backward, step) time on a core and waiting for one, and the other
+    threads' CPU; the switch's CPU; per timed step."""
+    parts = []
+    for rank, th in sorted(r.get("threads", {}).items()):
+        main = th.get("MainThread", {"run_s": 0.0, "wait_s": 0.0})
+        others = sum(v["run_s"] for k, v in th.items() if k != "MainThread")
+        parts.append(f"{rank} main {main['run_s'] * 1e3:.1f} ms CPU + {main['wait_s'] * 1e3:.1f} ms waiting for a "
+                     f"core, other threads {others * 1e3:.1f} ms CPU")
+    if r.get("switch_threads"):
+        parts.append(f"switch {sum(v['run_s'] for v in r['switch_threads'].values()) * 1e3:.1f} ms CPU")
+    return ("\n    per step: " + "; ".join(parts)) if parts else ""
 
 
 def target(rate: str | None) -> str:
@@ -290,15 +322,17 @@ def main(argv=None) -> int:
             for fw in a.frameworks.split(","):
                 base = run_config(fw, None, None, topo, a)
                 results["runs"].append({"framework": fw, "codec": "gloo", **base, "ratio_to_gloo": 1.0})
+                if not a.json:
+                    print(f"{fw:8s} gloo   {base['median_s'] * 1e3:7.1f} ms/step" + cpu_breakdown(base), flush=True)
                 for codec in a.codecs.split(","):
-                    r = run_config("ddp-ina" if fw == "ddp" else fw, codec, addr, topo, a)
+                    r = run_config("ddp-ina" if fw == "ddp" else fw, codec, addr, topo, a, sw.proc.pid)
                     ratio = r["median_s"] / base["median_s"]
                     results["runs"].append({"framework": fw, "codec": codec, **r, "ratio_to_gloo": ratio,
                                             "speedup_vs_gloo": 1 / ratio, "meets_target": meets(ratio, a.rate)})
                     if not a.json:
                         print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step (load {os.getloadavg()[0]:.1f}) "
                               f"{ratio:.2f}x Gloo's time ({base['median_s'] * 1e3:.1f} ms; target {target(a.rate)}: "
-                              f"{'met' if meets(ratio, a.rate) else 'not met'})" + breakdown(r), flush=True)
+                              f"{'met' if meets(ratio, a.rate) else 'not met'})" + breakdown(r) + cpu_breakdown(r), flush=True)
         finally:
             sw.stop(timeout=10)
     finally:

@@ -25,8 +25,8 @@ already in flight raises Horovod's duplicate-name ``ValueError``). Queued allred
 is sealed when ``INA_BUCKET_BYTES`` (default 256 KiB) are queued, so streaming starts while backward still
 runs, and whatever is queued when a rank waits for one (``synchronize``/``poll``). Every rank of the same
 model queues the same gradients in the same order, so every rank seals the same buckets. A worker thread
-reads each bucket's agreement round (``gloo_patch.agreement``: a small Gloo allreduce of a digest of names,
-shapes, dtypes, ops, prescale/postscale, and flags, on a Gloo group of its own, started when the bucket is
+reads each bucket's agreement round (``gloo_patch.agreement``: a small sum over the ranks of a digest of names,
+shapes, dtypes, ops, prescale/postscale, and flags, on rank 0's TCPStore, started when the bucket is
 sealed, so it runs while the buckets before it stream), in sealing order; names the ranks did not all have
 in the bucket are queued again.
 If all ranks agree, the offloadable allreduces (op Sum/Average, float32/float16/bfloat16, no NaN/Inf on
@@ -43,8 +43,8 @@ allreduce are not touched.
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
-import json
 import os
 import sys
 import threading
@@ -53,6 +53,7 @@ import time
 from ina import AllreduceError
 
 from . import agreement, fusion
+from .horovod_native import HorovodNative, quieter_background_cycle
 from .common import FallbackLog, InaConfig, log, new_job_id, tensors_not_offloadable
 
 _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.optimizer", "horovod.torch.functions",
@@ -60,7 +61,6 @@ _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.opt
 DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
                   "is currently being processed.  If you want to request another tensor, use a different tensor name.")
 DEFAULT_BUCKET_BYTES = 256 * 1024
-DETAIL_NAME = "ina.agree.detail"
 
 
 def bucket_bytes() -> int:
@@ -94,7 +94,7 @@ class InaHandle:
         return f"<InaHandle {self.name!r} {len(self.tensors)} tensor(s) {'done' if self.done else 'pending'}>"
 
 
-class _HorovodIna:
+class _HorovodIna(HorovodNative):
     def __init__(self, config: InaConfig):
         import horovod.torch.mpi_ops as M  # noqa: PLC0415
 
@@ -112,7 +112,7 @@ class _HorovodIna:
         self.open: list[InaHandle] = []           # queued, not yet in a bucket
         self.open_bytes = 0
         self.buckets: list[tuple] = []            # sealed (handles, their agreement round), for the worker
-        self.channel: agreement.Rounds | None = None   # the agreement rounds' own Gloo group
+        self.channel: agreement.Rounds | None = None   # the agreement rounds, on rank 0's store
         self.bucket_bytes = bucket_bytes()
         self.seq = itertools.count()
         self.lock = threading.RLock()
@@ -126,6 +126,8 @@ class _HorovodIna:
         # allreduces (fuse, stream, unfuse), Horovod's own allreduces; and the worker thread's CPU
         self.seconds = {"agreement_wait": 0.0, "switch": 0.0, "native": 0.0, "worker_cpu": 0.0}
         self.switch_failed = False   # an allreduce through the switch failed: the client is latched broken
+        # (sealed, started, finished, worker CPU s, 0) per bucket, time.perf_counter(): as the DDP lane's timeline
+        self.timeline: collections.deque = collections.deque(maxlen=4096)
 
     # -- switch connection ---------------------------------------------------------------------------
     def connect(self) -> None:
@@ -146,8 +148,7 @@ class _HorovodIna:
         job, host, port = agreement.address_from_ints(M.broadcast(t, root_rank=0, name="ina.job_id").tolist())
         self.job = job
         self.channel = agreement.Rounds(store or agreement.Rounds.reach(host, port, size, self.config.timeout),
-                                        self.rank, size, self.config.timeout,
-                                        os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("HOROVOD_GLOO_IFACE"))
+                                        self.rank, size, self.config.timeout)
         self.client = Client(switch=self.config.switch, rank=self.rank, world_size=size, job=job,
                              **self.config.client_kwargs())
         if self.rank == 0:
@@ -243,7 +244,7 @@ class _HorovodIna:
                 h.sealed = h.sealed or now       # a handle carried over from a round keeps its first time
             # the bucket's agreement round starts now, in sealing order (the order rounds pair up across ranks);
             # the worker reads it when it reaches the bucket: meanwhile the buckets before it stream
-            self.buckets.append((self.open, self._start_round(self.open)))
+            self.buckets.append((self.open, self._start_round(self.open), time.perf_counter()))
             self.open, self.open_bytes = [], 0
             if self.worker is None or not self.worker.is_alive():
                 self.worker = threading.Thread(target=self._work, name="ina-horovod", daemon=True)
@@ -278,8 +279,8 @@ class _HorovodIna:
                     self.cond.wait(1.0)
                 if self.stopping:
                     return
-                batch, started = self.buckets.pop(0)
-            cpu = time.thread_time()
+                batch, started, sealed_at = self.buckets.pop(0)
+            cpu, t0 = time.thread_time(), time.perf_counter()
             try:
                 ready, native, ag = self._decide(batch, started)
                 self._run_round(ready, native, ag)
@@ -288,7 +289,9 @@ class _HorovodIna:
                 for h in batch:
                     h.error = h.error or e
                 done = batch
-            self.seconds["worker_cpu"] += time.thread_time() - cpu
+            cpu = time.thread_time() - cpu
+            self.seconds["worker_cpu"] += cpu
+            self.timeline.append((sealed_at, t0, time.perf_counter(), cpu, 0.0))
             self._settle(batch, done)
 
     def _settle(self, batch, done) -> None:
@@ -365,66 +368,6 @@ class _HorovodIna:
         self._run_switch([h for h in ready if h.name not in native])
         self.seconds["native"] += t2 - t1
         self.seconds["switch"] += time.perf_counter() - t2
-
-    def _reconcile(self, batch):
-        """The ranks' batches differ: exchange the descriptions. Names queued on every rank run now (through
-        Horovod if their descriptions differ: Horovod raises its own mismatch error on every rank); the
-        rest stay queued for a later round."""
-        import torch  # noqa: PLC0415
-
-        mine = json.dumps([[h.name, h.desc] for h in batch]).encode()
-        h = self.M.allgather_async(torch.tensor(list(mine), dtype=torch.uint8).reshape(-1, 1), name=DETAIL_NAME)
-        lens = self._native_wait(self._native_allreduce(torch.zeros(self.M.size(), dtype=torch.int64).index_fill_(
-            0, torch.tensor([self.M.rank()]), len(mine)), DETAIL_NAME + ".len"), "the agreement's sizes")
-        data = bytes(self._native_wait(h, "the agreement's details").reshape(-1).tolist())
-        per_rank, off = [], 0
-        for n in lens.tolist():
-            per_rank.append(dict(json.loads(data[off:off + n].decode())))
-            off += n
-        common = set(per_rank[0]).intersection(*per_rank[1:])
-        ready = [h for h in batch if h.name in common]
-        native = {h.name: "ranks disagree on it (Horovod checks)" for h in ready
-                  if len({d[h.name] for d in per_rank}) > 1}
-        return ready, native
-
-    def _native_allreduce(self, t, name):
-        return self.orig["_allreduce_async"](t, t, name, self.M.Sum, 1.0, 1.0, self.M.global_process_set)
-
-    def _native_wait(self, handle, what: str):
-        """Horovod's synchronize, bounded by INA_TIMEOUT (a rank that never reaches the round)."""
-        if self.stale is not None:
-            stale, self.stale = self.stale, None
-            self._native_wait(stale, "an earlier agreement round")
-        deadline = time.monotonic() + self.config.timeout
-        while not self.orig["poll"](handle):
-            if time.monotonic() > deadline:
-                self.stale = handle
-                raise self.M.HorovodInternalError(
-                    f"INA backend: {what} did not complete within {self.config.timeout:g} s (INA_TIMEOUT): a rank "
-                    "did not reach it; queued here: " + ", ".join(list(self.active)[:10]))
-            time.sleep(0.0002)
-        return self.orig["synchronize"](handle)
-
-    def _run_native(self, handles, why: dict) -> None:
-        started = []
-        for h in handles:
-            self.fallbacks.fallback("grouped_allreduce" if h.grouped else "allreduce", why[h.name], h.name)
-            try:
-                if h.grouped:
-                    nh = self.orig["_grouped_allreduce_async"](h.tensors, h.outputs, h.name, h.op, h.prescale,
-                                                               h.postscale, self.M.global_process_set)
-                else:
-                    nh = self.orig["_allreduce_async"](h.tensors[0], h.outputs[0], h.name, h.op, h.prescale,
-                                                       h.postscale, self.M.global_process_set)
-                started.append((h, nh))
-            except Exception as e:  # noqa: BLE001 - the caller's synchronize raises it
-                h.error = e
-        for h, nh in started:
-            try:
-                self.orig["synchronize"](nh)
-                h.done = True
-            except Exception as e:  # noqa: BLE001
-                h.error = e
 
     def _run_switch(self, handles) -> None:
         """Offloadable allreduces through the switch, fused in name order into buffers of one dtype/op/scale."""
@@ -522,6 +465,7 @@ class _HorovodIna:
                 self.cond.wait(min(left, 1.0))
 
     def init(self, *args, **kwargs):
+        quieter_background_cycle()
         out = self.orig["init"](*args, **kwargs)
         self.connect()
         return out
@@ -538,6 +482,7 @@ class _HorovodIna:
         d["job"] = self.job
         d["agreement_rounds"] = self.rounds
         d["seconds"] = dict(self.seconds)
+        d["timeline"] = list(self.timeline)
         d["client"] = self.client.stats.as_dict() if self.client is not None else None
         # the keys holding an error-feedback residual (codecs that keep one: a fused tensor's name and position)
         d["residual_keys"] = [str(k) for k in self.client.codec(self.config.codec).residual_keys()] \

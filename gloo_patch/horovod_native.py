@@ -1,0 +1,89 @@
+"""The INA Horovod backend's paths through Horovod's own machinery: the allreduces that stay on Horovod (its
+errors reach every rank), the reconciliation of batches that differ across ranks, a bounded wait on a Horovod
+handle, and the pace of Horovod's background cycle while the switch carries the allreduces.
+
+:class:`HorovodNative` is a base of ``gloo_patch.horovod``'s backend state: it uses its ``M`` (``horovod.torch.
+mpi_ops``), ``orig`` (Horovod's own functions), ``config``, ``active``, ``fallbacks`` and ``stale``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+DETAIL_NAME = "ina.agree.detail"
+INA_HOROVOD_CYCLE_MS = 5.0     # Horovod's cycle when the switch carries the allreduces (quieter_background_cycle)
+
+
+def quieter_background_cycle() -> None:
+    """Horovod's background thread wakes every ``HOROVOD_CYCLE_TIME`` ms (default 1) and, even with nothing
+    queued, runs one Gloo allreduce of its cache bits with every rank: about 40 to 90 ms of CPU per second per
+    rank on this machine, taken from backward. With the switch carrying the allreduces that loop serves only
+    what stays on Gloo (broadcast, allgather, fallbacks), so unless the user set the variable the INA backend
+    starts Horovod with a cycle of ``INA_HOROVOD_CYCLE_MS``."""
+    if not os.environ.get("HOROVOD_CYCLE_TIME"):
+        os.environ["HOROVOD_CYCLE_TIME"] = f"{INA_HOROVOD_CYCLE_MS:g}"
+
+
+class HorovodNative:
+    """Horovod's own collectives, as the backend uses them (every one bounded by INA_TIMEOUT)."""
+
+    def _reconcile(self, batch):
+        """The ranks' batches differ: exchange the descriptions. Names queued on every rank run now (through
+        Horovod if their descriptions differ: Horovod raises its own mismatch error on every rank); the
+        rest stay queued for a later round."""
+        import torch  # noqa: PLC0415
+
+        mine = json.dumps([[h.name, h.desc] for h in batch]).encode()
+        h = self.M.allgather_async(torch.tensor(list(mine), dtype=torch.uint8).reshape(-1, 1), name=DETAIL_NAME)
+        lens = self._native_wait(self._native_allreduce(torch.zeros(self.M.size(), dtype=torch.int64).index_fill_(
+            0, torch.tensor([self.M.rank()]), len(mine)), DETAIL_NAME + ".len"), "the agreement's sizes")
+        data = bytes(self._native_wait(h, "the agreement's details").reshape(-1).tolist())
+        per_rank, off = [], 0
+        for n in lens.tolist():
+            per_rank.append(dict(json.loads(data[off:off + n].decode())))
+            off += n
+        common = set(per_rank[0]).intersection(*per_rank[1:])
+        ready = [h for h in batch if h.name in common]
+        native = {h.name: "ranks disagree on it (Horovod checks)" for h in ready
+                  if len({d[h.name] for d in per_rank}) > 1}
+        return ready, native
+
+    def _native_allreduce(self, t, name):
+        return self.orig["_allreduce_async"](t, t, name, self.M.Sum, 1.0, 1.0, self.M.global_process_set)
+
+    def _native_wait(self, handle, what: str):
+        """Horovod's synchronize, bounded by INA_TIMEOUT (a rank that never reaches the round)."""
+        if self.stale is not None:
+            stale, self.stale = self.stale, None
+            self._native_wait(stale, "an earlier agreement round")
+        deadline = time.monotonic() + self.config.timeout
+        while not self.orig["poll"](handle):
+            if time.monotonic() > deadline:
+                self.stale = handle
+                raise self.M.HorovodInternalError(
+                    f"INA backend: {what} did not complete within {self.config.timeout:g} s (INA_TIMEOUT): a rank "
+                    "did not reach it; queued here: " + ", ".join(list(self.active)[:10]))
+            time.sleep(0.0002)
+        return self.orig["synchronize"](handle)
+
+    def _run_native(self, handles, why: dict) -> None:
+        started = []
+        for h in handles:
+            self.fallbacks.fallback("grouped_allreduce" if h.grouped else "allreduce", why[h.name], h.name)
+            try:
+                if h.grouped:
+                    nh = self.orig["_grouped_allreduce_async"](h.tensors, h.outputs, h.name, h.op, h.prescale,
+                                                               h.postscale, self.M.global_process_set)
+                else:
+                    nh = self.orig["_allreduce_async"](h.tensors[0], h.outputs[0], h.name, h.op, h.prescale,
+                                                       h.postscale, self.M.global_process_set)
+                started.append((h, nh))
+            except Exception as e:  # noqa: BLE001 - the caller's synchronize raises it
+                h.error = e
+        for h, nh in started:
+            try:
+                self.orig["synchronize"](nh)
+                h.done = True
+            except Exception as e:  # noqa: BLE001
+                h.error = e
