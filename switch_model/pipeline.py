@@ -49,13 +49,15 @@ class StageClock:
     """
 
     def __init__(self):
-        self.stage_ns = np.zeros(len(STAGES), np.int64)
+        # Python ints, not numpy arrays: the poll loop adds to them six times a burst, and an int's
+        # add is a fraction of a numpy element's read-modify-write
+        self.stage_ns = [0] * len(STAGES)
         self.busy_ns = 0
         self.busy_cpu_ns = 0
         self.tx_cpu_ns = 0        # CPU ns of the tx stage alone (sendmmsg: the kernel's send path)
         self.wait_ns = 0
         self.bursts = 0
-        self.burst_hist = np.zeros(BURST_BUCKETS, np.int64)
+        self.burst_hist = [0] * BURST_BUCKETS
 
     def burst(self, n: int) -> None:
         self.bursts += 1
@@ -163,6 +165,8 @@ class Switch:
         self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, self.max_pass, stride, cfg.register_bits,
                                           cfg.seed, MAX_ACTIVE_JOBS * MAX_WORKERS)
         self.counters = self.state.counters
+        tx = self.state.tx                # harvest's transmission plan, as field views made once (not per burst)
+        self._tx_rows, self._tx_lens, self._tx_addr = tx["set_id"], tx["length"], tx["addr"]
         self.clock = StageClock()
         self._waited = 0
         self.slot_owner = np.full(cfg.slots, -1, np.int64)
@@ -289,8 +293,7 @@ class Switch:
         """Send harvest's plan (grouped by destination there: one GSO message per worker and burst).
         Replays (negative length) go out with the REPLAY flag, set in the stored row only for their own
         send (after the burst's multicasts; the egress impairments copy a packet they hold)."""
-        plan = self.state.tx[:m]
-        rows, lens, addr = plan["set_id"], plan["length"], plan["addr"]
+        rows, lens, addr = self._tx_rows[:m], self._tx_lens[:m], self._tx_addr[:m]
         buf = self.state.results
         if m and self._replays:
             rep = lens < 0
@@ -492,6 +495,11 @@ class Switch:
         """May the receive block, and for how long: until the next held packet is due (sleeping, not
         spinning: on a shared machine a spinning switch takes the workers' CPU), else the usual 20 ms.
         False when a held packet is due now."""
+        if not self._holding():           # the common case: nothing held, the usual bound
+            if self._rx_timeout != 0.02:
+                B.set_recv_timeout(self.sock, 0.02)
+                self._rx_timeout = 0.02
+            return True
         due = [t for t in (self.ingress.next_release(), self.egress.next_release()) if t is not None]
         want = 0.02 if not due else min(due) - time.monotonic()
         if want < 5e-5:
