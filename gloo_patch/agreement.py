@@ -23,8 +23,7 @@ the framework's own error on every rank). A bucket shared by two names only send
 from __future__ import annotations
 
 import hashlib
-import queue
-import threading
+import json
 from dataclasses import dataclass
 
 import torch
@@ -158,16 +157,51 @@ def address_from_ints(v: list[int]) -> tuple[int, str, int]:
     return int(v[0]), str(ipaddress.IPv4Address(int(v[1]))), int(v[2])
 
 
+GAVE_UP = b"ina.gave-up:"     # a round slot given up: this prefix and a JSON record (never an int64 vector's start)
+
+
+class RoundError(RuntimeError):
+    """An agreement round that did not complete: it names the round, its allreduces and the ranks missing."""
+
+
+def describe_names(names) -> str:
+    names = list(names)
+    if not names:
+        return "no allreduce of this rank (hvd.join())"
+    return "allreduce " + ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5
+                                                                    else "")
+
+
+def open_rounds(rank: int, size: int, timeout: float, switch_host: str, job: int, broadcast) -> tuple[int, "Rounds"]:
+    """The agreement rounds of a job: rank 0 serves the store; ``broadcast(list_of_ints) -> list_of_ints`` hands
+    rank 0's ``[job, address, port]`` to every rank (the framework's own broadcast). Returns (job, rounds)."""
+    store = Rounds.serve(size, timeout) if rank == 0 else None
+    mine = [job, *address_ints(switch_host, store)] if rank == 0 else [0, 0, 0]
+    job, host, port = address_from_ints(broadcast(mine))
+    return job, Rounds(store or Rounds.reach(host, port, size, timeout), rank, size, timeout)
+
+
 class Rounds:
     """The agreement rounds of one Horovod job, on a ``TCPStore`` that rank 0 serves (:meth:`serve`; the caller
     hands its address and port to the others through Horovod's broadcast). Round k is one key per rank,
-    ``r<k>/<rank>``: a rank starts it by writing its vector there (one request, made by a writer thread: the
-    thread that seals the bucket only queues it) and reads it by fetching every rank's key (one request that
-    waits until all are written, from the worker) and adding them up. A round is started when a bucket is
-    sealed and read when the worker reaches that bucket, so its latency hides behind the buckets before it.
-    Rounds pair up across ranks by their number: the k-th round each rank starts. Each value also carries how many rounds its writer had read (all of them, in
+    ``r<k>/<rank>``: a rank starts it by writing its vector there (one request, from the thread that seals the
+    bucket) and reads it by fetching every rank's key (one request that waits until all are written, from the
+    worker) and adding them up. A round is started when a bucket is sealed and read when the worker reaches that
+    bucket, so its latency hides behind the buckets before it. Rounds pair up across ranks by their number: the
+    k-th round each rank starts. Each value also carries how many rounds its writer had read (all of them, in
     order); a rank deletes its own key of a round once every rank has said it read that round, so the store
     holds only the rounds in flight.
+
+    A round that cannot complete. Round k pairs with round k of every other rank, so a rank giving up on a round
+    another rank never started must not leave that slot for the other rank's next round (it would pair with the
+    abandoned one, and every round after it would be off by one). So a rank starts a round by claiming its slot
+    with ``compare_set`` (written only if empty), and a rank that waited ``timeout`` for round k claims the slots
+    still empty with a record (:data:`GAVE_UP`, who, why, the allreduces). Either way one of the two wins,
+    atomically, in the store: if every slot turns out written, the round completes after all; else every rank that
+    reads round k finds the record and raises the same :class:`RoundError`, and a rank whose slot was taken skips
+    to round k + 1, which pairs with the others' next round; if its own allreduces are the ones given up (it
+    reached them late) they fail at once instead of waiting another ``timeout``. Cost: the start waits for the
+    store's answer (one request either way).
 
     Why not a Gloo group: a round of a 70-element vector cost its Gloo threads about 1 ms of CPU per rank (a
     wake-up per message on the group's transport thread and its worker thread) and 2.7 ms from start to sum
@@ -175,21 +209,19 @@ class Rounds:
     2 ranks on loopback, load average about 10). On two cores that CPU is taken from backward."""
 
     def __init__(self, store, rank: int, size: int, timeout: float):
+        import threading  # noqa: PLC0415
+
         self.rank, self.size, self.timeout = rank, size, timeout
-        self.store = store                # starts: a set each, by the writer thread
+        self.store = store                # starts: a set, from the sealing thread (under the caller's lock)
         # reads wait in the store; a client blocked in a wait holds its connection, so the reads get their own
         self.reader = store.clone()
-        # a start is a request to rank 0's store: the thread that seals a bucket (backward's) only queues it,
-        # so it never waits for the store's thread to be scheduled on a busy machine
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.writer = threading.Thread(target=self._write, name="ina-agree-writer", daemon=True)
-        self.writer.start()
         self.lock = threading.Lock()      # the counters
         self.reading = threading.Lock()   # the reader (a read may wait: starts must not wait behind it)
         self.started = 0                  # rounds started here
         self.read_up_to = 0               # every round <= this one has been read (or given up) here
         self.finished: set[int] = set()   # rounds read here beyond read_up_to
         self.deleted_up_to = 0            # this rank's keys of the rounds <= this one are deleted
+        self.given_up = 0                 # rounds given up here, or skipped (another rank gave up on them)
 
     def key(self, k: int, rank: int) -> str:
         return f"r{k}/{rank}"
@@ -211,37 +243,46 @@ class Rounds:
 
         return dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=timeout))
 
-    def start(self, vector: torch.Tensor):
-        """Add ``vector`` into the next round (not waited for): the round's handle for :meth:`wait`."""
+    def start(self, vector: torch.Tensor, names=()):
+        """Add ``vector`` into the next round (not waited for): the round's handle for :meth:`wait`. ``names``:
+        the allreduces it decides (for the errors, and to fail at once those another rank has given up on)."""
         import numpy as np  # noqa: PLC0415
 
+        names = tuple(names)
         with self.lock:
-            self.started += 1
-            k, read = self.started, self.read_up_to
-        self.outbox.put((self.key(k, self.rank), np.concatenate([[read], vector.numpy()]).astype(np.int64).tobytes()))
-        return self, k
-
-    def _write(self) -> None:
-        while (item := self.outbox.get()) is not None:
-            try:
-                self.store.set(*item)
-            except Exception:  # noqa: BLE001 - the store is gone (shut down): the reads fail and say so
-                return
-
-    @staticmethod
-    def wait(handle, timeout: float) -> torch.Tensor | None:
-        """The summed vector, or None if the round did not complete within ``timeout`` seconds (then this rank
-        gives it up: the callers raise)."""
-        rows = Rounds.rows(handle, timeout)
-        return None if rows is None else torch.from_numpy(rows.sum(axis=0))
+            while True:
+                self.started += 1
+                k, read = self.started, self.read_up_to
+                mine = np.concatenate([[read], vector.numpy()]).astype(np.int64).tobytes()
+                got = self.store.compare_set(self.key(k, self.rank), "", mine)
+                if got == mine:
+                    return self, k, names, None
+                # another rank gave up on round k before this rank started it: skip it (the others did too)
+                self.given_up += 1
+                self._finished(k)
+                record = json.loads(got[len(GAVE_UP):])
+                if set(names) & set(record["names"]):
+                    return self, k, names, (f"INA backend: agreement round {k} ({describe_names(names)}) came after "
+                                            f"the other ranks had given up on these allreduces: {record['why']}; "
+                                            f"rank {self.rank} had not started it")
 
     @staticmethod
-    def rows(handle, timeout: float):
-        """Every rank's vector (a numpy int64 array, one row per rank), or None as :meth:`wait`."""
-        rounds, k = handle
-        return rounds.read(k, timeout)
+    def wait(handle, timeout: float) -> torch.Tensor:
+        """The summed vector, within ``timeout`` seconds; else :class:`RoundError` naming the round, its
+        allreduces and the ranks that had not started it (the round is given up on every rank)."""
+        rounds, k, names, error = handle
+        if error is not None:
+            raise RoundError(error)
+        return rounds.read(k, timeout, names)
 
-    def read(self, k: int, timeout: float):
+    def _finished(self, k: int) -> None:
+        """Round k was read (or given up) here (counters lock held)."""
+        self.finished.add(k)
+        while self.read_up_to + 1 in self.finished:
+            self.finished.discard(self.read_up_to + 1)
+            self.read_up_to += 1
+
+    def read(self, k: int, timeout: float, names=()) -> torch.Tensor:
         import datetime  # noqa: PLC0415
         import numpy as np  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
@@ -253,25 +294,35 @@ class Rounds:
             reader.set_timeout(datetime.timedelta(seconds=timeout))
             try:
                 values = reader.multi_get([self.key(k, r) for r in range(self.size)])   # waits for every rank
-                rows = np.stack([np.frombuffer(v, dtype=np.int64) for v in values])
             except dist.DistStoreError:     # not every rank wrote it in time (DistNetworkError: the store is gone)
-                rows = None
+                values = self._give_up(k, names, timeout)
             with self.lock:
-                self.finished.add(k)
-                while self.read_up_to + 1 in self.finished:
-                    self.finished.discard(self.read_up_to + 1)
-                    self.read_up_to += 1
-            if rows is None:
-                return None
+                self._finished(k)
+            slots = [q for q, v in enumerate(values) if v.startswith(GAVE_UP)]
+            if slots:
+                with self.lock:
+                    self.given_up += 1
+                record = json.loads(values[slots[0]][len(GAVE_UP):])
+                why = (f"{record['why']}; rank(s) {', '.join(map(str, slots))} had not started it. The next rounds "
+                       "pair up again")
+                raise RoundError(f"INA backend: {why}" if record["by"] == self.rank else
+                                 f"INA backend: agreement round {k} ({describe_names(names)}) was given up: {why}")
+            rows = np.stack([np.frombuffer(v, dtype=np.int64) for v in values])
             # every rank had read the rounds up to min(rows[:, 0]) when it started this one: this rank's keys of
             # those rounds are read by all, so they go
             done = int(rows[:, 0].min())
             for j in range(self.deleted_up_to + 1, done + 1):
                 reader.delete_key(self.key(j, self.rank))
             self.deleted_up_to = max(self.deleted_up_to, done)
-        return rows[:, 1:]
+        return torch.from_numpy(rows[:, 1:].sum(axis=0))
+
+    def _give_up(self, k: int, names, timeout: float) -> list:
+        """Claim the slots of round k still empty with a record, each atomically against that rank's start: the
+        values of round k after that (a rank that wrote meanwhile keeps its vector)."""
+        why = (f"rank {self.rank} gave up on agreement round {k} ({describe_names(names)}): it did not complete "
+               f"within {timeout:g} s")
+        record = GAVE_UP + json.dumps({"by": self.rank, "names": list(names), "why": why}).encode()
+        return [self.store.compare_set(self.key(k, q), "", record) for q in range(self.size)]
 
     def close(self) -> None:
-        self.outbox.put(None)
-        self.writer.join(self.timeout)      # the starts already queued are written first
         self.store = self.reader = None     # rank 0: the server goes with it, and the other ranks' reads end

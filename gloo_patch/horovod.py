@@ -323,18 +323,16 @@ class _HorovodIna(HorovodNative):
             raise RuntimeError("the INA backend is not connected (hvd.init() not called, or Horovod shut down)")
         batch = sorted(batch, key=lambda h: (h.name, h.seq))
         entries = [(h.name, h.desc, agreement.nonfinite(h.tensors)) for h in batch]
-        return self.channel.start(agreement.local_vector(entries, self.client_unusable()))
+        return self.channel.start(agreement.local_vector(entries, self.client_unusable()), [h.name for h in batch])
 
     def _round_result(self, started, what: str = "the agreement round"):
         return self._round_result_within(started, self.config.timeout, what)
 
     def _round_result_within(self, started, seconds: float, what: str = "the agreement round"):
-        total = agreement.Rounds.wait(started, seconds)
-        if total is None:
-            raise self.M.HorovodInternalError(
-                f"INA backend: {what} did not complete within {seconds:g} s: a rank did not reach it; queued "
-                "here: " + ", ".join(list(self.active)[:10]))
-        return total
+        try:
+            return agreement.Rounds.wait(started, seconds)
+        except agreement.RoundError as e:     # names the round, its allreduces, the ranks missing
+            raise self.M.HorovodInternalError(f"{e} (waiting for {what}, up to {seconds:g} s)") from None
 
     def _decide(self, batch, started):
         """Wait for the batch's agreement round (``started``: its handle): (the handles decided now, {name: why
@@ -482,6 +480,7 @@ class _HorovodIna(HorovodNative):
         d = self.fallbacks.counters.as_dict()
         d["job"] = self.job
         d["agreement_rounds"] = self.rounds
+        d["agreement_rounds_given_up"] = self.channel.given_up if self.channel is not None else None
         d["seconds"] = dict(self.seconds)
         d["timeline"] = list(self.timeline)
         d["client"] = self.client.stats.as_dict() if self.client is not None else None

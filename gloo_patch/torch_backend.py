@@ -377,42 +377,39 @@ class InaHookState:
         self.process_group = process_group or dist.distributed_c10d._get_default_group()
         self.config = InaConfig.from_env(switch=switch, codec=codec, timeout=timeout)
         rank, size = self.process_group.rank(), self.process_group.size()
-        job = self.config.job
-        if job is None:
-            t = torch.tensor([new_job_id() if rank == 0 else 0], dtype=torch.int64)
-            self.process_group.broadcast(t, 0).wait()
-            job = int(t.item())
-        # the agreement rounds run on a TCPStore that rank 0 serves (``agreement.Rounds``: a round costs a Gloo
-        # group's threads about 1 ms of CPU per rank, the store 0.1-0.2 ms): the hook starts one per bucket without
-        # waiting (backward goes on), the lane waits for it; Gloo fallbacks run on the lane, on ``process_group``
-        self.rounds = self._serve_rounds(rank, size)
+        # the agreement rounds run on a store of their own (``agreement.Rounds``, as Horovod's: a round that
+        # cannot complete raises on the rank that waited, and the next rounds pair up again): the hook starts one
+        # per bucket without waiting (backward goes on), the lane waits for it; Gloo fallbacks run on the lane,
+        # on ``process_group``. Rank 0 sends the job id and the store's address through the process group.
+        job, self.rounds = agreement.open_rounds(rank, size, self.config.timeout, self.config.switch[0],
+                                                 self.config.job or new_job_id(), self._broadcast)
         self.fallbacks = FallbackLog(f"[ina rank {rank}] DDP comm hook:", announce=rank == 0)
         self.lane = _Lane(self.config, rank, size, job)
         if rank == 0:
             log.info("[ina rank 0] DDP comm hook: %d ranks, job %d, %s", size, job, self.config.describe())
 
-    def _serve_rounds(self, rank: int, size: int) -> agreement.Rounds:
-        """Rank 0 serves the rounds' store; its address and port reach the others through ``process_group``."""
-        store = agreement.Rounds.serve(size, self.config.timeout) if rank == 0 else None
-        t = torch.tensor([0, *agreement.address_ints(self.config.switch[0], store)], dtype=torch.int64)
-        self.process_group.broadcast(t, 0).wait()
-        _, host, port = agreement.address_from_ints(t.tolist())
-        return agreement.Rounds(store or agreement.Rounds.reach(host, port, size, self.config.timeout), rank, size,
-                                self.config.timeout)
-
     def agree_later(self, tensors, what: str) -> Callable[[], str | None]:
-        """Start this rank's agreement row for an allreduce (Average) of ``tensors`` in the next round, without
-        waiting; the returned function waits (bounded by INA_TIMEOUT) and returns what :func:`agree` returns, or
-        raises the same RuntimeError on every rank if the ranks disagree."""
-        started = self.rounds.start(agreement.row(tensors, _OPS.index("AVG"), self.lane.unusable()))
+        """Start this rank's agreement row for an allreduce (Average) of ``tensors`` on the agreement group,
+        without waiting; the returned function waits (bounded by INA_TIMEOUT) and returns what :func:`agree`
+        returns, or raises the same RuntimeError on every rank if the ranks disagree."""
+        mine = agreement.row(tensors, _OPS.index("AVG"), self.lane.unusable())
+        size = self.process_group.size()
+        table = torch.zeros(size, mine.numel(), dtype=torch.int64)   # a Sum of one row per rank: an all_gather
+        table[self.process_group.rank()] = mine
+        handle = self.rounds.start(table.reshape(-1))
 
         def decided() -> str | None:
-            rows = agreement.Rounds.rows(started, self.config.timeout)
-            if rows is None:
-                raise RuntimeError(f"{what}: the agreement round did not complete within {self.config.timeout:g} s "
-                                   "(INA_TIMEOUT)")
-            return judged(rows, what)
+            try:
+                rows = agreement.Rounds.wait(handle, self.config.timeout)
+            except agreement.RoundError as e:    # names the round and the ranks missing; the next round works
+                raise RuntimeError(f"{what}: {e}") from None
+            return judged(list(rows.reshape(size, -1)), what)
         return decided
+
+    def _broadcast(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        self.process_group.broadcast(t, 0).wait()
+        return t.tolist()
 
     def stats(self) -> dict:
         d = self.fallbacks.counters.as_dict()

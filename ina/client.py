@@ -29,13 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import burst as B
-from . import compression, lifetime, staging
+from . import chunk_encoding, compression, lifetime, staging
 from . import sparse as sparse_mod
 from . import stream_kernels as SK
 from .compression.base import ScaleContext
 from .coalescing import ArrivalSpacing
 from .control import ControlChannel, ControlError
-from .recovery import LossDetector
+from .recovery import TAIL_COPY_FROM, LossDetector, tail_copies
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
@@ -65,6 +65,7 @@ class ClientStats(WorkerStats):
     probe_replayed: int = 0           # had completed: a result lost on the way back was recovered); the others
     timeout_replayed: int = 0         # waited for this rank's lost data packet or a peer's (ina.recovery)
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
+    tail_copies: int = 0              # second copies of a stream's last chunk sent (ina.recovery.tail_copies)
     coalesce_pause_s: float = 0.0     # time spent pausing for receive coalescing (a slow link's trickle)
     stale_results: int = 0
     sparse_header_only: int = 0       # sparse streaming: rounds this worker took part in with 24 bytes (zero chunk)
@@ -87,7 +88,8 @@ class Client(Worker):
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
                  codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
-                 token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False):
+                 token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False,
+                 tail_copy_from: int = TAIL_COPY_FROM):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
@@ -95,6 +97,7 @@ class Client(Worker):
         self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
         self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
         self.sparse = bool(sparse)            # allreduce's default: sparse block streaming (ina.sparse)
+        self.tail_copy_from = int(tail_copy_from)   # data streams this long send their last chunk twice (ina.recovery)
         self.record_timeline = bool(timeline)  # keep the last allreduce's Timeline in last_timeline
         self.last_timeline: dict | None = None
         self._timeline: Timeline | None = None
@@ -150,6 +153,8 @@ class Client(Worker):
         the same object. ``sparse=True`` streams only the chunks whose codes are not all zero
         (OmniReduce-style sparse block streaming, :mod:`ina.sparse`; every worker of the allreduce must
         pass the same value); None: the client's ``sparse`` (which host-aggregated codecs ignore).
+        Results are decoded straight into a contiguous float32 host tensor's memory: if the allreduce
+        raises after packets went out, such a tensor holds partial sums (as with Gloo's ring).
         """
         self._check_usable()
         c = self.codec(codec)
@@ -221,52 +226,48 @@ class Client(Worker):
         return tensor
 
     def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False) -> np.ndarray:
-        """Encode, stream and decode, pipelined: a block of ``slots`` chunks is encoded when its first
-        chunk is about to be sent, and each burst of results is decoded as it arrives, so the codec's
-        CPU time overlaps the link time instead of adding to it. Codecs with error feedback encode the
-        tensor as one block (their residual is kept per key for the whole tensor)."""
+        """Encode, stream and decode, pipelined: chunks are encoded into their packets as they are sent
+        (:mod:`ina.chunk_encoding`: one by one for nc, else a block of ``slots`` chunks when its
+        first is sent) and each burst of results is decoded as it arrives, so the codec's CPU time
+        overlaps the link time instead of adding to it."""
         n, E, S = x32.size, self.elements, self.slots
         n_chunks = max(1, math.ceil(n / E))
         block = n_chunks if kw else S                      # chunks per encoding block
         ptype = c.uplink_type(ctx)                         # INT8_NARROW when the sum fits int8
         res_type = c.result_type(ctx, raw=self.raw)
         raw = self.raw or res_type != c.payload_type       # results are register sums, not codes
-        out = np.empty(n_chunks * E, np.float32)
-        out2d = out.reshape(n_chunks, E)
+        output = chunk_encoding.ChunkOutput(x32, E, n_chunks)      # results go straight into x32
         tl = self._timeline
 
-        def encode_block(b: int) -> np.ndarray:
-            t = time.perf_counter()
-            lo, hi = b * block * E, min(n, (b + 1) * block * E)
-            codes = c.encode_shared(x32[lo:hi], ctx.from_element(lo), **kw)
-            rows = math.ceil((hi - lo) / E)
-            if codes.size != rows * E:                     # the last chunk is zero-padded
-                codes = np.concatenate([codes, np.zeros(rows * E - codes.size, codes.dtype)])
-            if tl:
-                tl.encode_s += time.perf_counter() - t
-            return codes.reshape(rows, E)
+        def decode_into(payload, rows, chunks, which):
+            c.decode_sum_into(payload, ctx, raw, rows, chunks, which)
 
         def decode(chunks: np.ndarray, payload: np.ndarray, which: np.ndarray | None = None) -> None:
             t = time.perf_counter()
-            c.decode_sum_into(payload, ctx, raw, out2d, chunks, which)
+            output.decode(decode_into, chunks, payload, which)
             if tl:
                 tl.decode_s += time.perf_counter() - t
                 tl.rx_bursts += 1
                 tl.results += chunks.size
 
         streams = None
+        if c.encodes_rows and not kw and not sparse:
+            encoder = chunk_encoding.RowEncoder(c, x32, ctx, E, tl)
+        else:
+            encode_block = chunk_encoding.encode_block_fn(c, x32, ctx, kw, E, block, tl)
+            encoder = chunk_encoding.BlockEncoder(encode_block, block)
         if sparse:        # every chunk's codes first: a worker announces its next non-zero chunk
             codes = np.concatenate([encode_block(b) for b in range(math.ceil(n_chunks / block))])
             zero = c.decode_sum(sparse_mod.zero_sums(res_type, E), ctx, raw=raw)    # an all-zero chunk's sum
 
             def fill_zero(chunks: np.ndarray) -> None:
-                out2d[chunks] = zero
+                output.fill(chunks, zero)
             streams = functools.partial(sparse_mod.SparseStream, codes=codes, streams=S, modulus=self.chunk_modulus,
                                         ptype=ptype, result_type=res_type, fill_zero=fill_zero)
-            encode_block = sparse_mod.encoded_blocks(codes, block)      # the codes are ready
-        self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n,
-                     encode_block=encode_block, block=block, decode=decode, sparse=streams)
-        return out[:n]
+            encoder = chunk_encoding.BlockEncoder(sparse_mod.encoded_blocks(codes, block), block)   # codes ready
+        self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n, encoder=encoder,
+                     decode=decode, sparse=streams)
+        return output.flat
 
     # ----------------------------------------------------------------------------------------------
     @property
@@ -275,12 +276,12 @@ class Client(Worker):
         return self._next_chunk
 
     def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
-                count: int = 0, encode_block=None, block: int = 1, decode=None, sparse=None):
+                count: int = 0, encoder=None, decode=None, sparse=None):
         """Send ``n_chunks`` chunks through the job's slots and collect their results.
 
         Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
-        holds the switch's maxima. With payload, ``encode_block(b)`` gives the codes of chunks
-        ``b*block ..`` as a (rows, E) array, and ``decode(chunk_ids, payloads, which)`` takes each burst
+        holds the switch's maxima. With payload, ``encoder.load(...)`` writes new chunks' codes into
+        their ring rows (:mod:`ina.chunk_encoding`), and ``decode(chunk_ids, payloads, which)`` takes each burst
         of results (``payloads[which]``: their payload rows; which None: all rows, in order). Packets
         live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is done, which is
         sent only after c is done, so a row is never reused while its chunk is pending.
@@ -289,8 +290,8 @@ class Client(Worker):
         """
         c0 = self._next_chunk
         self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
-        return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encode_block, block,
-                         decode, sparse(c0) if sparse else None).run()
+        return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
+                         sparse(c0) if sparse else None).run()
 
     def _rtt_sample(self, r: float) -> None:
         if self.srtt is None:
@@ -388,7 +389,7 @@ class _Transfer:
     """One :meth:`Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
 
     def __init__(self, cl: Client, c0: int, n_chunks: int, ptype: PayloadType, codec_id: int, exponent,
-                 result_type: PayloadType, count: int, encode_block, block: int, decode, sparse=None):
+                 result_type: PayloadType, count: int, encoder, decode, sparse=None):
         self.cl, self.c0, self.n_chunks = cl, c0, n_chunks
         self.sparse = sparse          # an ina.sparse.SparseStream: chunks zero everywhere are skipped
         self.E = E = cl.elements if ptype != PayloadType.NONE else 0
@@ -405,11 +406,10 @@ class _Transfer:
         hv["payload_type"] = int(ptype)
         self.pv = payload_view(self.pkts, ptype, E) if E else None
         self.exps_in = np.asarray(exponent, np.int64).reshape(-1)     # one per chunk, or one for all
-        self.count, self.encode_block, self.block, self.decode = count, encode_block, block, decode
-        self.blocks: dict[int, np.ndarray] = {}
-        self.left_in_block: dict[int, int] = {}
+        self.count, self.encoder, self.decode = count, encoder, decode
         self.result_type = result_type
         self.res_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E
+        self.res_pv = payload_view(cl.rx.buf, result_type, E) if E else None    # the receive ring's payloads
         self.exps = np.zeros(n_chunks, np.int64)
         self.done = np.zeros(n_chunks, bool)
         burst = cl.rx.burst                        # a receive burst's fresh results (rows, positions, REPLAY)
@@ -433,24 +433,7 @@ class _Transfer:
         rows = chunks % self.R
         SK.fill_headers(self.pkts, rows, chunks, self.c0, self.cl.chunk_modulus, self.S, self.exps_in, self.count, E)
         if E:
-            bs = chunks // self.block
-            lo, hi = int(bs.min()), int(bs.max())
-            for b in range(lo, hi + 1) if hi > lo else (lo,):
-                sel = slice(None) if hi == lo else bs == b       # one block: no mask
-                here = chunks[sel]
-                if not here.size:
-                    continue
-                if b not in self.blocks:
-                    self.blocks[b] = self.encode_block(b)
-                    self.left_in_block[b] = self.blocks[b].shape[0]
-                codes = self.blocks[b]
-                if codes.dtype.itemsize == 1 and codes.flags.c_contiguous:    # a memcpy a row, no temporary
-                    SK.copy_rows(self.pkts, rows[sel], HEADER_SIZE, codes.view(np.uint8), here - b * self.block)
-                else:                                  # byte order of the wire
-                    self.pv[rows[sel]] = codes[here - b * self.block]
-                self.left_in_block[b] -= here.size
-                if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
-                    del self.blocks[b], self.left_in_block[b]
+            self.encoder.load(self.pkts, self.pv, rows, chunks)
         if self.sparse:
             self.cl.stats.sparse_header_only += self.sparse.load(self.pkts, self.hv, rows, chunks)
         return rows
@@ -464,7 +447,8 @@ class _Transfer:
         whether a chunk's result may show the loss of chunks sent before it (ina.recovery)."""
         if not chunks.size:
             return
-        self.send_rows(self.load(chunks))
+        self.send_rows(tail_copies(self.load(chunks), chunks, self.n_chunks, self.hv, self.cl.stats,   # ina.recovery
+                                   not self.sparse and (not self.E or self.n_chunks >= self.cl.tail_copy_from)))
         self.ld.sent(chunks, time.monotonic(), witness)
         self.n_sent += chunks.size
         self.max_sent = max(self.max_sent, int(chunks.max()))     # sparse rounds come in any order
@@ -536,7 +520,7 @@ class _Transfer:
             if sp:        # zeros for header-only results
                 self.decode(jj, sp.payloads(buf, idx, lens))
             else:         # straight from the receive ring into the output
-                self.decode(jj, payload_view(buf, self.result_type, E), idx)
+                self.decode(jj, self.res_pv, idx)
         ld = self.ld
         if replayed.any():                        # resends the switch answered with a replay, by rule
             ld.count_replayed(jj[replayed], self.cl.stats)

@@ -7,6 +7,23 @@ back); it is resent at once, as TCP's fast retransmit does, instead of waiting f
 switch makes a resend safe in either case: a worker whose bit is already set only reads (a replay
 of the stored result if the round completed, a drop if it did not).
 
+**Tail copies** come first (:func:`tail_copies`): the last chunk of a dense stream is sent twice,
+flagged TAIL, and the switch multicasts the result of a round completed by a TAIL packet twice
+(switch_model/tail.py). Nothing sent after that chunk could show its loss, and an exponent negotiation
+round is one such chunk per worker; a loss there used to cost a probe timeout (rule 3), and the peers,
+waiting for the rank that recovered it, probed too (at 20,000 elements, 4 workers, 1% loss: 76 of 142
+probes were for the negotiation packet, 34 for chunk 0 of the stream after it). With the copies the
+round stalls only when both copies are lost (p^2). A negotiation packet is 24 bytes and always
+copied; a data stream's last chunk is copied when the stream has at least ``TAIL_COPY_FROM`` (16)
+chunks (``Client(tail_copy_from=...)``), so the copy adds at most 1/16 of its bytes: a stream of one
+or a few chunks, on a slow link, would pay more time for its copy than for the rare probe it saves. The switch adds a worker's packet once (a second
+copy meets the worker's bit set: dropped, and not replayed, since it lacks the RETRANSMIT flag), so a
+copy never adds twice. Counted: ``ClientStats.tail_copies``,
+the switch's ``tail_repeats``. Chosen over a tighter probe timeout (the probe fires after a silence,
+which on a loaded machine is the scheduler's, several ms, whatever the timeout) and over the switch
+telling a resending rank which contributions a round misses (every rank already resends at the same
+moment; it would save packets, not time).
+
 Four rules, in the order a lost chunk meets them:
 
 1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived; at the
@@ -50,9 +67,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import recovery_kernels as RK
+from .wire import Flag
+
+TAIL_COPY_FROM = 16    # data streams of at least this many chunks send their last chunk twice (negotiation: always)
 DUPTHRESH = 3          # later results that mark a chunk lost (TCP's three duplicate ACKs)
 REO_FLOOR = 5e-4       # seconds a chunk may trail a later one before it counts as lost (reordering)
 FAST, PROBE, TIMEOUT = 1, 2, 3   # the rule of a chunk's last resend (LossDetector.rule; 0: never resent)
+
+
+def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats,
+                copy: bool = True) -> np.ndarray:
+    """The ring ``rows`` of ``chunks`` (first sends of a dense stream of ``n_chunks``), with a second
+    copy of the stream's last chunk, flagged TAIL in ``headers`` (ina.wire.header_view of the ring),
+    counted in ``stats.tail_copies``; ``copy`` False: ``rows`` as they are. Nothing sent after the last chunk can show its loss (a negotiation
+    round is one chunk): a copy makes its loss on the way to the switch take both (p^2), and the TAIL
+    flag makes the switch multicast its result twice for the way back. The switch absorbs one copy (the
+    other meets the worker's bit set and is dropped: switch_model/tail.py)."""
+    if not copy or chunks.max() < n_chunks - 1:
+        return rows
+    last = chunks == n_chunks - 1
+    tail = rows[last]
+    headers["flags"][tail] |= int(Flag.TAIL)
+    stats.tail_copies += tail.size
+    return np.concatenate([rows, tail])
 
 
 class LossDetector:
@@ -75,32 +113,26 @@ class LossDetector:
         """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the
         chunk went out here later than at the peers (its send waited for a replay of a result this rank
         lost), so its result may come back before those of chunks sent here earlier without a loss."""
-        k = len(chunks)
-        self.unsent -= int(np.count_nonzero(self.seq[chunks] == 0))
-        self.witness[chunks] = witness
+        chunks = np.asarray(chunks, np.int64)
         if self._next_seq == 1:
             self.last_arrival = self.probe_base = now
-        self.sent_at[chunks] = now
-        self.seq[chunks] = np.arange(self._next_seq, self._next_seq + k)
-        self.later[chunks] = 0
-        self._next_seq += k
+        w = np.asarray(witness, bool).reshape(-1)
+        self.unsent -= RK.mark_sent(chunks, now, w, w.size == 1, self._next_seq, self.sent_at, self.seq, self.later,
+                                    self.witness)
+        self._next_seq += len(chunks)
 
     def pending(self, low: int, high: int, done: np.ndarray) -> np.ndarray:
         """Chunks in ``low..high`` that were sent and have no result yet. A chunk of the window can be
         unsent while a later one went out: chunk c + S is sent once c is done, in any order."""
-        w = slice(low, high + 1)
-        return low + np.flatnonzero(~done[w] & (self.seq[w] > 0))
+        return RK.pending_chunks(low, high, done, self.seq)
 
     def delivered(self, chunks: np.ndarray, pending: np.ndarray, now: float) -> None:
         """Results of ``chunks`` arrived; count them against every still ``pending`` chunk sent before."""
         self.last_arrival = self.probe_base = now
         self.probes = 0
         # a resent chunk's result may answer its first send: it says nothing of the order (Karn's ambiguity)
-        chunks = chunks[(self.tries[chunks] == 0) & self.witness[chunks]]
-        if not (len(chunks) and len(pending)):
-            return
-        arrived = np.sort(self.seq[chunks])
-        self.later[pending] += arrived.size - np.searchsorted(arrived, self.seq[pending], side="right")
+        RK.count_later(np.asarray(chunks, np.int64), np.asarray(pending, np.int64), self.seq, self.tries, self.witness,
+                       self.later)
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
              pto: float | None = None, rttvar: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -34,6 +34,9 @@ class Flag(enum.IntFlag):
     REPLAY = 0x0004       # switch: unicast replay of an already completed slot to a retransmitting worker
     RAW_SUM = 0x0008      # switch: payload is the raw integer register sums (not re-encoded codes)
     SPARSE = 0x0010       # sparse block streaming: the 4-byte SPARSE_TRAILER (`next`) follows the payload
+    TAIL = 0x0020         # worker: the last chunk of a dense stream (a negotiation packet is one): nothing sent
+    #                       after it shows its loss, so the worker sends it twice and the switch multicasts
+    #                       its result twice (ina.recovery, "tail copies"); a second copy is a duplicate
 
 
 class PayloadType(enum.IntEnum):

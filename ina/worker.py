@@ -88,8 +88,8 @@ class Worker:
     # -- the tail of every allreduce --------------------------------------------------------------
     def _deliver(self, tensor, out: np.ndarray, average: bool):
         """Average (if asked), count, and write the flat float32 result ``out`` back into ``tensor``."""
-        if average:
-            out = out / np.float32(self.world_size)
+        if average:              # in place: the result array is the client's (or the tensor's own memory)
+            out = np.divide(out, np.float32(self.world_size), out=out if out.flags.writeable else None)
         self.stats.allreduces += 1
         self.stats.elements += out.size
         staging.write_back(tensor, out)      # CUDA tensors: on their device and current stream

@@ -144,12 +144,15 @@ class Impairment:
         return self.held.next_release()
 
     def apply(self, buf: np.ndarray, rows: np.ndarray, lens: np.ndarray, tags: np.ndarray, now: float,
-              limit: int) -> tuple:
+              limit: int, gather: bool = True) -> tuple:
         """Impair the burst ``buf[rows]`` (lengths ``lens``, tags ``tags``) arriving at ``now``.
 
         Returns ``(buf, rows, lens, tags)`` of the packets to deliver now, at most ``limit``: held
         packets that are due first (in release order), then this burst's survivors in their order.
-        When nothing happened to the burst and nothing is due, these are the arguments themselves."""
+        When nothing happened to the burst and nothing is due, these are the arguments themselves.
+        ``gather`` False (a caller that sends ``buf[rows]`` as they are, the egress): when no held
+        packet is due, the survivors are ``rows`` of ``buf`` itself (a dropped or duplicated packet
+        costs no copy of the burst); otherwise the packets are copied into rows 0..k-1 of a pool."""
         cfg, n = self.config, len(rows)
         touched = False                               # a packet of the burst was dropped, copied or held
         if n and cfg.active:
@@ -176,6 +179,8 @@ class Impairment:
         due = self.held.due(now) if self.held.n else go[:0]
         if not (due.size or touched) and n <= limit:
             return buf, rows, lens, tags                # nothing happened to this burst
+        if not (gather or due.size) and go.size <= limit:
+            return buf, rows[go], lens[go], tags[go]    # drops and duplicates: the same rows, no copy
         return self._assemble(buf, rows[go], lens[go], tags[go], due, limit, now)
 
     def _assemble(self, buf, rows, lens, tags, due, limit: int, now: float) -> tuple:

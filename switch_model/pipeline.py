@@ -24,7 +24,7 @@ import numpy as np
 from ina import burst as B
 from ina.wire import MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, max_packet_size, pack
 
-from . import alu, dataplane as D, harvest
+from . import alu, dataplane as D, harvest, tail
 from .impair import Impairment, ImpairmentConfig
 
 log = logging.getLogger("ina.switch")
@@ -49,13 +49,15 @@ class StageClock:
     """
 
     def __init__(self):
-        self.stage_ns = np.zeros(len(STAGES), np.int64)
+        # Python ints, not numpy arrays: the poll loop adds to them six times a burst, and an int's
+        # add is a fraction of a numpy element's read-modify-write
+        self.stage_ns = [0] * len(STAGES)
         self.busy_ns = 0
         self.busy_cpu_ns = 0
         self.tx_cpu_ns = 0        # CPU ns of the tx stage alone (sendmmsg: the kernel's send path)
         self.wait_ns = 0
         self.bursts = 0
-        self.burst_hist = np.zeros(BURST_BUCKETS, np.int64)
+        self.burst_hist = [0] * BURST_BUCKETS
 
     def burst(self, n: int) -> None:
         self.bursts += 1
@@ -163,14 +165,17 @@ class Switch:
         self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, self.max_pass, stride, cfg.register_bits,
                                           cfg.seed, MAX_ACTIVE_JOBS * MAX_WORKERS)
         self.counters = self.state.counters
+        tx = self.state.tx                # harvest's transmission plan, as field views made once (not per burst)
+        self._tx_rows, self._tx_lens, self._tx_addr = tx["set_id"], tx["length"], tx["addr"]
         self.clock = StageClock()
         self._waited = 0
         self.slot_owner = np.full(cfg.slots, -1, np.int64)
         self.addrs = np.zeros(MAX_ACTIVE_JOBS * MAX_WORKERS, B.SOCKADDR_IN)     # worker addresses, by job block
         self._free_blocks = list(range(MAX_ACTIVE_JOBS))
         self.job_info: dict[int, Job] = {}
-        self._replay_buf = np.zeros((cfg.burst, stride), np.uint8)
         self._replays = False             # the last harvest planned replays
+        self.tail_repeats = 0             # results of TAIL rounds multicast a second time
+        self.tail_duplicates = 0          # second TAIL copies that arrived after their round completed
         self._rx_src = self.rx.src.view(np.uint8).reshape(cfg.burst, B.SOCKADDR_IN.itemsize)   # as bytes
         self.ingress = Impairment(cfg.ingress, width=stride)
         self.egress = Impairment(cfg.egress, width=stride)
@@ -211,6 +216,8 @@ class Switch:
             self.stage_aggregate(buf, n_in)
             t4 = now()
             m = self.stage_harvest(n_in)
+            if m:
+                m = self._repeat_tail_results(buf, n_in, m)
             t5, cpu5 = now(), time.thread_time_ns()
             self.stage_tx(m)
             t6 = now()
@@ -272,36 +279,44 @@ class Switch:
         self._replays = self.counters[C_REPLAYS] != r0
         return m
 
+    def _repeat_tail_results(self, buf, n: int, m: int) -> int:
+        """A second multicast of each TAIL round's result, no replay of a second TAIL copy (tail.py);
+        counted in ``tail_repeats`` and ``tail_duplicates``."""
+        m2, dropped = self._repeat_tail(self.state, buf, n, m)
+        self.tail_repeats += m2 - m + dropped
+        self.tail_duplicates += dropped
+        if dropped and not (self.state.tx["length"][:m2] < 0).any():
+            self._replays = False
+        return m2
+
     def stage_tx(self, m: int) -> None:
         """Send harvest's plan (grouped by destination there: one GSO message per worker and burst).
-        Replays (negative length) go out with the REPLAY flag: set in the stored row only for their
-        own send (after the burst's multicasts), or on copies when egress impairments may hold them."""
-        plan = self.state.tx[:m]
-        rows, lens, addr = plan["set_id"], plan["length"], plan["addr"]
+        Replays (negative length) go out with the REPLAY flag, set in the stored row only for their own
+        send (after the burst's multicasts; the egress impairments copy a packet they hold)."""
+        rows, lens, addr = self._tx_rows[:m], self._tx_lens[:m], self._tx_addr[:m]
         buf = self.state.results
-        if m and self._replays and not self.egress.active:
+        if m and self._replays:
             rep = lens < 0
-            self._send(buf, rows[~rep], lens[~rep], addr[~rep])
+            self._send_impaired(buf, rows[~rep], lens[~rep], addr[~rep])
             rows, lens, addr = rows[rep], -lens[rep], addr[rep]
             flags = buf[:, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]     # a view: in place
             flags[rows] |= int(Flag.REPLAY)
             try:
-                self._send(buf, rows, lens, addr)
+                self._send_impaired(buf, rows, lens, addr)
             finally:
                 flags[rows] &= ~int(Flag.REPLAY) & 0xFFFF
             return
-        if m and self._replays:      # copies (the impairments may hold them): only the bytes sent
-            width = int(np.abs(lens).max())
-            buf = self._replay_buf if m <= self._replay_buf.shape[0] else np.zeros((m, buf.shape[1]), np.uint8)
-            buf[:m, :width] = self.state.results[rows, :width]
-            fl = buf[:m, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]
-            fl[lens < 0] |= int(Flag.REPLAY)
-            rows, lens = np.arange(m), np.abs(lens)
+        self._send_impaired(buf, rows, lens, addr)
+
+    def _send_impaired(self, buf, rows, lens, addr) -> None:
+        """Send ``buf[rows]`` through the egress impairments when they are on: a dropped or duplicated
+        packet changes the rows sent, without a copy; held packets that are due join the send."""
         if self.egress.active:
-            buf, rows, lens, addr = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30)
-            if self.txq.gso and len(rows) > 1:     # delayed packets join the plan: one run per worker again
-                order = np.argsort(addr, kind="stable")
-                rows, lens, addr = rows[order], np.asarray(lens)[order], addr[order]
+            out = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30, gather=False)
+            if out[0] is not buf and self.txq.gso and len(out[1]) > 1:   # due packets joined: one run per worker
+                order = np.argsort(out[3], kind="stable")
+                out = (out[0], out[1][order], np.asarray(out[2])[order], out[3][order])
+            buf, rows, lens, addr = out
         self._send(buf, rows, lens, addr)
 
     def _send(self, buf, rows, lens, addr) -> None:
@@ -480,6 +495,11 @@ class Switch:
         """May the receive block, and for how long: until the next held packet is due (sleeping, not
         spinning: on a shared machine a spinning switch takes the workers' CPU), else the usual 20 ms.
         False when a held packet is due now."""
+        if not self._holding():           # the common case: nothing held, the usual bound
+            if self._rx_timeout != 0.02:
+                B.set_recv_timeout(self.sock, 0.02)
+                self._rx_timeout = 0.02
+            return True
         due = [t for t in (self.ingress.next_release(), self.egress.next_release()) if t is not None]
         want = 0.02 if not due else min(due) - time.monotonic()
         if want < 5e-5:
@@ -522,6 +542,8 @@ class Switch:
         c = {name: int(self.counters[i]) for i, name in enumerate(COUNTERS)}
         drops = {name: c.pop(name) for name in D.DROP_REASONS[1:]}
         c["parsed_ok"] = c.pop("ok")
+        c["tail_repeats"] = self.tail_repeats     # second multicast copies of TAIL rounds' results
+        c["tail_duplicates"] = self.tail_duplicates   # second TAIL copies after the round completed: not replayed
         c["tx_refused"] = self.txq.refused     # sends the kernel refused after an ICMP port unreachable
         c["tx_messages"] = self.txq.sent_messages   # what sendmmsg was handed: a GSO message counts once
         sets = self.state.sets
@@ -558,6 +580,7 @@ class Switch:
         self._parse = D.bind(D.parse, st, buf, lens, 0)
         self._aggregate = D.bind(alu.aggregate, st, buf, 0)
         self._harvest = D.bind(harvest.harvest, st, 0)
+        self._repeat_tail = D.bind(tail.repeat_tail_results, st, buf, 0, 0)
         self._rx_account = D.bind(D.rx_account, st, self._rx_src, lens, 0, 0)
         self.stage_parse(buf, lens, 0)
         self.stage_aggregate(buf, 0)

@@ -2,6 +2,7 @@
 on a Gloo group: mismatches raise on every rank, NaN/Inf propagate like Gloo, the group keeps working.
 Records per rank to argv[1]/contract<r>.json and .pt."""
 import json
+import os
 import sys
 import time
 
@@ -81,6 +82,43 @@ def hook():
 
 
 case("hook", hook)
+
+
+# the DDP hook's agreement rounds after a round that cannot complete: rank 0 agrees on a bucket rank 1 never sends
+# (an error naming rank 1 within the hook's timeout); after it, DDP steps go through the switch with the right average
+def hook_rounds():
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 3), process_group=gloo)
+    state = InaHookState(process_group=gloo, timeout=float(os.environ["HOOK_TIMEOUT"]))
+    model.register_comm_hook(state, ina_allreduce_hook)
+    out = {}
+
+    def step():
+        before = state.stats()["offloaded_calls"]
+        model.zero_grad()
+        model(torch.ones(2, 4) * (r + 1)).sum().backward()
+        return {"weight": model.module.weight.grad.tolist(), "bias": model.module.bias.grad.tolist(),
+                "through_switch": state.stats()["offloaded_calls"] - before, "given_up": state.rounds.given_up}
+
+    def attempt(name, what):
+        t0 = time.monotonic()
+        try:
+            state.agree_later([torch.ones(5)], what)()
+            out[name] = {"ok": True}
+        except RuntimeError as e:
+            out[name] = {"ok": False, "message": str(e), "seconds": time.monotonic() - t0}
+
+    if r == 0:
+        attempt("never_reached", "bucket lonely")
+    dist.barrier(group=gloo)
+    out["after_never_reached"] = [step(), step()]
+    del model
+    state.close()
+    return out
+
+
+case("hook_rounds", hook_rounds)
 json.dump({"cases": cases, "stats": pg.stats()}, open(f"{out_dir}/contract{r}.json", "w"), indent=1, default=str)
 torch.save(tensors, f"{out_dir}/contract{r}.pt")
 dist.barrier()

@@ -485,3 +485,34 @@ def test_random_stream_is_lowbias32_and_uniform():
         counts = np.bincount((r >> shift) & 0xFF, minlength=256)
         chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum()
         assert chi2 < 255 + Z * math.sqrt(2 * 255), (shift, chi2)
+
+
+@pytest.mark.parametrize("name", [n for n in C.available() if C.get(n).encodes_rows])
+@pytest.mark.parametrize("n,elements", [(1000, 64), (3 * 256 + 5, 256), (17, 32), (4096, 4096)])
+def test_encode_rows_writes_the_whole_tensor_encode_cut_into_chunks(name, n, elements):
+    """Chunks encoded one by one straight into packet rows, in any order, carry exactly the codes of a
+    whole-tensor encode_shared (random stream positioned by element), the last chunk zero-padded;
+    the headers, trailers and rows not named stay untouched."""
+    from ina.wire import HEADER_SIZE
+    c = C.get(name)
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+    x[::97] = 0
+    x[5] = 1e-42                                     # a denormal
+    ctx = ScaleContext(c.scale_exponent(x), 4, 64, seed=12345, elements=elements)
+    n_chunks = -(-n // elements)
+    whole = np.zeros(n_chunks * elements, np.uint8)
+    whole[:n] = c.encode_shared(x, ctx)
+    whole = whole.reshape(n_chunks, elements)
+    pkts = np.full((n_chunks + 3, HEADER_SIZE + elements + 4), 0xAB, np.uint8)
+    order = rng.permutation(n_chunks).astype(np.int64)
+    rows = order + 2
+    c.encode_rows(x, ctx, pkts, rows, order, HEADER_SIZE, elements)
+    assert np.array_equal(pkts[rows, HEADER_SIZE:HEADER_SIZE + elements], whole[order])
+    assert (pkts[:, :HEADER_SIZE] == 0xAB).all() and (pkts[:, -4:] == 0xAB).all() and (pkts[:2] == 0xAB).all()
+    y = x.copy()
+    y[n // 2] = 2.0 ** (ctx.exponent + 2)            # above the negotiated window: refused, as encode_shared does
+    for encode in (lambda: c.encode_shared(y, ctx), lambda: c.encode_rows(y, ctx, pkts, rows, order, HEADER_SIZE,
+                                                                            elements)):
+        with pytest.raises(ValueError, match="exponent window"):
+            encode()

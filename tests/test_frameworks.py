@@ -374,6 +374,42 @@ def test_horovod_contract(switch, horovod_ready, tmp_path):
     assert res[0]["cases"]["join"]["result"]["ret"] == res[1]["cases"]["join"]["result"]["ret"]
 
 
+ROUNDS_TIMEOUT = 8     # INA_TIMEOUT of the rounds test: each of its two give-ups waits this long
+
+
+def test_horovod_agreement_rounds_recover(switch, horovod_ready, tmp_path):
+    """The agreement rounds after a round that cannot complete (tests/_fw_hvd_rounds.py, horovodrun -np 2): a rank
+    that never reaches a round, or reaches it after the other gave up, gives a HorovodInternalError naming the
+    allreduce and the rank missing, on the waiting rank within INA_TIMEOUT (on the late rank at once), and the
+    next allreduces go through the switch with the right sums on both ranks (the rounds paired again);
+    shutdown/init starts afresh."""
+    horovodrun(2, [str(TESTS / "_fw_hvd_rounds.py"), str(tmp_path)],
+               ina_env(switch, "bfp32", INA_TIMEOUT=ROUNDS_TIMEOUT), "horovodrun agreement rounds script")
+    res = [json.loads((tmp_path / f"rounds{r}.json").read_text()) for r in range(2)]
+    c0, c1 = res[0]["cases"], res[1]["cases"]
+    # rank 0 waited for 'lonely' and got an error naming it and rank 1 (rank 1 never queued it: no case there)
+    e = c0["never_reached"]
+    assert not e["ok"] and "HorovodInternalError" in e["types"], e
+    assert all(p in e["message"] for p in ("rank 0 gave up on agreement round", "'lonely'",
+                                           "did not complete within 8 s", "rank(s) 1 had not started it")), e
+    assert "never_reached" not in c1
+    # 'late': rank 0 gave up on it; rank 1 reached it afterwards and got an error at once, naming rank 0's give-up
+    assert not c0["late"]["ok"] and "'late'" in c0["late"]["message"], c0["late"]
+    assert "rank(s) 1 had not started it" in c0["late"]["message"], c0["late"]
+    assert not c1["late"]["ok"] and "HorovodInternalError" in c1["late"]["types"], c1["late"]
+    assert "came after the other ranks had given up on these allreduces" in c1["late"]["message"], c1["late"]
+    assert c1["late"]["seconds"] < ROUNDS_TIMEOUT, c1["late"]      # it did not wait out another INA_TIMEOUT
+    # after each error both ranks' next two allreduces went through the switch with the right sums; each rank
+    # counts the rounds given up or skipped (one per error); shutdown/init: none
+    want = [(torch.arange(12, dtype=torch.float32) * 3 - 6 + 2 * i).tolist() for i in range(2)]
+    for c in (c0, c1):
+        for after, given_up in (("after_never_reached", 1), ("after_late", 2), ("reinit", 0)):
+            assert c[after]["ok"], (after, c[after])
+            got = c[after]["result"]
+            assert got["runs"] == [{"through_switch": 1, "sum": w} for w in want], (after, got)
+            assert got["given_up"] == given_up, (after, got)
+
+
 def test_horovod_wrapper_starts_a_switch(horovod_ready, tmp_path):
     port = free_port()
     env = ina_env(None, None)
@@ -537,7 +573,8 @@ def test_ddp_contract(switch, tmp_path):
     """Backend 'ina' and the DDP hook: a mismatch (shape, int32 vs float32, SUM vs AVG) raises a RuntimeError
     naming every rank's tensor on every rank at once; NaN/Inf propagate exactly as with Gloo; the group keeps
     going through the switch afterwards."""
-    procs = launch_ranks(2, [PY, str(TESTS / "_fw_ddp_contract.py"), str(tmp_path)], ina_env(switch, "bfp32"), tmp_path)
+    procs = launch_ranks(2, [PY, str(TESTS / "_fw_ddp_contract.py"), str(tmp_path)],
+                         ina_env(switch, "bfp32", HOOK_TIMEOUT=ROUNDS_TIMEOUT), tmp_path)
     codes = wait_all(procs, RUN_TIMEOUT, "ddp contract script")
     assert codes == [0, 0], [(tmp_path / f"err{r}.txt").read_text()[-3000:] for r in range(2)]
     assert_gloo_threads_joined(tmp_path, 2)
@@ -560,6 +597,17 @@ def test_ddp_contract(switch, tmp_path):
             "DDP bucket: NaN/Inf on some rank (Gloo propagates them)": 1}, hook
         assert torch.isfinite(ts[r]["hook.finite"]).all() and torch.isinf(ts[r]["hook.inf"]).all()
     assert torch.equal(ts[0]["hook.inf"], ts[1]["hook.inf"]) and torch.equal(ts[0]["hook.finite"], ts[1]["hook.finite"])
+    # the hook's agreement rounds: a round rank 1 never reaches fails on rank 0 naming rank 1; after it, DDP steps
+    # go through the switch with the right average (weights: mean of 2 and 4 per element; bias: 2)
+    rounds = [c["hook_rounds"] for c in res]
+    assert all(x["ok"] for x in rounds), rounds
+    lonely = rounds[0]["result"]["never_reached"]
+    assert not lonely["ok"] and all(p in lonely["message"] for p in (
+        "bucket lonely", "did not complete within 8 s", "rank(s) 1 had not started it")), lonely
+    assert "never_reached" not in rounds[1]["result"]
+    for x in rounds:
+        assert x["result"]["after_never_reached"] == [{"weight": [[3.0] * 4] * 3, "bias": [2.0] * 3,
+                                                       "through_switch": 1, "given_up": 1}] * 2, x["result"]
 
 
 # ---- the switch dies mid-training ---------------------------------------------------------------------------

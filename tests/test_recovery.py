@@ -339,3 +339,112 @@ def test_a_first_gap_that_was_the_process_pausing_does_not_make_a_fast_link_paus
         slow.sample(2, i * 1e-3, False)
     assert slow.per_pkt == pytest.approx(5e-4)
     assert slow.pause(2, 64, 0.004) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# tail copies: the last chunk of a stream (a negotiation packet is one) goes out twice, its result too
+# ------------------------------------------------------------------------------------------------
+def test_tail_copies_flag_the_last_chunk_and_count_the_copy():
+    from ina.recovery import tail_copies
+    from ina.wire import Flag, header_view
+    hv = header_view(np.zeros((8, 24), np.uint8))
+    stats = ClientStats()
+    rows = tail_copies(np.arange(4), np.arange(4), 6, hv, stats)      # chunks 0..3 of 6: no tail yet
+    assert rows.tolist() == [0, 1, 2, 3] and stats.tail_copies == 0 and not hv["flags"].any()
+    rows = tail_copies(np.array([4, 5]), np.array([5, 4]), 6, hv, stats)   # chunk 5 (row 4) is the last
+    assert rows.tolist() == [4, 5, 4] and stats.tail_copies == 1
+    assert hv["flags"][4] == int(Flag.TAIL) and not hv["flags"][5]
+    rows = tail_copies(np.array([4, 5]), np.array([5, 4]), 6, hv, stats, copy=False)   # a short data stream
+    assert rows.tolist() == [4, 5] and stats.tail_copies == 1
+
+
+def _in_process_switch(workers, slots, E):
+    from ina import burst as B
+    from switch_model.pipeline import Switch, SwitchConfig
+    sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=slots, elements=E, burst=64))
+    socks = [B.udp_socket("127.0.0.1", 0) for _ in range(workers)]
+    for s in socks:
+        s.settimeout(5)
+    sw.install_job(9, workers, slots, E, True, [s.getsockname() for s in socks])
+    return sw, socks
+
+
+@pytest.mark.parametrize("ptype", ["NONE", "INT32"])
+def test_both_copies_of_a_tail_chunk_count_once_and_its_result_comes_twice(ptype):
+    """Every worker sends its TAIL packet twice (a negotiation packet: no payload, or a data stream's
+    last chunk): the switch adds each worker once (the exponent max and the sums as from one copy
+    each), drops a second copy that arrives while the round waits and one that arrives after it
+    completed (not replayed: no RETRANSMIT flag, and the result comes twice anyway), and multicasts
+    the result twice to every worker; a resend (RETRANSMIT) of a tail chunk is still replayed."""
+    from ina.wire import Flag, MsgType, PayloadType, max_packet_size, pack, unpack
+    workers, slots, E, c = 3, 4, 16, 2
+    pt = PayloadType[ptype]
+    vals = np.arange(workers * E, dtype=np.int32).reshape(workers, E) - 20
+    sw, socks = _in_process_switch(workers, slots, E)
+    try:
+        def tail_packet(r, flags=Flag.TAIL):
+            return pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                        payload_type=pt, count=E if ptype == "INT32" else 0, chunk=c, exponent=r - 5,
+                        payload=vals[r] if ptype == "INT32" else None, elements=E, flags=flags)
+        for r in range(workers):
+            for _ in range(2):
+                socks[r].sendto(tail_packet(r), ("127.0.0.1", sw.port))
+        got = 0
+        while got < 2 * workers:
+            k = sw.poll_once()
+            assert k, f"the switch received {got} of {2 * workers} packets"
+            got += k
+        st = sw.stats()
+        assert st["counters"]["harvested"] == 1 and st["counters"]["tail_repeats"] == workers
+        assert st["drops"]["retransmit_pending"] == workers - 1
+        assert st["counters"]["replays"] == 0 and st["counters"]["tail_duplicates"] == 1
+        socks[0].sendto(tail_packet(0, Flag.TAIL | Flag.RETRANSMIT), ("127.0.0.1", sw.port))   # rank 0 lost both results
+        assert sw.poll_once() == 1 and sw.stats()["counters"]["replays"] == 1
+        for r, s in enumerate(socks):
+            res = [unpack(s.recv(max_packet_size(E))) for _ in range(3 if r == 0 else 2)]
+            assert [bool(p.flags & Flag.REPLAY) for p in res] == [False, False] + [True] * (r == 0)
+            for p in res:
+                assert p.msg_type == MsgType.RESULT and p.chunk == c and p.exponent == workers - 1 - 5
+                if ptype == "INT32":
+                    assert np.array_equal(np.asarray(p.payload, np.int64)[:E], vals.astype(np.int64).sum(axis=0))
+            s.settimeout(0.05)
+            with pytest.raises(OSError):      # nothing more: each worker's copies were added once
+                s.recv(max_packet_size(E))
+    finally:
+        sw.sock.close()
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.parametrize("direction", ["ingress", "egress"])
+def test_a_lost_tail_packet_is_recovered_by_its_copy_not_a_probe(tmp_path, direction):
+    """Allreduces of one data chunk (each is a negotiation round and one data round, both tails: nothing
+    sent after them shows their loss; the data chunk copied too, ``tail_copy_from=1``, where by default
+    only streams of 16 chunks or more copy their last) under 10% loss in one direction. Every tail packet goes out twice
+    and its result comes back twice, so a round stalls only when both copies are lost (1%), not at each
+    loss (10%): the stalls the ranks recover by resending (probes or timeouts, by the clients' counters)
+    stay far below the packets the switch dropped. (Without the copies each dropped packet stalls its
+    round: its rank, and for a lost data packet every rank, must resend.) Results exact."""
+    sw = SwitchProc("--slots", "64", "--elements", "64", f"--{direction}-loss", "0.1", "--seed", "7",
+                    log_path=tmp_path / "switch.log")
+    try:
+        ops = [{"codec": "bfp32", "shape": [50], "seed": 140 + i} for i in range(60)]
+        client = {**SLOW_TIMEOUT, "tail_copy_from": 1}      # a one-chunk data stream's chunk is copied too
+        out = Workers(tmp_path, sw.port, N, job=8, ops=ops, client=client, warmup_ops=1).wait(timeout=150)
+        st = sw.stats()
+    finally:
+        sw.terminate()
+    dropped = st["impairments"][direction]["dropped"]
+    assert dropped >= 40, f"the impairment dropped only {dropped} packets: the test shows nothing"
+
+    def after_warmup(key):
+        return sum(m["stats"][key] - m["stats_after_warmup"][key] for m in out.values())
+    assert after_warmup("tail_copies") == N * 2 * (len(ops) - 1)       # two tail rounds per allreduce
+    assert st["counters"]["tail_repeats"] >= N * 2 * len(ops)
+    if direction == "ingress":      # a stalled round: every rank resends (none can tell whose copies were lost)
+        stalls = after_warmup("probe_retransmissions") + after_warmup("timeout_retransmissions")
+        assert stalls < N * dropped / 4, (stalls, dropped)
+    else:                           # a stalled rank: its resend is answered by a replay
+        stalls = after_warmup("probe_replayed") + after_warmup("timeout_replayed")
+        assert stalls < dropped / 4, (stalls, dropped)
+    _check_exact(out, ops, N)

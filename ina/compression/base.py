@@ -89,13 +89,23 @@ def from_numpy_like(arr: np.ndarray, like, shape=None):
 
 
 def write_back(tensor, out: np.ndarray) -> None:
-    """Copy a flat float32 result into ``tensor`` in place (numpy array, or torch tensor on any device)."""
+    """Copy a flat float32 result into ``tensor`` in place (numpy array, or torch tensor on any device);
+    nothing to copy when ``out`` is the tensor's own memory (a contiguous float32 one, decoded into)."""
     if isinstance(tensor, np.ndarray):
-        np.copyto(tensor, out.reshape(tensor.shape), casting="unsafe")
+        if not (tensor.dtype == np.float32 and tensor.flags.c_contiguous and _same_data(out, tensor.ctypes.data,
+                                                                                        tensor.size)):
+            np.copyto(tensor, out.reshape(tensor.shape), casting="unsafe")
         return
     torch = _torch()
+    if (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
+            and _same_data(out, tensor.data_ptr(), tensor.numel())):
+        return
     with torch.no_grad():
         tensor.copy_(torch.from_numpy(out).reshape(tensor.shape))
+
+
+def _same_data(out: np.ndarray, address: int, size: int) -> bool:
+    return out.size == size and out.flags.c_contiguous and (size == 0 or out.ctypes.data == address)
 
 
 def native(a: np.ndarray) -> np.ndarray:
@@ -146,6 +156,9 @@ class Codec:
     #: and encode_shared take ``key=`` (see :meth:`key_argument`); ``error_feedback`` says whether it is on
     keeps_residuals: ClassVar[bool] = False
     error_feedback: bool = False
+    #: can :meth:`encode_rows` encode any chunk of a tensor alone, straight into a packet (codes that are
+    #: elementwise, their random stream positioned by element)?
+    encodes_rows: ClassVar[bool] = False
 
     def __init__(self, seed: int | None = 0):
         self._rng = np.random.default_rng(seed)
@@ -272,6 +285,15 @@ class Codec:
 
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")
+
+    def encode_rows(self, x32: np.ndarray, ctx: ScaleContext, dst: np.ndarray, rows: np.ndarray, chunks: np.ndarray,
+                    at: int, elements: int) -> None:
+        """:meth:`encode_shared` of the whole tensor ``x32``, cut into chunks of ``elements``, but only
+        chunks ``chunks`` and each straight into its packet: chunk ``chunks[q]``'s codes, in wire byte
+        order and zero-padded past the tensor's end, go to ``dst[rows[q], at:]`` (``dst``: a 2-D
+        C-contiguous uint8 packet ring). The same codes, bit for bit, without an encoded copy of the
+        tensor. Only for codecs with ``encodes_rows``."""
+        raise NotImplementedError(f"codec {self.name!r} encodes whole blocks (encode_shared), not single chunks")
 
     def decode_sum(self, payload: np.ndarray, ctx: ScaleContext, raw: bool) -> np.ndarray:
         raise NotImplementedError(f"codec {self.name!r} is not switch-summable")

@@ -281,6 +281,25 @@ def bfp_encode(x, scale, out):
 
 
 @njit(cache=True)
+def nc_encode_rows(x, e_low, window, seed, deterministic, dst, stride, rows, chunks, at, elements):
+    """nc_encode of chunks straight into packet rows: the codes of elements ``chunks[q] * elements ..``
+    of ``x`` go to ``dst[rows[q] * stride + at ..]`` (``dst``: the packet ring's bytes, flat), zero
+    past the end of ``x``. Each chunk draws what a whole-tensor encode under ``seed`` draws for its
+    elements (stream_seed). Returns nc_encode's (largest exponent field, largest code k) over them."""
+    n = x.size
+    mx_ef, mx_k = np.int32(0), np.int32(0)
+    for q in range(rows.size):
+        lo = chunks[q] * elements
+        hi = min(n, lo + elements)
+        o = rows[q] * stride + at
+        s = (np.uint64(seed) + np.uint64(STREAM_STEP) * np.uint64(lo)) & np.uint64(0xFFFFFFFF)
+        ef, k = nc_encode(x[lo:hi], e_low, window, s, deterministic, dst[o:o + hi - lo])
+        mx_ef, mx_k = max(mx_ef, ef), max(mx_k, k)
+        dst[o + hi - lo:o + elements] = 0
+    return mx_ef, mx_k
+
+
+@njit(cache=True)
 def int_sum_decode(codes, inv_scale, out):
     for i in range(codes.size):
         out[i] = np.float32(np.float64(codes[i]) * inv_scale)

@@ -47,6 +47,7 @@ class NaturalCompression(Codec):
     wire_id = 1
     payload_type = PayloadType.NC8
     switch_summable = True
+    encodes_rows = True
     unbiased = True
     stochastic = True
     deterministic = False
@@ -55,6 +56,12 @@ class NaturalCompression(Codec):
     def _encode(self, x32: np.ndarray, e_low: int, window: int, seed: int) -> np.ndarray:
         out = np.empty(x32.size, np.uint8)
         max_field, max_code = K.nc_encode(x32, e_low, window, seed, self.deterministic, out)
+        self._check(x32, max_field, max_code, e_low, window)
+        return out
+
+    @staticmethod
+    def _check(x32: np.ndarray, max_field: int, max_code: int, e_low: int, window: int) -> None:
+        """Raise for what nc_encode reported: a NaN/Inf, or a value above the window."""
         if max_field == 255:
             check_finite(int(np.count_nonzero(~np.isfinite(x32))))
         if max_code > window:
@@ -62,7 +69,6 @@ class NaturalCompression(Codec):
             n_top = int(np.count_nonzero(np.abs(x32) >= np.float32(2.0 ** top))) if top < 128 else 0
             raise ValueError(f"value(s) exceed the exponent window's top 2**{top} ({n_top} at or above it): "
                              "the negotiated exponent is smaller than this tensor's")
-        return out
 
     @staticmethod
     def _decode(codes: np.ndarray, e_low: int) -> np.ndarray:
@@ -90,6 +96,13 @@ class NaturalCompression(Codec):
     def encode_shared(self, x32: np.ndarray, ctx: ScaleContext) -> np.ndarray:
         w = exponent_window(ctx.n_workers, ctx.register_bits)
         return self._encode(x32, window_low(ctx.exponent, w), w, ctx.seed)
+
+    def encode_rows(self, x32, ctx, dst, rows, chunks, at, elements) -> None:
+        w = exponent_window(ctx.n_workers, ctx.register_bits)
+        e_low = window_low(ctx.exponent, w)
+        max_field, max_code = K.nc_encode_rows(x32, e_low, w, ctx.seed, self.deterministic, dst.reshape(-1),
+                                               dst.shape[1], rows, chunks, at, elements)
+        self._check(x32, max_field, max_code, e_low, w)
 
     def decode_sum(self, payload: np.ndarray, ctx: ScaleContext, raw: bool) -> np.ndarray:
         e_low = window_low(ctx.exponent, exponent_window(ctx.n_workers, ctx.register_bits))

@@ -1,0 +1,128 @@
+"""How the streaming client (:mod:`ina.client`) writes a new chunk's codes into its packet ring.
+
+One interface, ``load(pkts, pv, rows, chunks)``: the codes of ``chunks`` (positions in the tensor's
+chunks) into the payloads of ring ``rows`` (``pkts``: the ring, ``pv``: its payload view in wire
+byte order), in wire byte order, the tensor's last chunk zero-padded. Two ways:
+
+* :class:`RowEncoder`, for codecs with ``encodes_rows`` (nc, nc-det): each chunk is encoded straight
+  into its ring row when it is loaded (``Codec.encode_rows``), a burst of chunks in one compiled
+  call: no encoded copy of the tensor, no copy into the ring;
+* :class:`BlockEncoder`, for the others: a block of chunks is encoded at a time
+  (``Codec.encode_shared`` with the block's random stream, ``ScaleContext.from_element``) just
+  before its first chunk is sent, and each chunk's codes are copied into its row. Codecs with error
+  feedback encode the whole tensor as one block (their residual is kept per key for the whole tensor).
+
+Both give the same bytes: every codec's random stream is positioned by element.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from . import stream_kernels as SK
+from .wire import HEADER_SIZE
+
+
+def encode_block_fn(c, x32: np.ndarray, ctx, kw: dict, elements: int, block: int, timeline=None):
+    """``encode_block(b)``: the codes of chunks ``b * block ..`` of ``x32`` as a (rows, elements)
+    array, the last chunk zero-padded (``kw``: the codec's key argument)."""
+    n, E = x32.size, elements
+
+    def encode_block(b: int) -> np.ndarray:
+        t = time.perf_counter()
+        lo, hi = b * block * E, min(n, (b + 1) * block * E)
+        codes = c.encode_shared(x32[lo:hi], ctx.from_element(lo), **kw)
+        rows = math.ceil((hi - lo) / E)
+        if codes.size != rows * E:                     # the last chunk is zero-padded
+            codes = np.concatenate([codes, np.zeros(rows * E - codes.size, codes.dtype)])
+        if timeline:
+            timeline.encode_s += time.perf_counter() - t
+        return codes.reshape(rows, E)
+    return encode_block
+
+
+class RowEncoder:
+    """Chunks encoded straight into their ring rows (``Codec.encode_rows``)."""
+
+    def __init__(self, c, x32: np.ndarray, ctx, elements: int, timeline=None):
+        self.c, self.x32, self.ctx, self.E, self.tl = c, x32, ctx, elements, timeline
+
+    def load(self, pkts: np.ndarray, pv, rows: np.ndarray, chunks: np.ndarray) -> None:
+        t = time.perf_counter() if self.tl else 0.0
+        self.c.encode_rows(self.x32, self.ctx, pkts, rows, chunks, HEADER_SIZE, self.E)
+        if self.tl:
+            self.tl.encode_s += time.perf_counter() - t
+
+
+class BlockEncoder:
+    """Blocks of ``block`` chunks encoded by ``encode_block(b)`` (see :func:`encode_block_fn`), each
+    when its first chunk is loaded and kept until its last one is in the ring."""
+
+    def __init__(self, encode_block, block: int):
+        self.encode_block, self.block = encode_block, block
+        self.blocks: dict[int, np.ndarray] = {}
+        self.left_in_block: dict[int, int] = {}
+
+    def load(self, pkts: np.ndarray, pv, rows: np.ndarray, chunks: np.ndarray) -> None:
+        bs = chunks // self.block
+        lo, hi = int(bs.min()), int(bs.max())
+        for b in range(lo, hi + 1) if hi > lo else (lo,):
+            sel = slice(None) if hi == lo else bs == b       # one block: no mask
+            here = chunks[sel]
+            if not here.size:
+                continue
+            if b not in self.blocks:
+                self.blocks[b] = self.encode_block(b)
+                self.left_in_block[b] = self.blocks[b].shape[0]
+            codes = self.blocks[b]
+            if codes.dtype.itemsize == 1 and codes.flags.c_contiguous:    # a memcpy a row, no temporary
+                SK.copy_rows(pkts, rows[sel], HEADER_SIZE, codes.view(np.uint8), here - b * self.block)
+            else:                                  # byte order of the wire
+                pv[rows[sel]] = codes[here - b * self.block]
+            self.left_in_block[b] -= here.size
+            if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
+                del self.blocks[b], self.left_in_block[b]
+
+
+class ChunkOutput:
+    """Where the streaming client decodes results: straight into the tensor's flat float32 host array
+    ``x32`` (the caller's own memory for a contiguous float32 array or CPU tensor, else its host copy),
+    so that no result array is written back afterwards. Chunk j's elements are read (encoded) before
+    chunk j is first sent, so its result may overwrite them; the tensor's last chunk, when partial,
+    goes through a one-row scratch. A read-only ``x32`` gets a result array of its own."""
+
+    def __init__(self, x32: np.ndarray, elements: int, n_chunks: int):
+        E, n = elements, x32.size
+        self.flat = x32 if x32.flags.writeable else np.empty(n, np.float32)
+        self.full = n // E                              # whole chunks
+        self.rows = self.flat[:self.full * E].reshape(self.full, E)
+        self.tail = np.empty((1, E), np.float32) if self.full < n_chunks else None
+
+    def decode(self, decode_into, chunks: np.ndarray, payload: np.ndarray, which: np.ndarray | None) -> None:
+        """``decode_into(payload, out_rows, chunks, which)`` (Codec.decode_sum_into's order) of ``chunks``."""
+        if self.tail is None:
+            return decode_into(payload, self.rows, chunks, which)
+        last = chunks == self.full
+        if not last.any():
+            return decode_into(payload, self.rows, chunks, which)
+        at = np.flatnonzero(last)
+        keep = ~last
+        which = np.arange(chunks.size) if which is None else which
+        if keep.any():
+            decode_into(payload, self.rows, chunks[keep], which[keep])
+        decode_into(payload, self.tail, np.zeros(1, np.int64), which[at[:1]])
+        self._tail_out()
+
+    def fill(self, chunks: np.ndarray, value: np.ndarray) -> None:
+        """Chunks ``chunks`` get the decoded sum ``value`` (a row: sparse streaming's all-zero chunk)."""
+        last = chunks == self.full
+        self.rows[chunks[~last]] = value
+        if last.any():
+            self.tail[0] = value
+            self._tail_out()
+
+    def _tail_out(self) -> None:
+        lo = self.full * self.rows.shape[1] if self.full else 0
+        self.flat[lo:] = self.tail[0, :self.flat.size - lo]
