@@ -87,8 +87,9 @@ def read(total: torch.Tensor) -> Agreement:
 
 # ---- one collective at a time (torch.distributed): a fixed-size row per rank, gathered ------------------
 # torch.distributed matches collectives by issue order, not by name, so the ``ina`` process group and the
-# DDP hook agree on each allreduce as it is issued: one Gloo all_gather of a row per rank. Every rank
-# sees every row, so every rank raises the same error, or takes the same path.
+# DDP hook agree on each allreduce as it is issued: a row per rank (the ``ina`` group: one all_gather on its
+# inner Gloo group; the DDP hook: a table with its own row filled, summed in a store round, see Rounds). Every
+# rank sees every row, so every rank raises the same error, or takes the same path.
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
            "complex64", "complex128")
 
@@ -126,7 +127,7 @@ def judge(rows, op_names: dict) -> tuple[str | None, bool, bool]:
     return err, any(r[5] for r in rs), any(r[6] for r in rs)
 
 
-# ---- Horovod: the rounds on a Gloo group of their own ------------------------------------------------------
+# ---- Horovod and the DDP hook: the rounds on rank 0's TCPStore ------------------------------------------------
 def joined_vector() -> torch.Tensor:
     """The vector of a rank inside ``hvd.join()``: it takes no part (``present`` 0) and queues nothing."""
     return torch.zeros(LENGTH, dtype=torch.int64)
