@@ -15,6 +15,7 @@ A packet's life, one burst at a time, run to completion in a poll loop (DPDK sty
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ COUNTERS, C = D.COUNTERS, D.C
 C_REPLAYS, C_TX_PACKETS, C_TX_BYTES = C["replays"], C["tx_packets"], C["tx_bytes"]
 STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
 MAX_ACTIVE_JOBS = 64
+RX_TIMEOUT = 0.02       # seconds a poll blocks for a packet when nothing is held (the socket's timeout)
 # burst-size histogram buckets: bucket b counts bursts of 2**b .. 2**(b+1) - 1 packets
 BURST_BUCKETS = 12
 
@@ -154,7 +156,7 @@ class Switch:
         self.cfg = cfg = config
         self.sock = sock or B.udp_socket(cfg.host, cfg.port)
         self.port = self.sock.getsockname()[1]
-        B.set_recv_timeout(self.sock, 0.02)
+        B.set_recv_timeout(self.sock, RX_TIMEOUT)
         stride = max_packet_size(cfg.elements)     # INT64 sums, and the sparse trailer
         self.rx = B.RxRing(self.sock, cfg.burst, stride)
         self.txq = B.TxBatch(self.sock, capacity=cfg.burst * MAX_WORKERS)
@@ -179,7 +181,6 @@ class Switch:
         self._rx_src = self.rx.src.view(np.uint8).reshape(cfg.burst, B.SOCKADDR_IN.itemsize)   # as bytes
         self.ingress = Impairment(cfg.ingress, width=stride)
         self.egress = Impairment(cfg.egress, width=stride)
-        self._rx_timeout = 0.02           # the socket's receive timeout now (shortened while packets are held)
         self._commands: list = []
         self._cmd_lock = threading.Lock()
         self._stop = threading.Event()
@@ -242,10 +243,15 @@ class Switch:
         ``self._waited`` ns, not the stage's)."""
         self._waited = 0
         n = self.rx.recv(wait=False)
-        if not n and self._rx_wait_bound():
-            t = time.perf_counter_ns()
-            n = self.rx.recv(wait=True)
-            self._waited = time.perf_counter_ns() - t
+        if not n:
+            wait = self._rx_wait_bound()
+            if wait:
+                t = time.perf_counter_ns()
+                if wait >= RX_TIMEOUT:          # nothing held: block, up to the socket's timeout
+                    n = self.rx.recv(wait=True)
+                elif select.select([self.sock], [], [], wait)[0]:   # a held packet is due within ``wait``
+                    n = self.rx.recv(wait=False)
+                self._waited = time.perf_counter_ns() - t
         if n:
             self._rx_account(self.state, self._rx_src, self.rx.lens, n, self.rx.stride)
         return n
@@ -491,24 +497,19 @@ class Switch:
     def _holding(self) -> bool:
         return self.ingress.holding or self.egress.holding
 
-    def _rx_wait_bound(self) -> bool:
-        """May the receive block, and for how long: until the next held packet is due (sleeping, not
-        spinning: on a shared machine a spinning switch takes the workers' CPU), else the usual 20 ms.
-        False when a held packet is due now."""
+    def _rx_wait_bound(self) -> float:
+        """How long the receive may block (seconds; 0: not at all, a held packet is due now): until the
+        next held packet is due (sleeping, not spinning: on a shared machine a spinning switch takes the
+        workers' CPU), else ``RX_TIMEOUT``, the socket's own timeout. A shorter wait is a select: the
+        socket's timeout counts in kernel ticks (HZ=250: a 1 ms timeout waited 4 to 12 ms), which would
+        hold a packet delayed or reordered by 1 ms for several ms whenever nothing else arrives."""
         if not self._holding():           # the common case: nothing held, the usual bound
-            if self._rx_timeout != 0.02:
-                B.set_recv_timeout(self.sock, 0.02)
-                self._rx_timeout = 0.02
-            return True
+            return RX_TIMEOUT
         due = [t for t in (self.ingress.next_release(), self.egress.next_release()) if t is not None]
-        want = 0.02 if not due else min(due) - time.monotonic()
+        want = RX_TIMEOUT if not due else min(due) - time.monotonic()
         if want < 5e-5:
-            return False
-        want = min(0.02, want)
-        if abs(want - self._rx_timeout) > 2e-5:
-            B.set_recv_timeout(self.sock, want)
-            self._rx_timeout = want
-        return True
+            return 0.0
+        return min(RX_TIMEOUT, want)
 
     def set_impairments(self, ingress: dict | None = None, egress: dict | None = None) -> dict:
         if ingress is not None:
