@@ -296,17 +296,16 @@ class Rounds:
 
     @staticmethod
     def wait(handle: "Start", timeout: float) -> torch.Tensor:
-        """The summed vector, within ``timeout`` seconds; else :class:`RoundError` naming the round, its
-        allreduces and the ranks that had not started it (the round is given up on every rank)."""
-        import time  # noqa: PLC0415
-
-        t0 = time.monotonic()
+        """The summed vector, within ``timeout`` seconds of the round's claim (itself bounded by ``timeout``: one
+        request to the store, made by the writer thread after the earlier starts' claims); else
+        :class:`RoundError` naming the round, its allreduces and the ranks that had not started it (the round is
+        given up on every rank)."""
         if not handle.claimed.wait(timeout):
             raise RoundError(f"INA backend: agreement round ({describe_names(handle.names)}) not started within "
                              f"{timeout:g} s: rank 0's store did not answer the claim of its slot")
         if handle.error is not None:
             raise RoundError(handle.error)
-        return handle.rounds.read(handle.k, max(0.0, timeout - (time.monotonic() - t0)), handle.names)
+        return handle.rounds.read(handle.k, timeout, handle.names)
 
     def _finished(self, k: int) -> None:
         """Round k was read (or given up) here (counters lock held)."""
