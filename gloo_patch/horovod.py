@@ -252,11 +252,16 @@ class _HorovodIna(HorovodNative):
             self.cond.notify_all()
 
     def complete(self, target: InaHandle) -> None:
-        """Seal what is queued and wait until the worker has run ``target`` (bounded)."""
+        """Seal what is queued and wait until the worker has run ``target`` (bounded). Everything queued is
+        sealed, not only up to ``target``: a caller that waits has finished queueing (the optimizer's step after
+        backward), and Horovod's optimizer waits for its handles in backward's order, the first bucket's first,
+        so the last bucket would otherwise wait, unsealed and without its agreement round, until every bucket
+        before it had streamed. Every rank makes the same calls in the same order, so every rank seals the same
+        buckets."""
         deadline = time.monotonic() + 2 * self.config.timeout
         with self.lock:
             while not target.done and target.error is None:
-                if target.name in self.open_names():    # queued, or carried over from a round: seal it now
+                if self.open:                           # queued, or carried over from a round: seal it now
                     self._seal()
                 if self.active.get(target.name) is not target:
                     raise RuntimeError(f"allreduce {target.name!r} is not queued (Horovod was shut down?)")

@@ -86,3 +86,23 @@ def test_vectors_keep_int64_range():
     assert np.array_equal(agreement.Rounds.wait(hs[0], TIMEOUT).numpy(), (big * 2).numpy())
     for x in ranks:
         x.close()
+
+
+def test_a_start_that_lost_its_claim_raises_at_wait_and_the_next_rounds_pair_up():
+    """The claim of a round's slot is made off the starting thread; ``wait`` still sees its outcome: a rank that
+    starts the allreduces another rank has given up on gets that rank's error, and the next rounds of both ranks
+    pair with each other (not off by one)."""
+    ranks = make_ranks(2)
+    early = ranks[0].start(vector(0, 1), ["grad.w"])
+    with pytest.raises(agreement.RoundError, match="grad.w"):      # rank 1 has not started round 1
+        agreement.Rounds.wait(early, 0.5)
+    late = ranks[1].start(vector(1, 1), ["grad.w"])                 # its slot was claimed by rank 0's record
+    with pytest.raises(agreement.RoundError, match="came after the other ranks had given up"):
+        agreement.Rounds.wait(late, TIMEOUT)
+    hs = [x.start(vector(r, 2)) for r, x in enumerate(ranks)]
+    want = (vector(0, 2) + vector(1, 2)).numpy()
+    for h in hs:
+        assert np.array_equal(agreement.Rounds.wait(h, TIMEOUT).numpy(), want)
+    assert [x.given_up for x in ranks] == [1, 1]
+    for x in ranks:
+        x.close()
