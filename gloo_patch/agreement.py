@@ -212,9 +212,8 @@ class Rounds:
     2 ranks on loopback, load average about 10). On two cores that CPU is taken from backward."""
 
     def __init__(self, store, rank: int, size: int, timeout: float):
-        import threading  # noqa: PLC0415
-
         import queue  # noqa: PLC0415
+        import threading  # noqa: PLC0415
 
         self.rank, self.size, self.timeout = rank, size, timeout
         self.store = store                # starts: a compare_set each, by the writer thread
