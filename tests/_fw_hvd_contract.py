@@ -3,12 +3,12 @@ Each case records, per rank, what happened (result, exception type and message, 
 argv[1]/contract<r>.json; tensors go to argv[1]/contract<r>.pt."""
 import json
 import sys
-import time
 
 import torch
 import horovod.torch as hvd
 
 import gloo_patch.horovod as ina_hvd
+from _fw_cases import run_case
 
 out_dir = sys.argv[1]
 hvd.init()
@@ -18,13 +18,7 @@ cases, tensors = {}, {}
 
 
 def case(name, fn):
-    t0 = time.monotonic()
-    try:
-        res = fn()
-        cases[name] = {"ok": True, "seconds": time.monotonic() - t0, "result": res}
-    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
-        cases[name] = {"ok": False, "seconds": time.monotonic() - t0, "type": type(e).__name__,
-                       "types": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    run_case(cases, name, fn)
 
 
 def offloaded():

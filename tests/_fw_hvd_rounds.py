@@ -8,12 +8,12 @@ rounds after a round that cannot complete. Each case records, per rank, what hap
 3. hvd.shutdown(); hvd.init(): fresh rounds, the switch again."""
 import json
 import sys
-import time
 
 import torch
 import horovod.torch as hvd
 
 import gloo_patch.horovod as ina_hvd
+from _fw_cases import run_case
 
 out_dir = sys.argv[1]
 hvd.init()
@@ -23,13 +23,7 @@ cases = {}
 
 
 def case(name, fn):
-    t0 = time.monotonic()
-    try:
-        res = fn()
-        cases[name] = {"ok": True, "seconds": time.monotonic() - t0, "result": res}
-    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
-        cases[name] = {"ok": False, "seconds": time.monotonic() - t0, "type": type(e).__name__,
-                       "types": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    run_case(cases, name, fn)
 
 
 def ok_allreduce(tag):
