@@ -32,10 +32,8 @@ def worker(out: str, reps: int) -> None:
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    store = agreement.Rounds.serve(size, 30) if rank == 0 else None
-    t = torch.tensor(agreement.address_ints("127.0.0.1", store) if rank == 0 else [0, 0], dtype=torch.int64)
-    _, host, port = agreement.address_from_ints([0, *hvd.broadcast(t, 0, name="addr").tolist()])
-    rounds = agreement.Rounds(store or agreement.Rounds.reach(host, port, size, 30), rank, size, 30)
+    _, rounds = agreement.open_rounds(rank, size, 30, "127.0.0.1", 0, lambda values: hvd.broadcast(
+        torch.tensor(values, dtype=torch.int64), 0, name="addr").tolist())
     v = agreement.local_vector([("w", "float32[3]", False)])
     times: dict[str, list] = {"horovod_1": [], "own_group_1": [], "horovod_5_sequential": [], "own_group_5_started_together": []}
     for i in range(reps):

@@ -140,15 +140,13 @@ class _HorovodIna(HorovodNative):
         self.rank, size = M.rank(), M.size()
         self.fallbacks.prefix = f"[ina horovod rank {self.rank}]"
         self.fallbacks.announce = self.rank == 0
-        # rank 0 draws the job id (unless INA_JOB) and serves the agreement group's store; everyone gets both
+        # rank 0 draws the job id (unless INA_JOB) and serves the agreement rounds' store; everyone gets both
         # through Horovod's (Gloo) broadcast
-        store = agreement.Rounds.serve(size, self.config.timeout) if self.rank == 0 else None
-        mine = [self.config.job or new_job_id(), *agreement.address_ints(self.config.switch[0], store)]
-        t = torch.tensor(mine if self.rank == 0 else [0] * len(mine), dtype=torch.int64)
-        job, host, port = agreement.address_from_ints(M.broadcast(t, root_rank=0, name="ina.job_id").tolist())
+        def broadcast(values: list[int]) -> list[int]:
+            return M.broadcast(torch.tensor(values, dtype=torch.int64), root_rank=0, name="ina.job_id").tolist()
+        job, self.channel = agreement.open_rounds(self.rank, size, self.config.timeout, self.config.switch[0],
+                                                  self.config.job or new_job_id(), broadcast)
         self.job = job
-        self.channel = agreement.Rounds(store or agreement.Rounds.reach(host, port, size, self.config.timeout),
-                                        self.rank, size, self.config.timeout)
         self.client = Client(switch=self.config.switch, rank=self.rank, world_size=size, job=job,
                              **self.config.client_kwargs())
         if self.rank == 0:

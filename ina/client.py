@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import select
 import time
 from dataclasses import dataclass
 
@@ -328,16 +327,10 @@ class Client(Worker):
         self._rx_wait = min(RX_WAIT, max(RX_WAIT_MIN, deadline - now))
 
     def receive(self) -> int:
-        """Receive a burst (``self.rx``), waiting at most as long as :meth:`wait_until` said. The socket's
-        timeout (SO_RCVTIMEO) counts in kernel ticks: with HZ=250 a 1 ms or 50 us timeout waited 4 to 12
-        ms (measured), which made a 1 ms tail probe fire after 5 to 8 ms of silence. A shorter wait is
-        a select, whose timer is precise to about 0.1 ms; RX_WAIT stays the socket's timeout."""
-        if self._rx_wait >= RX_WAIT:
-            return self.rx.recv(wait=True)
-        k = self.rx.recv(wait=False)
-        if k or not select.select([self.sock], [], [], self._rx_wait)[0]:
-            return k
-        return self.rx.recv(wait=False)
+        """Receive a burst (``self.rx``), waiting at most as long as :meth:`wait_until` said (RX_WAIT is the
+        socket's timeout; a shorter wait is precise, not rounded up to a kernel tick, which made a 1 ms
+        tail probe fire after 5 to 8 ms of silence: ``RxRing.recv_within``)."""
+        return self.rx.recv_within(self._rx_wait, RX_WAIT)
 
     def _send(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""

@@ -15,7 +15,6 @@ A packet's life, one burst at a time, run to completion in a poll loop (DPDK sty
 from __future__ import annotations
 
 import logging
-import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -247,10 +246,7 @@ class Switch:
             wait = self._rx_wait_bound()
             if wait:
                 t = time.perf_counter_ns()
-                if wait >= RX_TIMEOUT:          # nothing held: block, up to the socket's timeout
-                    n = self.rx.recv(wait=True)
-                elif select.select([self.sock], [], [], wait)[0]:   # a held packet is due within ``wait``
-                    n = self.rx.recv(wait=False)
+                n = self.rx.recv_within(wait, RX_TIMEOUT)
                 self._waited = time.perf_counter_ns() - t
         if n:
             self._rx_account(self.state, self._rx_src, self.rx.lens, n, self.rx.stride)
@@ -291,8 +287,8 @@ class Switch:
         m2, dropped = self._repeat_tail(self.state, buf, n, m)
         self.tail_repeats += m2 - m + dropped
         self.tail_duplicates += dropped
-        if dropped and not (self.state.tx["length"][:m2] < 0).any():
-            self._replays = False
+        if dropped:
+            self._replays = bool((self._tx_lens[:m2] < 0).any())
         return m2
 
     def stage_tx(self, m: int) -> None:
@@ -500,9 +496,9 @@ class Switch:
     def _rx_wait_bound(self) -> float:
         """How long the receive may block (seconds; 0: not at all, a held packet is due now): until the
         next held packet is due (sleeping, not spinning: on a shared machine a spinning switch takes the
-        workers' CPU), else ``RX_TIMEOUT``, the socket's own timeout. A shorter wait is a select: the
-        socket's timeout counts in kernel ticks (HZ=250: a 1 ms timeout waited 4 to 12 ms), which would
-        hold a packet delayed or reordered by 1 ms for several ms whenever nothing else arrives."""
+        workers' CPU), else ``RX_TIMEOUT``, the socket's own timeout. A shorter wait is precise
+        (``RxRing.recv_within``), not rounded up to a kernel tick, which would hold a packet delayed or
+        reordered by 1 ms for 4 to 12 ms whenever nothing else arrives."""
         if not self._holding():           # the common case: nothing held, the usual bound
             return RX_TIMEOUT
         due = [t for t in (self.ingress.next_release(), self.egress.next_release()) if t is not None]

@@ -56,12 +56,11 @@ def repeat_tail_results(dp, buf, n, m):
             break
     if not tail:
         return m, 0
-    extra = 0
+    twice = np.zeros(m, np.bool_)           # multicasts of a round completed by a TAIL packet
     for j in range(m):
         tmp[j] = tx[j]
-        if tx[j].length > 0 and _completed_by_tail(pkts, buf, n, tx[j].set_id):
-            extra += 1
-    room = min(extra, len(tx) - m)          # beyond the plan's capacity the rest go once
+        twice[j] = tx[j].length > 0 and _completed_by_tail(pkts, buf, n, tx[j].set_id)
+    room = min(int(twice.sum()), len(tx) - m)   # beyond the plan's capacity the rest go once
     used = np.zeros(n, np.bool_)
     out = 0
     dropped = 0
@@ -75,7 +74,7 @@ def repeat_tail_results(dp, buf, n, m):
                 continue
         tx[out] = t
         out += 1
-        if room > 0 and t.length > 0 and _completed_by_tail(pkts, buf, n, t.set_id):
+        if room > 0 and twice[j]:
             tx[out] = t
             out += 1
             room -= 1

@@ -90,14 +90,16 @@ def _lowbias32_ir(builder, x):
 STREAM_STEP = 0x9E3779B9     # element i of stream s is lowbias32(i * STREAM_STEP + s), in 32 bits
 
 
-def stream_seed(seed: int, first: int) -> int:
+@njit(cache=True)
+def stream_seed(seed, first):
     """The stream under which element 0 draws what element ``first`` of stream ``seed`` draws.
 
     Encoding elements ``first ..`` of a tensor under ``stream_seed(seed, first)`` draws exactly the
     random numbers a whole-tensor encode under ``seed`` draws for them (how the allreduce client
-    encodes a tensor block by block and still matches a whole-tensor encode).
+    encodes a tensor block by block, or chunk by chunk, and still matches a whole-tensor encode).
+    Compiled, for the kernels that encode chunk by chunk; from Python it returns an int.
     """
-    return (int(seed) + STREAM_STEP * int(first)) & 0xFFFFFFFF
+    return (np.uint64(seed) + np.uint64(STREAM_STEP) * np.uint64(first)) & np.uint64(0xFFFFFFFF)
 
 
 @intrinsic
@@ -292,8 +294,7 @@ def nc_encode_rows(x, e_low, window, seed, deterministic, dst, stride, rows, chu
         lo = chunks[q] * elements
         hi = min(n, lo + elements)
         o = rows[q] * stride + at
-        s = (np.uint64(seed) + np.uint64(STREAM_STEP) * np.uint64(lo)) & np.uint64(0xFFFFFFFF)
-        ef, k = nc_encode(x[lo:hi], e_low, window, s, deterministic, dst[o:o + hi - lo])
+        ef, k = nc_encode(x[lo:hi], e_low, window, stream_seed(seed, lo), deterministic, dst[o:o + hi - lo])
         mx_ef, mx_k = max(mx_ef, ef), max(mx_k, k)
         dst[o + hi - lo:o + elements] = 0
     return mx_ef, mx_k
