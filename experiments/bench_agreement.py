@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.reps <= 5:
+        ap.error(f"--reps {a.reps}: must be above 5 (the first 5 repetitions are warm-up, not timed)")
     if a.worker:
         worker(a.worker, a.reps)
         return 0
