@@ -42,8 +42,10 @@ import json
 import logging
 import os
 import selectors
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,6 +113,32 @@ def ideal_time(method: str, n: int, elements: int, rate: str) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------
+class CtrlC:
+    """Ctrl-C as a latch as well as an exception. CPython prints and drops an exception raised inside a
+    weakref callback or ``__del__`` ("Exception ignored in ..."), so a KeyboardInterrupt landing there
+    is lost and the sweep would run on to its last repetition. The handler raises as Python's own does
+    and also latches; every wait for the workers re-raises a latched interrupt within its 1 s poll."""
+
+    hit = False
+
+    @classmethod
+    def handler(cls, signum, frame):
+        cls.hit = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        """(the command's main thread only: Python delivers signals there)"""
+        cls.hit = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, cls.handler)
+
+    @classmethod
+    def check(cls) -> None:
+        if cls.hit:
+            raise KeyboardInterrupt("Ctrl-C (re-raised: the first one was dropped inside a callback)")
+
+
 class WorkerGroup:
     """n long-lived sweep workers inside the first n worker hosts of ``topo``."""
 
@@ -149,6 +177,7 @@ class WorkerGroup:
         got: dict[int, dict] = {}
         deadline = time.monotonic() + timeout
         while len(got) < self.n:
+            CtrlC.check()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}: ranks "
@@ -558,6 +587,7 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    CtrlC.install()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     st = _settings(ap, args)

@@ -160,3 +160,29 @@ def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path):
     assert rc == -signal.SIGINT and "KeyboardInterrupt" in log, (rc, log[-3000:])
     # (a killed process may take a moment to be reaped)
     wait_until(lambda: not [w for w in workers if _alive(w)], 10, f"the sweep's workers {workers} to end")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_dropped_inside_a_weakref_callback_is_raised_at_the_next_wait():
+    """CPython drops an exception raised inside a weakref callback ("Exception ignored in ..."): a Ctrl-C
+    that lands there must still stop the sweep, at its next wait for the workers."""
+    import signal
+    import weakref
+
+    from experiments.sweep import CtrlC
+
+    class Obj:
+        pass
+
+    prev = signal.getsignal(signal.SIGINT)
+    CtrlC.install()
+    try:
+        o = Obj()
+        ref = weakref.ref(o, lambda _: signal.raise_signal(signal.SIGINT))
+        del o                                   # the callback runs here; its KeyboardInterrupt is dropped
+        assert ref() is None and CtrlC.hit
+        with pytest.raises(KeyboardInterrupt, match="re-raised"):
+            CtrlC.check()
+    finally:
+        signal.signal(signal.SIGINT, prev)
+        CtrlC.hit = False
