@@ -72,6 +72,8 @@ def switch_counts(host: str, port: int) -> dict:
             "ingress_duplicated": imp["ingress"]["duplicated"], "egress_duplicated": imp["egress"]["duplicated"],
             "ingress_reordered": imp["ingress"]["reordered"], "egress_reordered": imp["egress"]["reordered"],
             "replays": st["counters"]["replays"], "retransmit_pending": st["drops"]["retransmit_pending"],
+            # resends of a round another rank's resend completed that crossed its multicast (not replayed)
+            "retransmit_crossed": st["drops"].get("retransmit_crossed", 0),
             # the data plane's CPU time (less disturbed by a loaded machine than wall time)
             "cpu_ns": st["timing"]["busy_cpu_ns"], "tx_cpu_ns": st["timing"]["tx_cpu_ns"], "bursts": st["timing"]["bursts"],
             "tail_repeats": st["counters"].get("tail_repeats", 0),
