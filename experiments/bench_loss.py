@@ -29,7 +29,8 @@ what the emulator's impairment path costs by itself. The lossless reference runs
 so ``vs_lossless`` (the targets' ratio) includes that cost; ``vs_impairment_path`` is the ratio to the
 path-on blocks of the same round (what the losses alone add). Both are reported. The switch's counts
 include its data-plane CPU, polls (``bursts``) and stage times per setting, and ``tail_repeats`` (results
-multicast twice: the last chunk of a stream, see ina.recovery). Progress goes to stderr.
+multicast twice: the last chunk of a stream, see ina.recovery) and ``retransmit_crossed`` (resends that
+crossed the result of a round another rank's resend completed: not replayed). Progress goes to stderr.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ in a self-clocked window, so a chunk whose result is missing while results of ch
 it keep arriving was lost on the way (a worker's packet to the switch, or the result on the way
 back); it is resent at once, as TCP's fast retransmit does, instead of waiting for a timeout. The
 switch makes a resend safe in either case: a worker whose bit is already set only reads (a replay
-of the stored result if the round completed, a drop if it did not).
+of the stored result if the round completed, a drop if it did not; no replay for a rank's first
+resend of a round another rank's resend completed: it crossed the result, switch_model/alu.py).
 
 **Tail copies** come first (:func:`tail_copies`): the last chunk of a dense stream is sent twice,
 flagged TAIL, and the switch multicasts the result of a round completed by a TAIL packet twice
