@@ -450,7 +450,10 @@ class _Transfer:
         ring rows of this turn's resends (:meth:`retransmit_lost`), sent first in the same batch."""
         if not chunks.size:
             return
-        rows = tail_copies(self.load(chunks), chunks, self.n_chunks, self.hv, self.cl.stats,   # ina.recovery
+        rows = self.load(chunks)
+        if not np.all(witness):                   # sent after a replay: later than at the peers (ina.wire.Flag.LATE)
+            self.hv["flags"][rows[~np.broadcast_to(witness, rows.shape)]] |= int(Flag.LATE)
+        rows = tail_copies(rows, chunks, self.n_chunks, self.hv, self.cl.stats,   # ina.recovery
                            not self.sparse and (not self.E or self.n_chunks >= self.cl.tail_copy_from))
         self.send_rows(rows if resends is None or not resends.size else np.concatenate([resends, rows]))
         self.ld.sent(chunks, time.monotonic(), witness)

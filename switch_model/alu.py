@@ -10,7 +10,7 @@ from numba import njit
 
 from ina.wire import chunk_newer
 
-from .dataplane import (C_OVERFLOW, F_RETRANSMIT, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP, O_FLAGS, O_PTYPE, P_INT8,
+from .dataplane import (C_OVERFLOW, F_LATE, F_RETRANSMIT, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP, O_FLAGS, O_PTYPE, P_INT8,
                         P_INT8N, P_INT32, P_INT64, P_NC8, P_NONE, Action, Verdict, bswap32, payload_width, rd16,
                         rd32)
 
@@ -174,8 +174,10 @@ def _protocol(sets, pkts, i, c, bit, modulus, retx):
     resend of the round (RETRANSMIT_CROSSED): a lost data packet makes every rank resend at once (none
     can tell whose packet it was), the loser's resend completes the round, and the others' resends
     cross the result's multicast on its way to them; a replay would send each of them the result a
-    second time. A rank that did lose that multicast resends again (after its reordering window) and
-    is replayed then, as is every resend of a rank whose earlier resend of the round was read."""
+    second time. The same holds for a round completed by a LATE first send (a rank that lost the result
+    of the slot's previous round sends this chunk only after its replay; its peers, seeing this round's
+    result missing, resent). A rank that did lose that multicast resends again (after its reordering
+    window) and is replayed then, as is every resend of a rank whose earlier resend of the round was read."""
     m = sets[pkts[i].set_id]
     if c == m.round_chunk:
         if m.bitmap & bit:
@@ -298,5 +300,5 @@ def aggregate(dp, buf, n):
             m.resent |= bit
         if m.count >= job.n_workers:
             m.complete = 1
-            m.recovered = np.uint8(1) if retx else np.uint8(0)
+            m.recovered = np.uint8(1) if retx or (flags & F_LATE) != 0 else np.uint8(0)
             p.action = Action.HARVEST

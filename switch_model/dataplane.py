@@ -57,6 +57,7 @@ F_REPLAY = int(Flag.REPLAY)
 F_RAW = int(Flag.RAW_SUM)
 F_SPARSE = int(Flag.SPARSE)
 F_RETRANSMIT = int(Flag.RETRANSMIT)
+F_LATE = int(Flag.LATE)
 TRL = TRAILER_SIZE
 P_NONE, P_NC8, P_INT32, P_INT64, P_INT8 = (int(PayloadType.NONE), int(PayloadType.NC8), int(PayloadType.INT32),
                                            int(PayloadType.INT64), int(PayloadType.INT8))
@@ -85,7 +86,7 @@ class Verdict(IntEnum):
     RETRANSMIT_PENDING = 14    # retransmission while the round is still waiting for other workers
     FOREIGN_SOURCE = 15        # source address is not the one the rank joined from (checked last in parse)
     BAD_NEXT = 16              # sparse packet whose `next` is not an odd number of its stream's steps ahead
-    RETRANSMIT_CROSSED = 17    # a rank's first resend of a round another rank's resend completed: it crossed
+    RETRANSMIT_CROSSED = 17    # a rank's first resend of a round another rank's resend (or LATE packet) completed: it crossed
                                # the result's multicast (alu._protocol)
 
 
@@ -119,7 +120,7 @@ SET = np.dtype([("round_chunk", np.int64),   # the chunk id of the round it hold
                 ("complete", np.uint8),      # every worker's packet is in
                 ("overflow", np.uint8),      # a register saturated in this round
                 ("sparse", np.uint8),        # a packet of the round had the SPARSE flag
-                ("recovered", np.uint8),     # the packet that completed the round was a resend (RETRANSMIT)
+                ("recovered", np.uint8),     # the packet that completed the round was a resend or a late first send
                 ("resent", np.uint64)], align=True)  # workers that sent a resend (RETRANSMIT) of this round
 # one job-table entry, derived from a pipeline.Job record (Job.table_row): the fields of the same names.
 # pool_slots is the job's whole pool (pool indices 0..pool_slots-1 in packets); with --cores N the pool

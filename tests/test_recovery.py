@@ -419,8 +419,9 @@ def test_both_copies_of_a_tail_chunk_count_once_and_its_result_comes_twice(ptype
 def test_resends_that_crossed_the_result_of_a_recovered_round_are_not_replayed():
     """Rank 2's data packet is lost: every rank resends. Rank 0's resend arrives first (the round still
     waits: read, dropped), rank 2's completes the round (multicast to all), rank 1's crossed that
-    multicast: dropped as retransmit_crossed, not replayed. A rank that resends again (it did lose the
-    multicast) is replayed, and so is every rank of a round completed by first sends (a lost result).
+    multicast: dropped as retransmit_crossed, not replayed; the same for a round completed by a LATE
+    first send (a rank that waited for a replay before sending the chunk). A rank that resends again (it
+    did lose the multicast) is replayed, and so is every rank of a round completed by first sends.
     Every result carries the exact sum; nobody gets more than it asked for."""
     from ina.wire import Flag, MsgType, PayloadType, max_packet_size, pack, unpack
     workers, slots, E = 3, 4, 16
@@ -457,9 +458,16 @@ def test_resends_that_crossed_the_result_of_a_recovered_round_are_not_replayed()
             send(r, 1)
         send(2, 1, Flag.RETRANSMIT)
         assert counts() == (3, 1, 1)
-        assert results(0, 3) == [(0, False), (0, True), (1, False)]
-        assert results(1, 3) == [(0, False), (0, True), (1, False)]
-        assert results(2, 3) == [(0, False), (1, False), (1, True)]
+        send(0, 2)                                   # rank 2 sends chunk 2 late (it waited for a replay)
+        send(1, 2)
+        send(0, 2, Flag.RETRANSMIT)                  # its peers saw the result missing: read while it waits
+        send(2, 2, Flag.LATE)                        # completes the round: multicast
+        send(1, 2, Flag.RETRANSMIT)                  # crossed it: no replay
+        send(0, 2, Flag.RETRANSMIT)                  # rank 0's second resend: replayed
+        assert counts() == (4, 2, 2)
+        assert results(0, 5) == [(0, False), (0, True), (1, False), (2, False), (2, True)]
+        assert results(1, 4) == [(0, False), (0, True), (1, False), (2, False)]
+        assert results(2, 4) == [(0, False), (1, False), (1, True), (2, False)]
         for s in socks:
             s.settimeout(0.05)
             with pytest.raises(OSError):             # nothing more
