@@ -140,7 +140,7 @@ def _settle(recvs, want: int, bound: float = 5.0) -> list:
 def run(args) -> dict:
     from ina.net import Topology
     me = [sys.executable, "-m", "experiments.bench_multicast"]
-    with Topology(workers=args.workers + args.outsiders, rate=args.rate) as topo:
+    with Topology(workers=args.workers + args.outsiders, rate=args.rate, mtu=args.mtu) as topo:
         members, outsiders = topo.workers[:args.workers], topo.workers[args.workers:]
         pipes = dict(stdin=-1, stdout=-1, stderr=-1, text=True, bufsize=1)
         recvs = [topo.popen(w, me + ["--role", "recv", "--ip", w.ip, "--port", str(PORT), "--group", GROUP], **pipes)
@@ -188,7 +188,7 @@ def run(args) -> dict:
                       "machine_softirq_us_per_burst")}
     ratio = {k: med["multicast"][k] / med["unicast"][k] for k in med["unicast"] if med["unicast"][k]}
     return {"benchmark": "bench_multicast", "emulated": f"{args.workers} worker namespaces + {args.outsiders} "
-            f"outsider(s), links {args.rate} (tbf), Linux bridge with IGMP snooping", "gso": info["gso"],
+            f"outsider(s), links {args.rate} (tbf), MTU {args.mtu}, Linux bridge with IGMP snooping", "gso": info["gso"],
             "workers": args.workers, "rows": args.rows, "size": args.size, "bursts": args.bursts,
             "interval_s": args.interval, "reps": args.reps, "load_average": os.getloadavg(),
             "median": med, "ratio_multicast_to_unicast": ratio, "runs": per_mode}
@@ -200,7 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--outsiders", type=int, default=1, help="hosts that bind the port but join no group")
     ap.add_argument("--rate", default="1gbit", help="every worker link's rate (tbf), each direction")
     ap.add_argument("--rows", type=int, default=64, help="result datagrams per burst")
-    ap.add_argument("--size", type=int, default=1044, help="bytes per datagram (nc: 20 + 1024)")
+    ap.add_argument("--size", type=int, default=1044, help="bytes per datagram (nc at MTU 1500: 20 + 1024; the "
+                    "sweep's MTU 9000: 8212, nc's 8192 or bfp32's 2048 elements)")
+    ap.add_argument("--mtu", type=int, default=1500, help="the links' MTU (the sweep's: 9000)")
     ap.add_argument("--bursts", type=int, default=300)
     ap.add_argument("--interval", type=float, default=0.001, help="seconds between bursts (pacing)")
     ap.add_argument("--reps", type=int, default=3)

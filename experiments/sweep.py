@@ -396,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--slots", type=int, default=64, help="INA window (slots per job)")
     ap.add_argument("--switch-cores", default="auto", help="the switch's --cores: shards (N, or auto: its rule)")
+    ap.add_argument("--no-multicast", action="store_true", help="the switch sends each worker a unicast copy of "
+                    "every result (default: one IP multicast per result, replicated by the fabric's bridge)")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound of every wait (seconds)")
     from .dilation import add_arguments
     add_arguments(ap)
@@ -464,7 +466,8 @@ def _meta(args, argv, out: Path, st: dict) -> dict:
             "acc_steps": args.acc_steps, "acc_rate": args.acc_rate, "acc_workers": st["acc_workers"], "batch": BATCH,
             "started": _dt.datetime.now().isoformat(timespec="seconds"), "tp_sizes": st["tp_sizes"],
             "tp_steps": args.tp_steps, "dilation": args.dilation or 1, "profile": args.profile,
-            "switch_cores": args.switch_cores,
+            "switch_cores": args.switch_cores, "results_delivery": "unicast copy per worker (--no-multicast)" if
+            args.no_multicast else "IP multicast to the job's group, replicated by the fabric's bridge",
             "profile_skipped": st["skipped"], "codec_device": "this CPU" if args.codec_gbps is None else
             f"{args.codec_gbps:g} GB/s", "switch_delay_ms": args.switch_delay_ms, "losses": st["losses"],
             "impairment": "switch user-space packet loss, each direction, for switch-summable INA methods only"}
@@ -510,6 +513,8 @@ def switch_args(args) -> list[str]:
     a = ["--slots", str(SWITCH_SLOTS), "--profile", args.profile, "--cores", getattr(args, "switch_cores", "auto")]
     if get_profile(args.profile).elements is None:
         a += ["--elements", str(SWITCH_ELEMENTS)]
+    if getattr(args, "no_multicast", False):
+        a += ["--no-multicast"]
     return a
 
 

@@ -25,7 +25,9 @@ from .wire import multicast_group
 log = logging.getLogger("ina.client")
 
 IP_MULTICAST_ALL = 49          # Linux: 0 = deliver only the groups this socket joined (not the host's)
-IGMP_V2_REPORT = 0x16
+IGMP_V3_REPORT = 0x22
+IGMP_V3_ROUTERS = "224.0.0.22"  # where IGMPv3 reports go (no report suppression among members, unlike v2)
+CHANGE_TO_EXCLUDE = 4           # a group record: exclude no source = join
 
 
 def default() -> bool:
@@ -67,8 +69,8 @@ def _checksum(data: bytes) -> int:
 
 
 def announce(group: str, local_ip: str) -> bool:
-    """Send an IGMPv2 membership report for ``group`` from ``local_ip`` now (needs CAP_NET_RAW; without
-    it, False: the kernel's own report comes a few milliseconds later)."""
+    """Send an IGMPv3 membership report joining ``group`` from ``local_ip`` now (needs CAP_NET_RAW;
+    without it, False: the kernel's own report comes a few milliseconds later)."""
     try:
         raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_IGMP)
     except OSError:
@@ -77,7 +79,8 @@ def announce(group: str, local_ip: str) -> bool:
         raw.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(local_ip))
         raw.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
         raw.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
-        msg = struct.pack("!BBH4s", IGMP_V2_REPORT, 0, 0, socket.inet_aton(group))
+        msg = struct.pack("!BBHHHBBH4s", IGMP_V3_REPORT, 0, 0, 0, 1, CHANGE_TO_EXCLUDE, 0, 0,
+                          socket.inet_aton(group))
         msg = msg[:2] + struct.pack("!H", _checksum(msg)) + msg[4:]
-        raw.sendto(msg, (group, 0))
+        raw.sendto(msg, (IGMP_V3_ROUTERS, 0))
     return True
