@@ -95,7 +95,7 @@ class Multicast:
         rows2, lens2 = np.repeat(np.asarray(rows), reps), np.repeat(np.broadcast_to(lens, addr.shape), reps)
         addr2 = np.repeat(addr, reps)
         pos = np.flatnonzero(np.repeat(mc, reps))
-        offset = np.arange(at.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         addr2[pos] = np.repeat(blocks, counts) * MAX_WORKERS + offset
         order = np.argsort(addr2, kind="stable")
         return rows2[order], lens2[order], addr2[order]

@@ -123,6 +123,25 @@ def test_a_worker_that_misses_multicast_results_gets_them_by_unicast_replay(tmp_
     assert st["counters"]["replays"] > 0 and st["counters"]["multicast_results"] > 0, st["counters"]
 
 
+def test_with_egress_loss_each_worker_loses_its_own_copies(tmp_path):
+    """Egress impairments on a multicasting job: each result goes out as a unicast copy per worker, each
+    copy dropped on its own (as on its own link); lost copies come back by replay and the sums are exact."""
+    op = {"shape": [100_000], "seed": 16}
+    with _topology(4) as topo:
+        sw = _switch(topo, tmp_path, "--egress-loss", "0.03", "--seed", "5")
+        try:
+            results = _finish(_start_workers(topo, tmp_path, topo.workers, 8, op))
+            st = _switch_stats(topo)
+        finally:
+            sw.stop(timeout=10)
+    _exact(results, op, 4)
+    assert all(meta["multicast"] for _, meta in results)
+    c, egress = st["counters"], st["impairments"]["egress"]
+    assert c["multicast_results"] == c["harvested"] > 0 and c["replays"] > 0, c
+    assert egress["dropped"] > 0, egress
+    assert c["tx_packets"] >= 4 * c["harvested"] - egress["dropped"], (c, egress)     # a copy per worker
+
+
 def test_two_concurrent_jobs_get_only_their_own_results(tmp_path):
     """Jobs 5 and 6, 4 workers each, at once: both multicast, both exact, and each worker's download
     carried about its own job's results only (the other job's group is not forwarded to its port)."""
