@@ -7,7 +7,7 @@ whose shaping queue (the worker's download) sees each copy. A job's results go t
 
 * the switch's multicast is on (``SwitchConfig.multicast``; ``ina-switch serve --no-multicast`` turns it off),
 * every worker joined the group with its data socket bound to the group's port (``ina.multicast``: not on
-  loopback, nor where the port is taken) and the workers are distinct hosts,
+  loopback, nor where the port is taken) and the workers are distinct hosts, none the switch's own,
 * the switch reaches every worker through one local address, the socket's multicast interface;
 
 otherwise, and for the replay of one worker's lost result, each worker gets its own unicast copy. While
@@ -63,9 +63,12 @@ class Multicast:
         if len(set(hosts)) != len(hosts) or any(ipaddress.ip_address(h).is_loopback for h in hosts):
             return None, "workers share a host"
         try:
-            local = {egress_address(h) for h in hosts}
+            via = {h: egress_address(h) for h in hosts}
         except OSError as e:
             return None, f"no route to the workers: {e}"
+        if any(h == a for h, a in via.items()):        # the switch's own address: a multicast would not loop back
+            return None, "a worker is on the switch's host"
+        local = set(via.values())
         if len(local) != 1 or (self.interface is not None and local != {self.interface}):
             return None, f"workers reached through {sorted(local)}, the multicast interface is {self.interface}"
         if self.interface is None:

@@ -165,6 +165,24 @@ def test_two_concurrent_jobs_get_only_their_own_results(tmp_path):
             assert got <= down < 1.3 * got, f"{h.name} (job {j}): download {down} B, its client received {got} B"
 
 
+def test_a_worker_on_the_switchs_own_host_gets_unicast(tmp_path):
+    """A worker in the switch's own emulated host, joined over the host's (non-loopback) address: its
+    group is joined, but a multicast would not come back to the sending host, so the switch sends unicast
+    copies; the sums are exact."""
+    op = {"shape": [30_000], "seed": 17}
+    with _topology(1) as topo:
+        sw = _switch(topo, tmp_path)
+        try:
+            results = _finish(_start_workers(topo, tmp_path, [topo.switch, topo.workers[0]], 9, op))
+            st = _switch_stats(topo)
+        finally:
+            sw.stop(timeout=10)
+    _exact(results, op, 2)
+    assert not any(meta["multicast"] for _, meta in results)
+    assert st["counters"]["multicast_results"] == 0 < st["counters"]["harvested"]
+    assert "unicast: a worker is on the switch's host" in (tmp_path / "switch.log").read_text()
+
+
 def test_on_loopback_the_switch_sends_unicast_copies(tmp_path):
     """Workers reached over loopback join no group: the switch falls back to a unicast copy per worker
     (stats say so) and the sums are exact."""
