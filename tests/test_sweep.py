@@ -173,7 +173,7 @@ def test_ctrl_c_dropped_inside_a_weakref_callback_is_raised_at_the_next_wait():
     import signal
     import weakref
 
-    from experiments.sweep import CtrlC
+    from experiments.sweep_group import CtrlC
 
     class Obj:
         pass
