@@ -22,7 +22,7 @@ What is patched (see docs/frameworks.md):
 Horovod's contract. Every allreduce of the global process set is queued, whatever its op and dtype,
 after Horovod's own argument checks (``_check_function``: supported tensor type, contiguity; a name
 already in flight raises Horovod's duplicate-name ``ValueError``). Queued allreduces form buckets: a bucket
-is sealed when ``INA_BUCKET_BYTES`` (default 256 KiB) are queued, so streaming starts while backward still
+is sealed when ``INA_BUCKET_BYTES`` (default 512 KiB) are queued, so streaming starts while backward still
 runs, and whatever is queued when a rank waits for one (``synchronize``/``poll``). Every rank of the same
 model queues the same gradients in the same order, so every rank seals the same buckets. A worker thread
 reads each bucket's agreement round (``gloo_patch.agreement``: a small sum over the ranks of a digest of names,
@@ -60,7 +60,7 @@ _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.opt
                     "horovod.torch.sync_batch_norm")
 DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
                   "is currently being processed.  If you want to request another tensor, use a different tensor name.")
-DEFAULT_BUCKET_BYTES = 256 * 1024
+DEFAULT_BUCKET_BYTES = 512 * 1024
 
 
 def bucket_bytes() -> int:
