@@ -217,3 +217,20 @@ def test_a_store_that_cannot_be_reached_again_fails_the_round_within_the_bound_n
     assert "grad.w" in str(e.value) or "could not be opened again" in str(e.value), e.value
     for x in ranks:
         x.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_nonfinite_flags_find_nan_and_inf_per_group(dtype):
+    """What the agreement vector's NaN/Inf flags rely on (by each tensor's sum): any NaN, +Inf or -Inf anywhere in a
+    group's floating-point tensors flags that group and no other; a half-precision tensor whose values are finite
+    but whose sum exceeds float16's range is not flagged (summed in float32); integer tensors never are."""
+    rng = np.random.default_rng(5)
+    groups = [[torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(dtype) for n in (700, 3, 4096)]
+              for _ in range(4)]
+    groups[1][2][4000] = float("nan")
+    groups[2][0][0] = float("inf")
+    groups[3][1][2] = float("-inf")
+    groups.append([torch.full((4000,), 60000.0, dtype=dtype), torch.arange(5, dtype=torch.int32)])
+    groups.append([torch.tensor([], dtype=dtype)])
+    assert agreement.nonfinite_flags(groups) == [False, True, True, True, False, False]
+    assert [agreement.nonfinite(g) for g in groups] == [False, True, True, True, False, False]
