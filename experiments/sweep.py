@@ -339,6 +339,17 @@ def _settings(ap, args) -> dict:
             "losses": parse_losses(ap, args.loss)}
 
 
+def _delivery_label(args, st: dict) -> str:
+    """How the switch sends INA results to the workers, as the sweep's outputs state it."""
+    if args.no_multicast:
+        return "unicast copy per worker (--no-multicast)"
+    label = "IP multicast to the job's group, replicated by the fabric's bridge"
+    if any(st["losses"]) or args.switch_delay_ms:
+        label += ("; while the switch's egress impairments are on (loss, emulated delay) as a unicast copy per "
+                  "worker, each impaired on its own (each record's switch_counters: multicast_as_copies)")
+    return label
+
+
 def _meta(args, argv, out: Path, st: dict) -> dict:
     prev_meta = json.loads((out / "results.json").read_text())["meta"] if (out / "results.json").exists() else {}
     meta = {"command": "ina-sweep " + " ".join(argv if argv is not None else sys.argv[1:]), "quick": args.quick,
@@ -347,8 +358,7 @@ def _meta(args, argv, out: Path, st: dict) -> dict:
             "acc_steps": args.acc_steps, "acc_rate": args.acc_rate, "acc_workers": st["acc_workers"], "batch": BATCH,
             "started": _dt.datetime.now().isoformat(timespec="seconds"), "tp_sizes": st["tp_sizes"],
             "tp_steps": args.tp_steps, "dilation": args.dilation or 1, "profile": args.profile,
-            "switch_cores": args.switch_cores, "results_delivery": "unicast copy per worker (--no-multicast)" if
-            args.no_multicast else "IP multicast to the job's group, replicated by the fabric's bridge",
+            "switch_cores": args.switch_cores, "results_delivery": _delivery_label(args, st),
             "profile_skipped": st["skipped"], "codec_device": "this CPU" if args.codec_gbps is None else
             f"{args.codec_gbps:g} GB/s", "switch_delay_ms": args.switch_delay_ms, "losses": st["losses"],
             "impairment": "switch user-space packet loss, each direction, for switch-summable INA methods only"}

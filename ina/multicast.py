@@ -73,7 +73,8 @@ def announce(group: str, local_ip: str) -> bool:
     without it, False: the kernel's own report comes a few milliseconds later)."""
     try:
         raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_IGMP)
-    except OSError:
+    except OSError as e:
+        log.debug("group %s: no IGMP report of our own (%s): the kernel's follows on its timer", group, e)
         return False
     with raw:
         raw.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(local_ip))

@@ -100,7 +100,8 @@ class Action(IntEnum):
 DROP_REASONS = tuple(v.name.lower() for v in Verdict)      # index = verdict; "ok" first
 N_REASONS = len(DROP_REASONS)
 COUNTERS = DROP_REASONS + ("overflow", "harvested", "replays", "rx_packets", "rx_bytes", "tx_packets", "tx_bytes",
-                           "aborts_sent", "multicast_results")     # results sent once, to their job's group
+                           "aborts_sent", "multicast_results",     # results sent once, to their job's group
+                           "multicast_as_copies")   # group sends made a unicast copy per worker (egress impairments on)
 C = {name: i for i, name in enumerate(COUNTERS)}
 C_OVERFLOW, C_HARVESTED, C_REPLAYS, C_MULTICAST = C["overflow"], C["harvested"], C["replays"], C["multicast_results"]
 C_RX_PACKETS, C_RX_BYTES = C["rx_packets"], C["rx_bytes"]

@@ -85,12 +85,13 @@ class Multicast:
         self.workers[block] = 0
 
     def expand(self, rows, lens, addr):
-        """The transmissions with each multicast replaced by a unicast copy per worker of its job, grouped
-        by destination (each worker's entries keep their order)."""
+        """(rows, lens, addr, number of multicasts replaced): the transmissions with each multicast replaced
+        by a unicast copy per worker of its job, grouped by destination (each worker's entries keep their
+        order)."""
         addr = np.asarray(addr)
         mc = addr >= self.first
         if not mc.any():
-            return rows, lens, addr
+            return rows, lens, addr, 0
         blocks = addr[mc] - self.first
         counts = self.workers[blocks]
         reps = np.where(mc, 0, 1)
@@ -101,4 +102,4 @@ class Multicast:
         offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         addr2[pos] = np.repeat(blocks, counts) * MAX_WORKERS + offset
         order = np.argsort(addr2, kind="stable")
-        return rows2[order], lens2[order], addr2[order]
+        return rows2[order], lens2[order], addr2[order], int(blocks.size)

@@ -32,6 +32,7 @@ log = logging.getLogger("ina.switch")
 
 COUNTERS, C = D.COUNTERS, D.C
 C_REPLAYS, C_TX_PACKETS, C_TX_BYTES = C["replays"], C["tx_packets"], C["tx_bytes"]
+C_MULTICAST_AS_COPIES = C["multicast_as_copies"]
 STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
 MAX_ACTIVE_JOBS = 64
 RX_TIMEOUT = 0.02       # seconds a poll blocks for a packet when nothing is held (the socket's timeout)
@@ -319,7 +320,8 @@ class Switch:
         """Send ``buf[rows]`` through the egress impairments when they are on: a dropped or duplicated
         packet changes the rows sent, without a copy; held packets that are due join the send."""
         if self.egress.active:          # each worker's copy is impaired on its own
-            rows, lens, addr = self.multicast.expand(rows, lens, addr)
+            rows, lens, addr, groups = self.multicast.expand(rows, lens, addr)
+            self.counters[C_MULTICAST_AS_COPIES] += groups
             out = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30, gather=False)
             if out[0] is not buf and self.txq.gso and len(out[1]) > 1:   # due packets joined: one run per worker
                 order = np.argsort(out[3], kind="stable")

@@ -116,7 +116,8 @@ def test_a_real_switch_releases_held_packets_when_due_not_a_kernel_tick_later(tm
     held nothing else arrives, so the switch's poll must wake up when it is due. A poll that blocks on
     the socket's timeout (counted in 4 ms kernel ticks) released each one 3 to 11 ms late; the switch
     counts the held packets released more than 2 ms after their release time (``released_late``).
-    Most must be on time (a loaded machine's late wake-ups leave room), and the results exact."""
+    Most must be on time (a tick-rounded wait makes every one late; a loaded machine's late wake-ups
+    leave room: measured 1 late of 240 quiet), and the results exact."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
@@ -142,4 +143,4 @@ def test_a_real_switch_releases_held_packets_when_due_not_a_kernel_tick_later(tm
     assert rc == 0, sw.log()[-3000:]
     assert exact == [40, 40]
     assert imp["released"] >= 2 * 2 * 40, imp          # a negotiation and a data packet per rank and allreduce
-    assert imp["released_late"] < imp["released"] / 4, imp
+    assert imp["released_late"] < imp["released"] / 2, imp

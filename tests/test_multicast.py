@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sw_harness import SwitchProc, bfp_reference, client_threads, make_input, stats, wait_until  # noqa: E402
+from sw_harness import SwitchProc, bfp_reference, client_threads, make_input, stats  # noqa: E402
 
-from ina.wire import multicast_group  # noqa: E402
 from switch_model.launch import start_switch  # noqa: E402
 
 PY = sys.executable
@@ -95,6 +94,7 @@ def test_results_are_exact_with_multicast_to_8_namespaced_workers(tmp_path):
     assert all(meta["multicast"] for _, meta in results)
     c = st["counters"]
     assert c["multicast_results"] == c["harvested"] > 0, c       # every round's result sent once
+    assert c["multicast_as_copies"] == 0, c                        # ... as one multicast, not copies
     for r, (_, meta) in enumerate(results):
         got = meta["stats"]["bytes_received"]
         down = after[f"w{r}"].down_bytes - before[f"w{r}"].down_bytes
@@ -138,6 +138,7 @@ def test_with_egress_loss_each_worker_loses_its_own_copies(tmp_path):
     assert all(meta["multicast"] for _, meta in results)
     c, egress = st["counters"], st["impairments"]["egress"]
     assert c["multicast_results"] == c["harvested"] > 0 and c["replays"] > 0, c
+    assert c["multicast_as_copies"] >= c["multicast_results"], c     # every group send made copies (tail repeats too)
     assert egress["dropped"] > 0, egress
     assert c["tx_packets"] >= 4 * c["harvested"] - egress["dropped"], (c, egress)     # a copy per worker
 

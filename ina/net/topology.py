@@ -294,7 +294,6 @@ class Topology:
         # a host outside a job carries none on its download; the bridge is the querier (hosts keep their
         # memberships fresh), of IGMPv3 (a v2 query turns hosts to v2, whose hosts suppress their report on
         # hearing another member's: measured, members were left out), and a membership lasts a day without
-        # a report (no expiry during a run)
         # a report (no expiry during a run). Switching the querier on makes the bridge wait one query response
         # interval (default 10 s) before it trusts its memberships, and it floods every group to every port
         # until then: that interval is set short first (a separate request: the kernel applies the querier
