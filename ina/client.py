@@ -30,6 +30,7 @@ import numpy as np
 
 from . import burst as B
 from . import chunk_encoding, compression, lifetime, staging
+from .scheduling import RunQueueDelay
 from . import sparse as sparse_mod
 from . import stream_kernels as SK
 from .compression.base import ScaleContext
@@ -130,6 +131,7 @@ class Client(Worker):
         # straight doubled bfp32's time at 8 workers on shaped links: docs/performance.md)
         self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
         self.tx = B.TxBatch(self.sock, capacity=1024)
+        self._rings: dict[int, np.ndarray] = {}             # packet rings by packet width (packet_ring)
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
         if not 0 <= first_chunk < self.chunk_modulus:
             self.close()
@@ -139,6 +141,7 @@ class Client(Worker):
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
+        self.run_queue = RunQueueDelay()    # the machine's wait for a core: the loss timers' floor (timer_floor)
         self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
                  self.slots, self.elements)
@@ -184,6 +187,7 @@ class Client(Worker):
                 tl.mark("negotiated")
             ctx = ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=c.next_seed(),
                                agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
+            self.run_queue.sample()
             out = self._reduce(c, x32, ctx, kw, sparse)
         except AllreduceError as e:
             self._break(str(e))
@@ -293,6 +297,22 @@ class Client(Worker):
         return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
                          sparse(c0) if sparse else None).run()
 
+    def packet_ring(self, rows: int, width: int, sparse=None) -> np.ndarray:
+        """A stream's packet ring: ``rows`` (at most 2 x slots) rows of ``width`` bytes, headers zeroed.
+        Dense streams reuse one ring per packet width (the first rows of it) from allreduce to allreduce:
+        a fresh megabyte a stream cost its page faults and their zeroing in every allreduce. Every byte of
+        a row is written before the row is first sent (the header here and by ``fill_headers``, the whole
+        payload by the encoder, the last chunk zero-padded), so what a previous stream left is never sent.
+        A sparse stream (per-row payload types and trailers) gets a zeroed ring of its own."""
+        if sparse:
+            return np.zeros((rows, width), np.uint8)
+        ring = self._rings.get(width)
+        if ring is None or ring.shape[0] < rows:
+            ring = self._rings[width] = np.zeros((max(rows, 2 * self.slots), width), np.uint8)
+        ring = ring[:rows]
+        ring[:, :HEADER_SIZE] = 0
+        return ring
+
     def _rtt_sample(self, r: float) -> None:
         if self.srtt is None:
             self.srtt, self.rttvar = r, r / 2
@@ -308,7 +328,8 @@ class Client(Worker):
         probe find real losses much sooner). ``queued``: the serialisation time of the chunks in flight
         (their count x the result spacing); the last of a window on a slow link waits that long in the
         link's queue, so the timeout is at least the fastest round trip plus twice that."""
-        floor = self.rto if math.isinf(self.rtt_min) else max(self.rto, self.rtt_min + 2 * queued)
+        floor = max(self.rto if math.isinf(self.rtt_min) else max(self.rto, self.rtt_min + 2 * queued),
+                    self.timer_floor())
         if self.srtt is None:
             return min(self.max_rto, floor)
         return min(self.max_rto, max(floor, self.srtt + 4 * self.rttvar))
@@ -319,7 +340,13 @@ class Client(Worker):
         result spacings, at least ``min_rto``. None before the first round trip was measured."""
         if math.isinf(self.rtt_min):
             return None
-        return max(self.min_rto, 2 * self.rtt_min + 4 * spacing)
+        return max(self.min_rto, 2 * self.rtt_min + 4 * spacing, self.timer_floor())
+
+    def timer_floor(self) -> float:
+        """The shortest silence the loss timers (tail probe, retransmission timeout) wait for: the time a
+        runnable process waits for a core on this machine (:mod:`ina.scheduling`), as the switch or a peer
+        that waits that long says nothing meanwhile. Nearly 0 on an idle machine."""
+        return self.run_queue.delay
 
     def wait_until(self, deadline: float, now: float) -> None:
         """Let the next receive (:meth:`receive`) wait no longer than until ``deadline`` (monotonic
@@ -398,7 +425,7 @@ class _Transfer:
         self.S = cl.slots
         self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
         self.R = min(n_chunks, 2 * self.S)
-        self.pkts = np.zeros((self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0)), np.uint8)
+        self.pkts = cl.packet_ring(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0), sparse)
         hv = self.hv = header_view(self.pkts)
         hv["version"] = VERSION
         hv["msg_type"] = int(MsgType.DATA)
