@@ -329,7 +329,7 @@ class Client(Worker):
         (their count x the result spacing); the last of a window on a slow link waits that long in the
         link's queue, so the timeout is at least the fastest round trip plus twice that."""
         floor = max(self.rto if math.isinf(self.rtt_min) else max(self.rto, self.rtt_min + 2 * queued),
-                    self.timer_floor())
+                    self.timer_floor(self.world_size + 1))
         if self.srtt is None:
             return min(self.max_rto, floor)
         return min(self.max_rto, max(floor, self.srtt + 4 * self.rttvar))
@@ -342,11 +342,13 @@ class Client(Worker):
             return None
         return max(self.min_rto, 2 * self.rtt_min + 4 * spacing, self.timer_floor())
 
-    def timer_floor(self) -> float:
-        """The shortest silence the loss timers (tail probe, retransmission timeout) wait for: the time a
-        runnable process waits for a core on this machine (:mod:`ina.scheduling`), as the switch or a peer
-        that waits that long says nothing meanwhile. Nearly 0 on an idle machine."""
-        return self.run_queue.delay
+    def timer_floor(self, processes: int = 1) -> float:
+        """The shortest silence a loss timer waits for: the longest this process waited for a core in one
+        loop turn lately (:mod:`ina.scheduling`), as long as a peer or the switch may keep the job silent,
+        once per process that may wait in turn. The tail probe (one chunk) takes one; the retransmission
+        timeout, which resends every late chunk, takes world_size + 1 (every peer and the switch one after
+        another). Nearly 0 on an idle machine."""
+        return processes * self.run_queue.delay
 
     def wait_until(self, deadline: float, now: float) -> None:
         """Let the next receive (:meth:`receive`) wait no longer than until ``deadline`` (monotonic
@@ -406,6 +408,7 @@ class Client(Worker):
             self.ctl.close()
             self.ctl = None
             self.sock.close()
+            self.run_queue.close()
 
     def __enter__(self):
         return self
@@ -495,6 +498,7 @@ class _Transfer:
         while self.n_done < n_chunks:
             k = cl.receive()
             now = time.monotonic()
+            cl.run_queue.turn()
             self.checked = False                  # set once retransmit_lost ran in this turn
             self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
             if not k:

@@ -1,52 +1,75 @@
-"""How long this machine keeps a runnable thread waiting for a core: the floor of the loss timers.
+"""How long this machine keeps a runnable worker waiting for a core: the floor of the loss timers.
 
 On a machine with fewer cores than busy processes (8 workers and a switch on 2 cores), a worker or the
-switch waits on the run queue for milliseconds between its time slices. While it waits, every other
-worker of the job hears nothing, and a tail probe or retransmission timeout shorter than that wait
-resends chunks that are not lost (measured: 8 workers at 1 Gbit/s, every resend spurious, none
-answered a loss). Linux counts, per thread, the nanoseconds it spent runnable but not running and
-its time slices (``/proc/thread-self/schedstat``, as ``experiments/thread_cpu.py`` reads them); their
-ratio is the mean wait for a core per slice. Peers and the switch share the run queue, so this
-thread's wait is taken as theirs: :class:`RunQueueDelay` keeps it per thread, sampled once per
-allreduce, and the client floors its tail probe and retransmission timeouts at it (``ina.client``).
-On an idle machine the wait is microseconds and the floor has no effect.
+switch waits on the run queue for milliseconds at a time. While it waits, every other worker of the
+job hears nothing, and a tail probe or retransmission timeout shorter than that wait resends chunks
+that are not lost (measured: 8 workers at 1 Gbit/s, every resend spurious, none answered a loss).
+Linux counts, per thread, the nanoseconds it spent runnable but not running
+(``/proc/thread-self/schedstat``, as ``experiments/thread_cpu.py`` reads it). The client reads its
+own count once per loop turn (:meth:`RunQueueDelay.turn`, a ``pread`` of an open file: a few
+microseconds); the longest wait of one turn in an allreduce is what a peer or the switch, sharing
+the run queue, may keep the job silent for. :attr:`RunQueueDelay.delay` follows the longest such
+wait per allreduce (a new one as large replaces it; else it halves), and the client floors its tail
+probe and retransmission timeouts at it (``Client.timer_floor``). On an idle machine the waits are
+microseconds and the floor has no effect.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
-SMOOTHING = 0.5           # weight of the newest interval in the running estimate
+DECAY = 0.5               # an allreduce without a wait this long lowers the estimate by this factor
 
 
 class RunQueueDelay:
-    """``delay``: seconds a runnable thread of this process waited for a core per time slice (an average
-    over the intervals between :meth:`sample` calls of one thread, smoothed; 0 before two samples, or
-    where the kernel keeps no schedstat)."""
+    """``delay``: seconds, the longest wait for a core within one client loop turn, followed from
+    allreduce to allreduce (0 where the kernel keeps no schedstat)."""
 
     def __init__(self, path: str = SCHEDSTAT):
         self.path = path
         self.delay = 0.0
-        self._last: dict[int, tuple[int, int]] = {}      # per thread: (waited ns, slices) at its last sample
+        self.longest = 0.0                        # the longest wait of one turn since the last sample()
+        self._fds: dict[int, int | None] = {}     # per thread: its schedstat, open
+        self._last = 0                            # ns waited by the thread of the last turn, at its end
+        self._tid = -1
 
-    def read(self) -> tuple[int, int] | None:
-        """(ns waited on the run queue, time slices) of the calling thread, None where unavailable."""
+    def _waited(self) -> int | None:
+        """Nanoseconds the calling thread has waited on the run queue, None where unavailable."""
+        tid = threading.get_native_id()
+        fd = self._fds.get(tid, -1)
+        if fd == -1:
+            try:
+                fd = os.open(self.path, os.O_RDONLY)
+            except OSError:
+                fd = None
+            self._fds[tid] = fd
+        if fd is None:
+            return None
         try:
-            with open(self.path, "rb") as f:
-                fields = f.read().split()
-            return int(fields[1]), int(fields[2])
+            return int(os.pread(fd, 128, 0).split()[1])
         except (OSError, ValueError, IndexError):
             return None
 
-    def sample(self) -> float:
-        """Take the calling thread's counters; returns the updated ``delay``."""
-        now = self.read()
-        if now is None:
-            return self.delay
+    def turn(self) -> None:
+        """A client loop turn ends: the calling thread's wait for a core since the last turn counts."""
+        w = self._waited()
+        if w is None:
+            return
         tid = threading.get_native_id()
-        last = self._last.get(tid)
-        self._last[tid] = now
-        if last is not None and now[1] > last[1]:
-            d = (now[0] - last[0]) / (now[1] - last[1]) / 1e9
-            self.delay = d if self.delay == 0 else (1 - SMOOTHING) * self.delay + SMOOTHING * d
+        if tid == self._tid:
+            self.longest = max(self.longest, (w - self._last) / 1e9)
+        self._tid, self._last = tid, w
+
+    def sample(self) -> float:
+        """An allreduce begins: the longest wait of the previous one updates ``delay``; returns it."""
+        self.delay = max(self.longest, DECAY * self.delay)
+        self.longest = 0.0
+        self._tid = -1                            # the wait between allreduces is not the job's silence
         return self.delay
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
