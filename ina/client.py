@@ -498,7 +498,7 @@ class _Transfer:
         while self.n_done < n_chunks:
             k = cl.receive()
             now = time.monotonic()
-            cl.run_queue.turn()
+            cl.run_queue.turn(now)
             self.checked = False                  # set once retransmit_lost ran in this turn
             self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
             if not k:

@@ -6,8 +6,8 @@ job hears nothing, and a tail probe or retransmission timeout shorter than that 
 that are not lost (measured: 8 workers at 1 Gbit/s, every resend spurious, none answered a loss).
 Linux counts, per thread, the nanoseconds it spent runnable but not running
 (``/proc/thread-self/schedstat``, as ``experiments/thread_cpu.py`` reads it). The client reads its
-own count once per loop turn (:meth:`RunQueueDelay.turn`, a ``pread`` of an open file: a few
-microseconds); the longest wait of one turn in an allreduce is what a peer or the switch, sharing
+own count at the end of a loop turn (:meth:`RunQueueDelay.turn`, a ``pread`` of an open file: a few
+microseconds, taken when half a millisecond or more passed since the last reading); the longest wait of one turn in an allreduce is what a peer or the switch, sharing
 the run queue, may keep the job silent for. :attr:`RunQueueDelay.delay` follows the longest such
 wait per allreduce (a new one as large replaces it; else it halves), and the client floors its tail
 probe and retransmission timeouts at it (``Client.timer_floor``). On an idle machine the waits are
@@ -20,6 +20,7 @@ import threading
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
 DECAY = 0.5               # an allreduce without a wait this long lowers the estimate by this factor
+MIN_SPAN = 5e-4           # seconds between two readings at least (a shorter wait does not matter)
 
 
 class RunQueueDelay:
@@ -33,6 +34,7 @@ class RunQueueDelay:
         self._fds: dict[int, int | None] = {}     # per thread: its schedstat, open
         self._last = 0                            # ns waited by the thread of the last turn, at its end
         self._tid = -1
+        self._read_at = 0.0                       # when the counter was last read (monotonic)
 
     def _waited(self) -> int | None:
         """Nanoseconds the calling thread has waited on the run queue, None where unavailable."""
@@ -51,15 +53,19 @@ class RunQueueDelay:
         except (OSError, ValueError, IndexError):
             return None
 
-    def turn(self) -> None:
-        """A client loop turn ends: the calling thread's wait for a core since the last turn counts."""
+    def turn(self, now: float) -> None:
+        """A client loop turn ends at ``now`` (monotonic seconds): the calling thread's wait for a core since
+        the last reading counts. Read only once MIN_SPAN passed since then (a shorter span cannot hold a
+        wait that matters: the probe timeout is at least a millisecond), so most turns cost a comparison."""
+        if now - self._read_at < MIN_SPAN and self._tid >= 0:
+            return
         w = self._waited()
         if w is None:
             return
         tid = threading.get_native_id()
         if tid == self._tid:
             self.longest = max(self.longest, (w - self._last) / 1e9)
-        self._tid, self._last = tid, w
+        self._tid, self._last, self._read_at = tid, w, now
 
     def sample(self) -> float:
         """An allreduce begins: the longest wait of the previous one updates ``delay``; returns it."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ina.client import Client
-from ina.scheduling import RunQueueDelay
+from ina.scheduling import MIN_SPAN, RunQueueDelay
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_allreduce import switch  # noqa: E402,F401  (the module's switch fixture)
@@ -29,26 +29,39 @@ def test_the_floor_follows_the_longest_wait_of_a_turn_and_halves_without_one(tmp
     _schedstat(stat, 0, 1)
     rq = RunQueueDelay(str(stat))
     rq.sample()
-    rq.turn()                                   # the first turn of an allreduce: where counting starts
+    rq.turn(1 * 1e-3)                           # the first turn of an allreduce: where counting starts
     _schedstat(stat, 1_000_000, 2)
-    rq.turn()                                   # 1 ms off the core in this turn
+    rq.turn(2 * 1e-3)                           # 1 ms off the core in this turn
     _schedstat(stat, 6_000_000, 3)
-    rq.turn()                                   # 5 ms in this one: the longest
+    rq.turn(3 * 1e-3)                           # 5 ms in this one: the longest
     _schedstat(stat, 6_500_000, 4)
-    rq.turn()
+    rq.turn(4 * 1e-3)
     assert rq.sample() == pytest.approx(0.005)
     _schedstat(stat, 60_000_000, 5)             # waited between allreduces: not a silence of the job
-    rq.turn()
+    rq.turn(5 * 1e-3)
     _schedstat(stat, 60_100_000, 6)
-    rq.turn()
+    rq.turn(6 * 1e-3)
     assert rq.sample() == pytest.approx(0.0025)     # no wait near 5 ms: the estimate halves
     rq.close()
 
 
+def test_a_turn_soon_after_a_reading_is_not_read(tmp_path):
+    """Turns closer together than MIN_SPAN cost a comparison; their wait counts at the next reading."""
+    stat = tmp_path / "schedstat"
+    _schedstat(stat, 0, 1)
+    rq = RunQueueDelay(str(stat))
+    rq.turn(1.0)
+    _schedstat(stat, 3_000_000, 2)
+    rq.turn(1.0 + MIN_SPAN / 2)
+    assert rq.longest == 0.0
+    rq.turn(1.0 + 2 * MIN_SPAN)
+    assert rq.longest == pytest.approx(0.003)
+
+
 def test_without_schedstat_the_floor_is_zero(tmp_path):
     rq = RunQueueDelay(str(tmp_path / "missing"))
-    rq.turn()
-    rq.turn()
+    rq.turn(7 * 1e-3)
+    rq.turn(8 * 1e-3)
     assert rq.sample() == 0.0
 
 
