@@ -131,7 +131,7 @@ class Client(Worker):
         # straight doubled bfp32's time at 8 workers on shaped links: docs/performance.md)
         self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
         self.tx = B.TxBatch(self.sock, capacity=1024)
-        self._rings: dict[int, np.ndarray] = {}             # packet rings by packet width (packet_ring)
+        self.rings = chunk_encoding.PacketRings(2 * self.slots)    # the streams' packet rings, reused
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
         if not 0 <= first_chunk < self.chunk_modulus:
             self.close()
@@ -297,22 +297,6 @@ class Client(Worker):
         return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
                          sparse(c0) if sparse else None).run()
 
-    def packet_ring(self, rows: int, width: int, sparse=None) -> np.ndarray:
-        """A stream's packet ring: ``rows`` (at most 2 x slots) rows of ``width`` bytes, headers zeroed.
-        Dense streams reuse one ring per packet width (the first rows of it) from allreduce to allreduce:
-        a fresh megabyte a stream cost its page faults and their zeroing in every allreduce. Every byte of
-        a row is written before the row is first sent (the header here and by ``fill_headers``, the whole
-        payload by the encoder, the last chunk zero-padded), so what a previous stream left is never sent.
-        A sparse stream (per-row payload types and trailers) gets a zeroed ring of its own."""
-        if sparse:
-            return np.zeros((rows, width), np.uint8)
-        ring = self._rings.get(width)
-        if ring is None or ring.shape[0] < rows:
-            ring = self._rings[width] = np.zeros((max(rows, 2 * self.slots), width), np.uint8)
-        ring = ring[:rows]
-        ring[:, :HEADER_SIZE] = 0
-        return ring
-
     def _rtt_sample(self, r: float) -> None:
         if self.srtt is None:
             self.srtt, self.rttvar = r, r / 2
@@ -428,7 +412,7 @@ class _Transfer:
         self.S = cl.slots
         self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
         self.R = min(n_chunks, 2 * self.S)
-        self.pkts = cl.packet_ring(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0), sparse)
+        self.pkts = cl.rings.get(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0), sparse)
         hv = self.hv = header_view(self.pkts)
         hv["version"] = VERSION
         hv["msg_type"] = int(MsgType.DATA)
