@@ -26,7 +26,7 @@ demo: install
 	$(PY) -m experiments.sweep --quick
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: install
 	$(PY) -m experiments.bench_codecs --json

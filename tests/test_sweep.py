@@ -186,3 +186,12 @@ def test_ctrl_c_dropped_inside_a_weakref_callback_is_raised_at_the_next_wait():
     finally:
         signal.signal(signal.SIGINT, prev)
         CtrlC.hit = False
+
+
+def test_results_page_begins_with_the_intro_it_is_regenerated_from():
+    """docs/results.md is regenerated as experiments/results_intro.md + a sweep's report (its command is on
+    the page): every hand-written section must be in the intro, or a regeneration would drop it."""
+    intro = (ROOT / "experiments" / "results_intro.md").read_text()
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert page.startswith(intro.rstrip()), "docs/results.md and experiments/results_intro.md have drifted apart"
+    assert page[len(intro.rstrip()):].lstrip("\n").startswith("Command(s):")
