@@ -46,7 +46,8 @@ def run(a) -> list[dict]:
     from ina.net import Topology
     from switch_model.launch import start_switch
 
-    from .sweep import SWITCH_PORT, WorkerGroup, run_bench, switch_args
+    from .sweep import run_bench, switch_args
+    from .sweep_group import SWITCH_PORT, WorkerGroup
     args = _sweep_args(a)
     out = Path(a.out or f"results/bench-sparse-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)

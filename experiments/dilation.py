@@ -353,7 +353,8 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
     into ``meta["dilation_probe"]``."""
     import copy
 
-    from .sweep import SWITCH_PORT, WorkerGroup, run_bench
+    from .sweep import run_bench
+    from .sweep_group import SWITCH_PORT, WorkerGroup
     pa = copy.copy(args)
     pa.reps = 2
     pa.worker_timeout = args.timeout * max(k for r in {p[2] for p in plan} for k in probe_factors_for(r))

@@ -391,6 +391,7 @@ def _md_intro(meta) -> list[str]:
                 f"**Time-dilated** (--dilation {_kname(meta.get('dilation'))}): links shaped at target/K, delays and "
                 f"timeouts x K, times / K; CPU work (per-packet costs, codecs) is not dilated (docs/performance.md).")
              + f" End-to-end times include encode+decode at {meta.get('codec_device', 'this CPU')}."
+             + (f" INA results: {meta['results_delivery']}." if meta.get("results_delivery") else "")
              + (f" Workers' TCP (Gloo): {meta['tcp_cc']}." if meta.get("tcp_cc") else ""))
     L.append("")
     return L

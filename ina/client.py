@@ -30,13 +30,14 @@ import numpy as np
 
 from . import burst as B
 from . import chunk_encoding, compression, lifetime, staging
-from .scheduling import RunQueueDelay
+from . import multicast as mcast
 from . import sparse as sparse_mod
 from . import stream_kernels as SK
 from .compression.base import ScaleContext
 from .coalescing import ArrivalSpacing
 from .control import ControlChannel, ControlError
 from .recovery import TAIL_COPY_FROM, LossDetector, tail_copies
+from .scheduling import RunQueueDelay
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
@@ -83,6 +84,8 @@ class Client(Worker):
     job's first packet carries (0; a long-running job's ids wrap to 0 after chunk_modulus - 1). ``codecs``: the codecs
     this job will use, declared at join so that a switch under a hardware profile refuses one it cannot sum.
     ``sparse``: the default of :meth:`allreduce`'s ``sparse`` for switch-summable codecs (gloo_patch: INA_SPARSE).
+    ``multicast``: join the job's multicast group, so the switch may send each result once (ina.multicast;
+    None: unless INA_MULTICAST=0); ``self.multicast`` says whether the switch does.
     """
 
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
@@ -90,7 +93,7 @@ class Client(Worker):
                  rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
                  codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
                  token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False,
-                 tail_copy_from: int = TAIL_COPY_FROM):
+                 tail_copy_from: int = TAIL_COPY_FROM, multicast: bool | None = None):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
         host, port = switch
         self.switch = (host, int(port))
@@ -102,11 +105,12 @@ class Client(Worker):
         self.record_timeline = bool(timeline)  # keep the last allreduce's Timeline in last_timeline
         self.last_timeline: dict | None = None
         self._timeline: Timeline | None = None
-        self.sock = B.udp_socket("0.0.0.0", 0)
         self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0), token=token)   # token: INA_TOKEN
         local_ip = self.ctl.sock.getsockname()[0]
+        self.sock, group = mcast.data_socket(local_ip, job, mcast.default() if multicast is None else multicast)
         try:
             cfg = self.ctl.request({"op": "join", "job": job, "rank": rank, "world_size": world_size,
+                                    "multicast_group": group,
                                     "host": local_ip, "udp_port": self.sock.getsockname()[1], "slots": slots,
                                     "elements": elements, "raw": raw, "timeout": timeout, "codecs": list(codecs)},
                                    timeout=timeout + 5.0)["config"]
@@ -117,6 +121,7 @@ class Client(Worker):
         self.slots = int(cfg["slots"])
         self.elements = int(cfg["elements"])
         self.raw = bool(cfg["raw"])
+        self.multicast = bool(cfg.get("multicast", False))      # the switch sends results to the group
         self.register_bits = int(cfg["register_bits"])
         ports = [int(p) for p in cfg.get("ports", [port])]
         self.switch_addrs = np.zeros(len(ports), B.SOCKADDR_IN)     # one per switch shard (np.concatenate
@@ -143,8 +148,8 @@ class Client(Worker):
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
         self.run_queue = RunQueueDelay()    # the machine's wait for a core: the loss timers' floor (timer_floor)
         self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
-        log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet", rank, job, host, port,
-                 self.slots, self.elements)
+        log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet, results by %s", rank, job, host,
+                 port, self.slots, self.elements, f"multicast to {group}" if self.multicast else "unicast")
 
     # ----------------------------------------------------------------------------------------------
     def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None, sparse: bool | None = None):

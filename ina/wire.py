@@ -24,7 +24,8 @@ MAX_WORKERS = 64             # the worker bitmap is one 64-bit register
 
 class MsgType(enum.IntEnum):
     DATA = 1      # worker -> switch: a chunk of codes for one slot
-    RESULT = 2    # switch -> worker(s): the aggregate of a completed slot (multicast, or unicast replay)
+    RESULT = 2    # switch -> worker(s): the aggregate of a completed slot (to every worker: one IP multicast
+    #               to the job's group (multicast_group) or a unicast copy each; a replay: unicast)
     ABORT = 3     # switch -> workers: the job was torn down (rank field names the worker that left)
 
 
@@ -110,6 +111,19 @@ def sparse_announce(chunk, nonzero, pool_slots):
     (a round where this sender is zero: it sends a header-only packet there)."""
     steps = (nonzero - chunk) // pool_slots
     return nonzero - pool_slots * (1 - steps % 2)         # plain arithmetic: numpy arrays too
+
+
+MULTICAST_PREFIX = (239, 77)   # a job's results group: 239.77.<job high byte>.<job low byte> (administratively scoped)
+MULTICAST_PORT_BASE = 16384    # ... at UDP port 16384 + job % 16384 (below Linux's ephemeral range)
+
+
+def multicast_group(job: int) -> tuple[str, int]:
+    """The IP multicast group and UDP port a job's results are sent to (when every worker of the job
+    joined it): the one rule, used by the client (join, data socket's port) and the switch (send)."""
+    job = int(job)
+    if not 0 <= job <= 0xFFFF:
+        raise ValueError(f"job id {job} out of range 0..65535 (16-bit job field)")
+    return f"{MULTICAST_PREFIX[0]}.{MULTICAST_PREFIX[1]}.{job >> 8}.{job & 0xFF}", MULTICAST_PORT_BASE + job % 16384
 
 
 def max_packet_size(elements: int) -> int:

@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host-agg-max-body", type=int, default=MAX_BODY,
                    help="largest frame body (bytes) the host aggregator accepts; a larger declared body_len is "
                         "refused from the frame header, before anything is allocated")
+    s.add_argument("--no-multicast", action="store_true",
+                   help="send each worker its own copy of every result (default: one IP multicast to the job's group "
+                        "where every worker joined it; docs/switch.md)")
     s.add_argument("--stats-interval", type=float, default=10.0, help="seconds between rate log lines (0: off)")
     s.add_argument("--log-level", default="INFO", help="logging level")
     st = sub.add_parser("stats", help="print the counters of a running switch (JSON)")
@@ -179,7 +182,7 @@ def _switch(args):
                        register_bits=args.register_bits, sram_mb=args.sram_mb, burst=args.burst, seed=args.seed,
                        ingress=ImpairmentConfig(**{**both, **_collect(args, "ingress_"), "seed": args.seed}),
                        egress=ImpairmentConfig(**{**both, **_collect(args, "egress_"), "seed": args.seed + 1}),
-                       stats_interval=args.stats_interval)
+                       stats_interval=args.stats_interval, multicast=not args.no_multicast)
     if args.cores > 1:
         from .shards import ShardGroup
         if args.port == 0:

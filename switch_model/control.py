@@ -36,6 +36,7 @@ class _Pending:
     def __init__(self, spec: dict):
         self.spec = spec
         self.members: dict[int, tuple] = {}
+        self.groups: dict[int, str | None] = {}     # the multicast group each rank joined (None: none)
         self.cond = threading.Condition()
         self.result: dict | None = None
         self.error: str | None = None
@@ -236,16 +237,18 @@ class ControlPlane:
             if rank in p.members:
                 raise ValueError(f"job {job}: rank {rank} has already joined")
             p.members[rank] = addr
+            p.groups[rank] = msg.get("multicast_group")
             log.info("job %d: rank %d joined from %s:%d (%d/%d)", job, rank, addr[0], addr[1], len(p.members), n)
             if len(p.members) == n:
                 del self._pending[job]
                 try:
                     info = self.switch.dp("install_job", job, n, spec["slots"], spec["elements"], spec["raw"],
-                                          [p.members[r] for r in range(n)])
+                                          [p.members[r] for r in range(n)], groups=[p.groups[r] for r in range(n)])
                     p.result = {"job": job, "slot_lo": info.slot_lo, "slots": spec["slots"], "ports": self.switch.ports,
                                 "elements": info.elements,
                                 "raw": info.raw, "register_bits": self.switch.cfg.register_bits, "world_size": n,
-                                "incarnation": info.created, "profile": self.profile.name}
+                                "incarnation": info.created, "profile": self.profile.name,
+                                "multicast": info.group_addr >= 0}
                     if self.host_agg is not None:
                         p.result["host_aggregator"] = self.host_agg.info()
                     self._left[job] = set()

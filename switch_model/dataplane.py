@@ -96,9 +96,9 @@ class Action(IntEnum):
 DROP_REASONS = tuple(v.name.lower() for v in Verdict)      # index = verdict; "ok" first
 N_REASONS = len(DROP_REASONS)
 COUNTERS = DROP_REASONS + ("overflow", "harvested", "replays", "rx_packets", "rx_bytes", "tx_packets", "tx_bytes",
-                           "aborts_sent")
+                           "aborts_sent", "multicast_results")     # results sent once, to their job's group
 C = {name: i for i, name in enumerate(COUNTERS)}
-C_OVERFLOW, C_HARVESTED, C_REPLAYS = C["overflow"], C["harvested"], C["replays"]
+C_OVERFLOW, C_HARVESTED, C_REPLAYS, C_MULTICAST = C["overflow"], C["harvested"], C["replays"], C["multicast_results"]
 C_RX_PACKETS, C_RX_BYTES = C["rx_packets"], C["rx_bytes"]
 
 # --- the state's records ---------------------------------------------------------------------------
@@ -120,8 +120,9 @@ SET = np.dtype([("round_chunk", np.int64),   # the chunk id of the round it hold
 # pool_slots is the job's whole pool (pool indices 0..pool_slots-1 in packets); with --cores N the pool
 # is sharded: pool index p lives in shard p % shards at local slot slot_lo + p // shards.
 # chunk_modulus: ina.wire.chunk_modulus(pool_slots), the job's chunk id space (ids wrap to 0 there).
+# group_addr: the address index of the job's multicast group (-1: a unicast copy per worker; multicast.py).
 JOB = np.dtype([(name, np.int64) for name in ("active", "n_workers", "slot_lo", "pool_slots", "elements", "raw",
-                                              "addr_base", "shards", "shard", "chunk_modulus")])
+                                              "addr_base", "shards", "shard", "chunk_modulus", "group_addr")])
 # one packet of the burst: what parse and aggregate decided
 PKT = np.dtype([("verdict", np.int64), ("set_id", np.int64), ("rank", np.int64), ("job", np.int64),
                 ("action", np.int64)])

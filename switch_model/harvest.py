@@ -13,7 +13,7 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from ina.wire import SWITCH_RANK, result_type
 
-from .dataplane import (C_HARVESTED, C_REPLAYS, F_OVERFLOW, F_RAW, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP,
+from .dataplane import (C_HARVESTED, C_MULTICAST, C_REPLAYS, F_OVERFLOW, F_RAW, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP,
                         O_FLAGS, O_JOB, O_MSG, O_PTYPE, O_RANK, O_SLOT, O_VERSION, P_INT8N, P_INT32, P_INT64, P_NC8,
                         P_NONE, RESULT, TRL, VERSION, Action, bswap32, payload_width, wr16)
 
@@ -144,8 +144,8 @@ def _write_result(dp, s, j):
 def harvest(dp, n):
     """Write completed slots' result packets into their shadow-copy rows; plan the transmissions.
 
-    Returns the number of planned transmissions (dp.tx[:m]): a multicast to every worker of the
-    job per completed slot, a unicast per replay (negative length: the tx stage sets its REPLAY flag
+    Returns the number of planned transmissions (dp.tx[:m]): per completed slot, one to the job's
+    multicast group where it has one, else a copy to every worker of the job; a unicast per replay (negative length: the tx stage sets its REPLAY flag
     on a copy of the stored row). The plan is grouped by destination (a stable counting sort by
     worker address: each worker's results keep their order), so that a burst's results for one
     worker are one run, which the tx stage sends as one GSO message.
@@ -161,7 +161,15 @@ def harvest(dp, n):
         if p.action == Action.HARVEST:
             counters[C_HARVESTED] += 1
             _write_result(dp, s, p.job)
-            for w in range(job.n_workers):        # multicast
+            if job.group_addr >= 0:               # IP multicast: once, to the job's group (multicast.py)
+                counters[C_MULTICAST] += 1
+                t = tx[m]
+                t.set_id = s
+                t.length = sets[s].result_len
+                t.addr = job.group_addr
+                m += 1
+                continue
+            for w in range(job.n_workers):        # a unicast copy per worker
                 t = tx[m]
                 t.set_id = s
                 t.length = sets[s].result_len

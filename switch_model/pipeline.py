@@ -26,6 +26,7 @@ from ina.wire import MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, max_pack
 
 from . import alu, dataplane as D, harvest, tail
 from .impair import Impairment, ImpairmentConfig
+from .multicast import Multicast
 
 log = logging.getLogger("ina.switch")
 
@@ -94,6 +95,7 @@ class SwitchConfig:
     ingress: ImpairmentConfig = field(default_factory=ImpairmentConfig)
     egress: ImpairmentConfig = field(default_factory=ImpairmentConfig)
     stats_interval: float = 10.0  # seconds between log lines with rates (0: never)
+    multicast: bool = True        # a job's results to its IP multicast group where every worker joined it
 
     def register_memory(self) -> int:
         """Bytes of switch SRAM: registers of both sets plus per-set metadata
@@ -131,6 +133,7 @@ class Job:
     pool_slots: int = 0           # the job's whole pool (slots is this shard's part of it)
     shards: int = 1
     shard: int = 0
+    group_addr: int = -1          # address index of the job's multicast group (-1: unicast copies)
     created: float = field(default_factory=time.time)
 
     active = True
@@ -164,14 +167,16 @@ class Switch:
         # release at most this many per pass, the rest stays held): the kernels do not check bounds
         self.max_pass = cfg.burst
         self.state = D.DataPlane.allocate(cfg.slots, cfg.elements, self.max_pass, stride, cfg.register_bits,
-                                          cfg.seed, MAX_ACTIVE_JOBS * MAX_WORKERS)
+                                          cfg.seed, MAX_ACTIVE_JOBS * (MAX_WORKERS + 1))
         self.counters = self.state.counters
         tx = self.state.tx                # harvest's transmission plan, as field views made once (not per burst)
         self._tx_rows, self._tx_lens, self._tx_addr = tx["set_id"], tx["length"], tx["addr"]
         self.clock = StageClock()
         self._waited = 0
         self.slot_owner = np.full(cfg.slots, -1, np.int64)
-        self.addrs = np.zeros(MAX_ACTIVE_JOBS * MAX_WORKERS, B.SOCKADDR_IN)     # worker addresses, by job block
+        # worker addresses by job block, then the jobs' multicast groups by job block
+        self.addrs = np.zeros(MAX_ACTIVE_JOBS * (MAX_WORKERS + 1), B.SOCKADDR_IN)
+        self.multicast = Multicast(self.sock, cfg.multicast, MAX_ACTIVE_JOBS * MAX_WORKERS, MAX_ACTIVE_JOBS)
         self._free_blocks = list(range(MAX_ACTIVE_JOBS))
         self.job_info: dict[int, Job] = {}
         self._replays = False             # the last harvest planned replays
@@ -313,7 +318,8 @@ class Switch:
     def _send_impaired(self, buf, rows, lens, addr) -> None:
         """Send ``buf[rows]`` through the egress impairments when they are on: a dropped or duplicated
         packet changes the rows sent, without a copy; held packets that are due join the send."""
-        if self.egress.active:
+        if self.egress.active:          # each worker's copy is impaired on its own
+            rows, lens, addr = self.multicast.expand(rows, lens, addr)
             out = self.egress.apply(buf, rows, lens, addr, time.monotonic(), 1 << 30, gather=False)
             if out[0] is not buf and self.txq.gso and len(out[1]) > 1:   # due packets joined: one run per worker
                 order = np.argsort(out[3], kind="stable")
@@ -409,8 +415,9 @@ class Switch:
         return -1
 
     def install_job(self, job: int, n_workers: int, slots: int, elements: int, raw: bool, addrs: list,
-                    shards: int = 1, shard: int = 0, created: float | None = None) -> Job:
-        """Allocate a slot range and a job-table entry (data-plane thread).
+                    shards: int = 1, shard: int = 0, created: float | None = None, groups: list | None = None) -> Job:
+        """Allocate a slot range and a job-table entry (data-plane thread). ``groups``: the multicast group
+        each worker joined (results go to the job's group where all did, multicast.py).
 
         ``slots`` is the job's pool; with ``shards`` > 1 this switch holds pool indices p with
         p % shards == shard, i.e. ceil((slots - shard) / shards) of them.
@@ -440,12 +447,17 @@ class Switch:
         for r, (h, p) in enumerate(addrs):
             self.addrs[info.addr_base + r] = a = B.sockaddr(h, p)[0]
             self.state.peers[info.addr_base + r] = D.source_key(int(a["addr"]), int(a["port"]))
+        group, how = self.multicast.choose(job, addrs, groups)
+        if group is not None:
+            info.group_addr = self.multicast.install(block, n_workers)
+            self.addrs[info.group_addr] = B.sockaddr(group, int(addrs[0][1]))[0]
         self.slot_owner[lo: lo + slots] = job
         self.state.reset_sets(lo, slots)
         self.state.jobs[job] = info.table_row()
         self.job_info[job] = info
-        log.info("job %d installed: %d workers, slots %d..%d, %d elements per packet, results %s",
-                 job, n_workers, lo, lo + slots - 1, elements, "raw sums" if raw else "re-encoded codes")
+        log.info("job %d installed: %d workers, slots %d..%d, %d elements per packet, results %s, %s: %s",
+                 job, n_workers, lo, lo + slots - 1, elements, "raw sums" if raw else "re-encoded codes",
+                 "multicast" if group else "unicast", how)
         return info
 
     def remove_job(self, job: int, reason: str, notify_rank: int | None = None,
@@ -460,6 +472,7 @@ class Switch:
         self.slot_owner[info.slot_lo: info.slot_lo + info.slots] = -1
         self.state.peers[info.addr_base: info.addr_base + MAX_WORKERS] = -1
         self.state.reset_sets(info.slot_lo, info.slots)
+        self.multicast.remove(info.addr_block)
         if notify_rank is not None:
             pkt = pack(msg_type=MsgType.ABORT, job=job, rank=notify_rank)
             for r, addr in enumerate(info.addrs):
@@ -551,7 +564,7 @@ class Switch:
                        "register_bits": self.cfg.register_bits,
                        "register_memory_mib": round(self.cfg.register_memory() / 2**20, 3),
                        "sram_mb": self.cfg.sram_mb, "burst": self.cfg.burst, "udp_gso": self.txq.gso,
-                       "udp_gso_refused": self.txq.gso_refused},
+                       "udp_gso_refused": self.txq.gso_refused, "multicast": self.multicast.enabled},
             "stages": list(STAGES),
             "counters": c,
             "timing": self.clock.to_dict(),
@@ -560,7 +573,8 @@ class Switch:
             "occupancy": {"slots_allocated": self.cfg.slots - self.free_slots(), "slots_total": self.cfg.slots,
                           "sets_aggregating": sets_busy},
             "jobs": {str(j): {"workers": i.n_workers, "slot_lo": i.slot_lo, "slots": i.slots,
-                              "elements": i.elements, "raw": i.raw} for j, i in self.job_info.items()},
+                              "elements": i.elements, "raw": i.raw, "multicast": i.group_addr >= 0}
+                     for j, i in self.job_info.items()},
             "impairments": {"ingress": {**self.ingress.config.to_dict(), **self.ingress.counters()},
                             "egress": {**self.egress.config.to_dict(), **self.egress.counters()}},
         }

@@ -40,6 +40,9 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     ratio = ar["ina:nc"]["wire_up_bytes_per_worker"] / ar["gloo"]["wire_up_bytes_per_worker"]
     assert 0.2 < ratio < 0.35, ratio
     assert ar["gloo"]["rel_error"] < 1e-5                      # the ring's sum is the true sum
+    # results multicast by default (each once, the bridge copies them), and the outputs say so
+    assert data["meta"]["results_delivery"].startswith("IP multicast")
+    assert ar["ina:nc"]["switch_counters"]["multicast_results"] == ar["ina:nc"]["switch_counters"]["harvested"] > 0
     acc = {r["method"]: r for r in data["records"] if r["workload"] == "accuracy"}
     assert set(acc) == {"gloo", "ina:nc"} and all(r["curve"][-1]["step"] == 20 for r in acc.values())
     tp = {r["method"]: r for r in data["records"] if r["workload"] == "throughput"}
@@ -63,6 +66,7 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     assert "How to read it" in head and "time vs ideal" in head and str(out / "report.md") in head
     report = (out / "report.md").read_text()
     assert "Speedup over Gloo ring fp32" in report and "INA nc" in report and "](speedup_vs_bandwidth.png)" in report
+    assert "INA results: IP multicast to the job's group" in report
 
     # resume: only the new method runs (a host-aggregated one), the completed configurations are kept
     p2 = sweep(out, "gloo,ina:nc,ina:3lc")
@@ -169,7 +173,7 @@ def test_ctrl_c_dropped_inside_a_weakref_callback_is_raised_at_the_next_wait():
     import signal
     import weakref
 
-    from experiments.sweep import CtrlC
+    from experiments.sweep_group import CtrlC
 
     class Obj:
         pass

@@ -3,7 +3,7 @@
 ::
 
     root namespace                fabric namespace (inanet-P-fabric)          host namespaces
-    launchers, rendezvous         bridge P-br (no IP, no STP, floods mcast)
+    launchers, rendezvous         bridge P-br (no IP, no STP, IGMP snooping)
     P-root 10.213.X.254 ==veth== P-rootp -+
                                           +- P-swp  ==veth== ina0 10.213.X.1    inanet-P-sw
                                           +- P-w0p  ==veth== ina0 10.213.X.10   inanet-P-w0
@@ -45,6 +45,8 @@ from .shaping import (BURST_TIME, DOWN_QUEUE_FRAMES, QUEUE_TIME, UP_QUEUE_FRAMES
                       parse_rate, tbf_params)
 
 log = logging.getLogger("ina.net")
+
+MEMBERSHIP_INTERVAL_CS = 24 * 3600 * 100   # the bridge's multicast membership interval (1/100 s): a day
 
 
 def host_key(name) -> str:
@@ -284,9 +286,16 @@ class Topology:
         br = bridge_name(self.prefix)
         if link_index(fab, br) is None:
             log.info("%s: creating bridge %s in %s", self.prefix, br, fab_ns)
-            # no STP (ports forward at once); no multicast snooping: multicast floods every port
-            fab.link("add", ifname=br, kind="bridge", br_stp_state=0, br_mcast_snooping=0)
+            # no STP (ports forward at once)
+            fab.link("add", ifname=br, kind="bridge", br_stp_state=0)
         bi = link_index(fab, br)
+        # IGMP snooping: a group's packets (the switch's multicast results) go to its members' ports only, so
+        # a host outside a job carries none on its download; the bridge is the querier (hosts keep their
+        # memberships fresh), of IGMPv3 (a v2 query turns hosts to v2, whose hosts suppress their report on
+        # hearing another member's: measured, members were left out), and a membership lasts a day without
+        # a report (no expiry during a run)
+        fab.link("set", index=bi, kind="bridge", br_mcast_snooping=1, br_mcast_querier=1, br_mcast_igmp_version=3,
+                 br_mcast_membership_intvl=MEMBERSHIP_INTERVAL_CS)
         disable_ipv6(fab, bi)
         fab.link("set", index=bi, mtu=self.mtu, state="up")
         root = self._h(None)

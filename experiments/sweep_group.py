@@ -1,0 +1,131 @@
+"""The sweep's long-lived worker processes (``experiments.sweep_worker``), one group per worker count,
+and its Ctrl-C latch."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("ina.sweep")
+
+SWITCH_PORT = 9999
+
+class CtrlC:
+    """Ctrl-C as a latch as well as an exception. CPython prints and drops an exception raised inside a
+    weakref callback or ``__del__`` ("Exception ignored in ..."), so a KeyboardInterrupt landing there
+    is lost and the sweep would run on to its last repetition. The handler raises as Python's own does
+    and also latches; every wait for the workers re-raises a latched interrupt within its 1 s poll."""
+
+    hit = False
+
+    @classmethod
+    def handler(cls, signum, frame):
+        cls.hit = True
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        """(the command's main thread only: Python delivers signals there)"""
+        cls.hit = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, cls.handler)
+
+    @classmethod
+    def check(cls) -> None:
+        if cls.hit:
+            raise KeyboardInterrupt("Ctrl-C (re-raised: the first one was dropped inside a callback)")
+
+
+class WorkerGroup:
+    """n long-lived sweep workers inside the first n worker hosts of ``topo``."""
+
+    def __init__(self, topo, n: int, out: Path, args):
+        self.topo, self.n = topo, n
+        self.timeout = args.timeout
+        self.sel = selectors.DefaultSelector()
+        self.bufs = {}
+        self.procs = []
+        master_port = 29500 + n
+        for r in range(n):
+            h = topo.workers[r]
+            errf = open(out / f"worker-n{n}-r{r}.log", "w")
+            p = topo.popen(h, [sys.executable, "-m", "experiments.sweep_worker", "--rank", str(r), "--world", str(n),
+                               "--master", topo.workers[0].ip, "--master-port", str(master_port),
+                               "--switch", f"{topo.switch.ip}:{SWITCH_PORT}", "--mtu", str(topo.mtu),
+                               "--slots", str(args.slots), "--timeout", str(args.worker_timeout),
+                               "--max-elements", str(args.max_elements)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, cwd=str(Path(__file__).parent.parent),
+                           text=True, bufsize=1)
+            errf.close()                     # the worker has its own descriptor
+            os.set_blocking(p.stdout.fileno(), False)
+            self.sel.register(p.stdout, selectors.EVENT_READ, r)
+            self.bufs[r] = ""
+            self.procs.append(p)
+        self.expect_all("hello", what=f"{n} workers to start and join the Gloo group", timeout=args.timeout + 60)
+
+    def send(self, obj) -> None:
+        line = obj if isinstance(obj, str) else json.dumps(obj)
+        for p in self.procs:
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+    def expect_all(self, field: str, what: str, timeout: float) -> list[dict]:
+        """One JSON line with ``field`` from every worker, within ``timeout`` seconds."""
+        got: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.n:
+            CtrlC.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}: ranks "
+                                   f"{sorted(set(range(self.n)) - set(got))} did not answer (see worker-*.log)")
+            for k, _ in self.sel.select(timeout=min(left, 1.0)):
+                r = k.data
+                chunk = k.fileobj.read()
+                if chunk == "":
+                    self.sel.unregister(k.fileobj)
+                    raise RuntimeError(f"worker rank {r} exited (code {self.procs[r].poll()}) while waiting for "
+                                       f"{what}; see worker-n{self.n}-r{r}.log")
+                self.bufs[r] += chunk
+                while "\n" in self.bufs[r]:
+                    line, self.bufs[r] = self.bufs[r].split("\n", 1)
+                    msg = json.loads(line)
+                    if "error" in msg:
+                        raise RuntimeError(f"worker rank {r}: {msg['error']} (while waiting for {what})")
+                    if field in msg:
+                        got[r] = msg
+            for r, p in enumerate(self.procs):
+                if r not in got and p.poll() is not None and not self.bufs[r]:
+                    raise RuntimeError(f"worker rank {r} exited with code {p.returncode} while waiting for "
+                                       f"{what}; see worker-n{self.n}-r{r}.log")
+        return [got[r] for r in range(self.n)]
+
+    def close(self, grace: float = 15.0) -> None:
+        """Ask every worker to quit; kill those still running after ``grace`` seconds (one deadline for all:
+        a worker inside an allreduce, e.g. after Ctrl-C, reads no quit until its timeout, x K when dilated).
+        The kill runs whatever interrupts the wait (a second Ctrl-C included)."""
+        for p in self.procs:
+            try:
+                p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                p.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + grace
+        try:
+            for p in self.procs:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("sweep workers still running %g s after quit: killing them", grace)
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in self.procs:
+                p.wait(timeout=5)

@@ -1,0 +1,104 @@
+"""IP multicast of results: a job's result is sent once, to the job's group, and the network replicates it.
+
+SwitchML's switch multicasts each result to the job's workers in its egress pipeline; in the emulation the
+switch host sends one datagram (one GSO message per burst) to the job's group (``ina.wire.multicast_group``)
+and the fabric's Linux bridge, which snoops IGMP (``ina.net.topology``), copies it onto every member's port,
+whose shaping queue (the worker's download) sees each copy. A job's results go to its group when
+
+* the switch's multicast is on (``SwitchConfig.multicast``; ``ina-switch serve --no-multicast`` turns it off),
+* every worker joined the group with its data socket bound to the group's port (``ina.multicast``: not on
+  loopback, nor where the port is taken) and the workers are distinct hosts, none the switch's own,
+* the switch reaches every worker through one local address, the socket's multicast interface;
+
+otherwise, and for the replay of one worker's lost result, each worker gets its own unicast copy. While
+egress impairments are on, a multicast is sent as unicast copies (each worker's copy is lost or delayed
+on its own, as on its own link).
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+
+import numpy as np
+
+from ina.wire import MAX_WORKERS, multicast_group
+
+log = logging.getLogger("ina.switch")
+
+
+def egress_address(worker_ip: str) -> str:
+    """The local address this host sends from to reach ``worker_ip`` (the kernel's route lookup)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((worker_ip, 9))
+        return s.getsockname()[0]
+
+
+class Multicast:
+    """The switch's multicast: which jobs' results go to their group, and the socket's multicast egress.
+
+    Group addresses live in the switch's address table after the workers' (``first`` + the job's address
+    block); ``workers[block]`` is the job's worker count (to expand a multicast into unicast copies).
+    """
+
+    def __init__(self, sock: socket.socket, enabled: bool, first: int, blocks: int):
+        self.sock, self.enabled, self.first = sock, bool(enabled), int(first)
+        self.workers = np.zeros(blocks, np.int64)       # per address block: the job's workers (0: unicast)
+        self.interface: str | None = None               # the socket's IP_MULTICAST_IF, once set
+        if self.enabled:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
+
+    def choose(self, job: int, addrs: list, groups: list | None) -> tuple[str | None, str]:
+        """(the group to send ``job``'s results to, or None; why). ``addrs``: the workers' (host, port),
+        ``groups``: the group each worker joined (None: none)."""
+        if not self.enabled:
+            return None, "multicast turned off (--no-multicast)"
+        group, port = multicast_group(job)
+        groups = groups or [None] * len(addrs)
+        missing = [r for r, (g, (_, p)) in enumerate(zip(groups, addrs)) if g != group or int(p) != port]
+        if missing:
+            return None, f"rank(s) {missing[:8]} did not join group {group}:{port}"
+        hosts = [h for h, _ in addrs]
+        if len(set(hosts)) != len(hosts) or any(ipaddress.ip_address(h).is_loopback for h in hosts):
+            return None, "workers share a host"
+        try:
+            via = {h: egress_address(h) for h in hosts}
+        except OSError as e:
+            return None, f"no route to the workers: {e}"
+        if any(h == a for h, a in via.items()):        # the switch's own address: a multicast would not loop back
+            return None, "a worker is on the switch's host"
+        local = set(via.values())
+        if len(local) != 1 or (self.interface is not None and local != {self.interface}):
+            return None, f"workers reached through {sorted(local)}, the multicast interface is {self.interface}"
+        if self.interface is None:
+            self.interface = local.pop()
+            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.interface))
+        return group, f"group {group}:{port} from {self.interface}"
+
+    def install(self, block: int, n_workers: int) -> int:
+        """The address index of block ``block``'s group (its job sends there); remembers its workers."""
+        self.workers[block] = n_workers
+        return self.first + block
+
+    def remove(self, block: int) -> None:
+        self.workers[block] = 0
+
+    def expand(self, rows, lens, addr):
+        """The transmissions with each multicast replaced by a unicast copy per worker of its job, grouped
+        by destination (each worker's entries keep their order)."""
+        addr = np.asarray(addr)
+        mc = addr >= self.first
+        if not mc.any():
+            return rows, lens, addr
+        blocks = addr[mc] - self.first
+        counts = self.workers[blocks]
+        reps = np.where(mc, 0, 1)
+        reps[mc] = counts
+        rows2, lens2 = np.repeat(np.asarray(rows), reps), np.repeat(np.broadcast_to(lens, addr.shape), reps)
+        addr2 = np.repeat(addr, reps)
+        pos = np.flatnonzero(np.repeat(mc, reps))
+        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        addr2[pos] = np.repeat(blocks, counts) * MAX_WORKERS + offset
+        order = np.argsort(addr2, kind="stable")
+        return rows2[order], lens2[order], addr2[order]
