@@ -7,11 +7,13 @@ that are not lost (measured: 8 workers at 1 Gbit/s, every resend spurious, none 
 Linux counts, per thread, the nanoseconds it spent runnable but not running
 (``/proc/thread-self/schedstat``, as ``experiments/thread_cpu.py`` reads it). The client reads its
 own count at the end of a loop turn (:meth:`RunQueueDelay.turn`, a ``pread`` of an open file: a few
-microseconds, taken when half a millisecond or more passed since the last reading); the longest wait of one turn in an allreduce is what a peer or the switch, sharing
-the run queue, may keep the job silent for. :attr:`RunQueueDelay.delay` follows the longest such
-wait per allreduce (a new one as large replaces it; else it halves), and the client floors its tail
-probe and retransmission timeouts at it (``Client.timer_floor``). On an idle machine the waits are
-microseconds and the floor has no effect.
+microseconds, taken when half a millisecond or more passed since the last reading); the longest
+wait of one turn in an allreduce is what a peer or the switch, sharing the run queue, may keep the
+job silent for. :attr:`RunQueueDelay.delay` follows the longest such wait per allreduce (a new one
+as large replaces it; else it halves), and the client floors its tail probe (one wait) and
+retransmission timeout (TIMEOUT_FLOOR_WAITS) at it (``Client.timer_floor``). On an idle machine the
+waits are microseconds and the floor has no effect; ``INA_TIMER_FLOOR=0`` turns it off (to measure
+against it).
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ class RunQueueDelay:
     """``delay``: seconds, the longest wait for a core within one client loop turn, followed from
     allreduce to allreduce (0 where the kernel keeps no schedstat)."""
 
-    def __init__(self, path: str = SCHEDSTAT):
-        self.path = path
+    def __init__(self, path: str = SCHEDSTAT, on: bool = True):
+        self.path = path if on else ""          # off (to measure against it): no reading, delay stays 0
         self.delay = 0.0
         self.longest = 0.0                        # the longest wait of one turn since the last sample()
         self._fds: dict[int, int | None] = {}     # per thread: its schedstat, open
@@ -42,7 +44,7 @@ class RunQueueDelay:
         fd = self._fds.get(tid, -1)
         if fd == -1:
             try:
-                fd = os.open(self.path, os.O_RDONLY)
+                fd = os.open(self.path, os.O_RDONLY) if self.path else None
             except OSError:
                 fd = None
             self._fds[tid] = fd

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ina.client import Client
+from ina.client import TIMEOUT_FLOOR_WAITS, Client
 from ina.scheduling import MIN_SPAN, RunQueueDelay
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -58,11 +58,15 @@ def test_a_turn_soon_after_a_reading_is_not_read(tmp_path):
     assert rq.longest == pytest.approx(0.003)
 
 
-def test_without_schedstat_the_floor_is_zero(tmp_path):
-    rq = RunQueueDelay(str(tmp_path / "missing"))
-    rq.turn(7 * 1e-3)
-    rq.turn(8 * 1e-3)
-    assert rq.sample() == 0.0
+def test_without_schedstat_or_turned_off_the_floor_is_zero(tmp_path):
+    """No schedstat (another kernel), or INA_TIMER_FLOOR=0 (``on=False``): the timers are as without it."""
+    stat = tmp_path / "schedstat"
+    for rq in (RunQueueDelay(str(tmp_path / "missing")), RunQueueDelay(str(stat), on=False)):
+        _schedstat(stat, 0, 1)
+        rq.turn(7 * 1e-3)
+        _schedstat(stat, 9_000_000, 2)
+        rq.turn(8 * 1e-3)
+        assert rq.sample() == 0.0
 
 
 def test_this_kernels_schedstat_is_read_per_thread():
@@ -78,16 +82,16 @@ def test_this_kernels_schedstat_is_read_per_thread():
 
 def test_the_probe_and_the_timeout_wait_at_least_the_floor():
     """The tail probe waits at least one such wait, the retransmission timeout (which resends every late
-    chunk) world_size + 1 of them; with no wait measured, both are as before."""
+    chunk) TIMEOUT_FLOOR_WAITS of them; with no wait measured, both are as before."""
     rq = SimpleNamespace(delay=0.0)
     cl = SimpleNamespace(min_rto=0.001, rtt_min=0.0002, rto=0.02, max_rto=1.0, srtt=0.001, rttvar=0.0005,
                          world_size=8, run_queue=rq)
-    cl.timer_floor = lambda processes=1: Client.timer_floor(cl, processes)
+    cl.timer_floor = lambda waits=1: Client.timer_floor(cl, waits)
     assert Client.probe_timeout(cl, 0.0) == pytest.approx(0.001)
     assert Client.current_rto(cl) == pytest.approx(0.02)
     rq.delay = 0.004
     assert Client.probe_timeout(cl, 0.0) == pytest.approx(0.004)
-    assert Client.current_rto(cl) == pytest.approx(0.036)
+    assert Client.current_rto(cl) == pytest.approx(0.004 * TIMEOUT_FLOOR_WAITS)
 
 
 def test_a_later_smaller_allreduce_gives_the_bits_of_a_fresh_client(switch):  # noqa: F811
