@@ -268,9 +268,17 @@ def cpu_breakdown(r: dict) -> str:
         others = sum(v["run_s"] for k, v in th.items() if k != "MainThread")
         parts.append(f"{rank} main {main['run_s'] * 1e3:.1f} ms CPU + {main['wait_s'] * 1e3:.1f} ms waiting for a "
                      f"core, other threads {others * 1e3:.1f} ms CPU")
-    if r.get("switch_threads"):
-        parts.append(f"switch {sum(v['run_s'] for v in r['switch_threads'].values()) * 1e3:.1f} ms CPU")
+    switch = sum(v["run_s"] for v in r.get("switch_threads", {}).values())
+    if switch:
+        parts.append(f"switch {switch * 1e3:.1f} ms CPU")
+    if parts:     # what competes with the main threads for the cores: the number INA's integrations try to cut
+        parts.append(f"beside the main threads {(beside_main_s(r) + switch) * 1e3:.1f} ms CPU in all")
     return ("\n    per step: " + "; ".join(parts)) if parts else ""
+
+
+def beside_main_s(r: dict) -> float:
+    """CPU seconds per step of every thread of every rank but the main threads (the switch not included)."""
+    return sum(v["run_s"] for th in r.get("threads", {}).values() for k, v in th.items() if k != "MainThread")
 
 
 def target(rate: str | None) -> str:

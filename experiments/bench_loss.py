@@ -29,7 +29,8 @@ what the emulator's impairment path costs by itself. The lossless reference runs
 so ``vs_lossless`` (the targets' ratio) includes that cost; ``vs_impairment_path`` is the ratio to the
 path-on blocks of the same round (what the losses alone add). Both are reported. The switch's counts
 include its data-plane CPU, polls (``bursts``) and stage times per setting, and ``tail_repeats`` (results
-multicast twice: the last chunk of a stream, see ina.recovery). Progress goes to stderr.
+multicast twice: the last chunk of a stream, see ina.recovery) and ``retransmit_crossed`` (resends that
+crossed the result of a round another rank's resend completed: not replayed). Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def switch_counts(host: str, port: int) -> dict:
             "ingress_duplicated": imp["ingress"]["duplicated"], "egress_duplicated": imp["egress"]["duplicated"],
             "ingress_reordered": imp["ingress"]["reordered"], "egress_reordered": imp["egress"]["reordered"],
             "replays": st["counters"]["replays"], "retransmit_pending": st["drops"]["retransmit_pending"],
+            # resends of a round another rank's resend completed that crossed its multicast (not replayed)
+            "retransmit_crossed": st["drops"].get("retransmit_crossed", 0),
             # the data plane's CPU time (less disturbed by a loaded machine than wall time)
             "cpu_ns": st["timing"]["busy_cpu_ns"], "tx_cpu_ns": st["timing"]["tx_cpu_ns"], "bursts": st["timing"]["bursts"],
             "tail_repeats": st["counters"].get("tail_repeats", 0),

@@ -22,7 +22,7 @@ What is patched (see docs/frameworks.md):
 Horovod's contract. Every allreduce of the global process set is queued, whatever its op and dtype,
 after Horovod's own argument checks (``_check_function``: supported tensor type, contiguity; a name
 already in flight raises Horovod's duplicate-name ``ValueError``). Queued allreduces form buckets: a bucket
-is sealed when ``INA_BUCKET_BYTES`` (default 256 KiB) are queued, so streaming starts while backward still
+is sealed when ``INA_BUCKET_BYTES`` (default 512 KiB) are queued, so streaming starts while backward still
 runs, and whatever is queued when a rank waits for one (``synchronize``/``poll``). Every rank of the same
 model queues the same gradients in the same order, so every rank seals the same buckets. A worker thread
 reads each bucket's agreement round (``gloo_patch.agreement``: a small sum over the ranks of a digest of names,
@@ -60,7 +60,7 @@ _PATCHED_MODULES = ("horovod.torch", "horovod.torch.mpi_ops", "horovod.torch.opt
                     "horovod.torch.sync_batch_norm")
 DUPLICATE_NAME = ("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that "
                   "is currently being processed.  If you want to request another tensor, use a different tensor name.")
-DEFAULT_BUCKET_BYTES = 256 * 1024
+DEFAULT_BUCKET_BYTES = 512 * 1024
 
 
 def bucket_bytes() -> int:
@@ -80,12 +80,13 @@ class InaHandle:
     """Handle of an allreduce queued by the INA backend (Horovod's own handles are ints)."""
 
     __slots__ = ("name", "tensors", "outputs", "op", "prescale", "postscale", "grouped", "done", "error", "seq",
-                 "consumed", "desc", "sealed")
+                 "consumed", "desc", "sealed", "missing")
 
     def __init__(self, name, tensors, outputs, op, prescale, postscale, grouped, seq, desc):
         self.name, self.tensors, self.outputs, self.op = name, tensors, outputs, op
         self.prescale, self.postscale, self.grouped, self.seq = prescale, postscale, grouped, seq
         self.done, self.error, self.consumed, self.desc, self.sealed = False, None, False, desc, 0.0
+        self.missing: list[int] = []     # the ranks that had not queued it, as the last reconciliation saw
 
     def result(self):
         return tuple(self.outputs) if self.grouped else self.outputs[0]
@@ -118,6 +119,7 @@ class _HorovodIna(HorovodNative):
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.worker: threading.Thread | None = None
+        self.waiting = 0           # threads waiting in synchronize/join for the worker
         self.stopping = False
         self.stale = None          # a reconciliation collective that timed out, completed before the next one
         self.fallbacks = FallbackLog("[ina horovod rank ?]")
@@ -256,19 +258,39 @@ class _HorovodIna(HorovodNative):
         so the last bucket would otherwise wait, unsealed and without its agreement round, until every bucket
         before it had streamed. Every rank makes the same calls in the same order, so every rank seals the same
         buckets."""
-        deadline = time.monotonic() + 2 * self.config.timeout
+        def finished() -> bool:
+            if target.done or target.error is not None:
+                return True
+            if self.active.get(target.name) is not target:
+                raise RuntimeError(f"allreduce {target.name!r} is not queued (Horovod was shut down?)")
+            return False
+
         with self.lock:
-            while not target.done and target.error is None:
-                if self.open:                           # queued, or carried over from a round: seal it now
+            self._wait_until(finished, lambda: f"INA backend: allreduce {target.name!r} did not complete within "
+                                               f"{2 * self.config.timeout:g} s (2 x INA_TIMEOUT); names differ across "
+                                               "ranks?")
+
+    def _wait_until(self, finished, failure) -> None:
+        """(Lock held.) Seal what is queued (or carried over from a round) and wait until ``finished()``, as a
+        thread waiting for the worker (:meth:`stuck`); after 2 x INA_TIMEOUT a HorovodInternalError(``failure()``)."""
+        deadline = time.monotonic() + 2 * self.config.timeout
+        self.waiting += 1
+        try:
+            while not finished():
+                if self.open:
                     self._seal()
-                if self.active.get(target.name) is not target:
-                    raise RuntimeError(f"allreduce {target.name!r} is not queued (Horovod was shut down?)")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self.M.HorovodInternalError(
-                        f"INA backend: allreduce {target.name!r} did not complete within {2 * self.config.timeout:g} s "
-                        "(2 x INA_TIMEOUT); names differ across ranks?")
+                    raise self.M.HorovodInternalError(failure())
                 self.cond.wait(min(left, 1.0))
+        finally:
+            self.waiting -= 1
+
+    def stuck(self) -> bool:
+        """A thread waits for the worker and nothing is queued beyond the batch the worker holds: this rank
+        cannot queue anything more until that batch's allreduces complete (a program that queues from one thread)."""
+        with self.lock:
+            return self.waiting > 0 and not self.open and not self.buckets
 
     def open_names(self) -> set:
         return {h.name for h in self.open}
@@ -307,9 +329,10 @@ class _HorovodIna(HorovodNative):
                 if id(h) in finished:
                     continue
                 if now - h.sealed > self.config.timeout:   # the other ranks never queued this name
+                    lacking = f" (not on rank(s) {', '.join(map(str, h.missing))})" if h.missing else ""
                     h.error = self.M.HorovodInternalError(
                         f"INA backend: allreduce {h.name!r} was not queued on every rank within "
-                        f"{self.config.timeout:g} s (INA_TIMEOUT); names differ across ranks?")
+                        f"{self.config.timeout:g} s (INA_TIMEOUT){lacking}; names differ across ranks?")
                     done.append(h)
                 else:
                     carry.append(h)
@@ -325,7 +348,8 @@ class _HorovodIna(HorovodNative):
         if self.channel is None:
             raise RuntimeError("the INA backend is not connected (hvd.init() not called, or Horovod shut down)")
         batch = sorted(batch, key=lambda h: (h.name, h.seq))
-        entries = [(h.name, h.desc, agreement.nonfinite(h.tensors)) for h in batch]
+        flags = agreement.nonfinite_flags([h.tensors for h in batch])
+        entries = [(h.name, h.desc, bad) for h, bad in zip(batch, flags)]
         return self.channel.start(agreement.local_vector(entries, self.client_unusable()), [h.name for h in batch])
 
     def _round_result(self, started, what: str = "the agreement round"):
@@ -454,17 +478,10 @@ class _HorovodIna(HorovodNative):
 
     def drain(self) -> None:
         """Seal what is queued and wait until the worker has run all of it (bounded)."""
-        deadline = time.monotonic() + 2 * self.config.timeout
         with self.lock:
-            while self.active:
-                if self.open:
-                    self._seal()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self.M.HorovodInternalError(
-                        f"INA backend: join: the allreduces queued here did not complete within "
-                        f"{2 * self.config.timeout:g} s (2 x INA_TIMEOUT): " + ", ".join(list(self.active)[:10]))
-                self.cond.wait(min(left, 1.0))
+            self._wait_until(lambda: not self.active, lambda: (
+                f"INA backend: join: the allreduces queued here did not complete within {2 * self.config.timeout:g} s "
+                "(2 x INA_TIMEOUT): " + ", ".join(list(self.active)[:10])))
 
     def init(self, *args, **kwargs):
         quieter_background_cycle()
@@ -484,6 +501,8 @@ class _HorovodIna(HorovodNative):
         d["job"] = self.job
         d["agreement_rounds"] = self.rounds
         d["agreement_rounds_given_up"] = self.channel.given_up if self.channel is not None else None
+        # connections to rank 0's store opened again after a network error
+        d["agreement_connections_reopened"] = self.channel.reopened if self.channel is not None else None
         d["seconds"] = dict(self.seconds)
         d["timeline"] = list(self.timeline)
         d["client"] = self.client.stats.as_dict() if self.client is not None else None

@@ -31,19 +31,32 @@ class HorovodNative:
     def _reconcile(self, batch):
         """The ranks' batches differ: exchange the descriptions. Names queued on every rank run now (through
         Horovod if their descriptions differ: Horovod raises its own mismatch error on every rank); the
-        rest stay queued for a later round."""
+        rest stay queued for a later round, each knowing the ranks that lack it. If no name is queued on every
+        rank and every rank is stuck (a thread waits in ``synchronize`` with nothing else queued: no rank can
+        queue what another waits for), every rank raises the same error at once, naming what each waits for."""
         import torch  # noqa: PLC0415
 
-        mine = json.dumps([[h.name, h.desc] for h in batch]).encode()
+        mine = json.dumps({"entries": [[h.name, h.desc] for h in batch], "stuck": self.stuck()}).encode()
         h = self.M.allgather_async(torch.tensor(list(mine), dtype=torch.uint8).reshape(-1, 1), name=DETAIL_NAME)
         lens = self._native_wait(self._native_allreduce(torch.zeros(self.M.size(), dtype=torch.int64).index_fill_(
             0, torch.tensor([self.M.rank()]), len(mine)), DETAIL_NAME + ".len"), "the agreement's sizes")
         data = bytes(self._native_wait(h, "the agreement's details").reshape(-1).tolist())
-        per_rank, off = [], 0
+        per_rank, stuck, off = [], [], 0
         for n in lens.tolist():
-            per_rank.append(dict(json.loads(data[off:off + n].decode())))
+            detail = json.loads(data[off:off + n].decode())
+            per_rank.append(dict(detail["entries"]))
+            stuck.append(detail["stuck"])
             off += n
         common = set(per_rank[0]).intersection(*per_rank[1:])
+        if not common and all(stuck):
+            raise self.M.HorovodInternalError(
+                "INA backend: the ranks wait for different allreduces and none is queued on every rank: " + "; ".join(
+                    f"rank {r}: {', '.join(map(repr, sorted(names)[:5]))}" for r, names in enumerate(per_rank))
+                + " (every rank waits in synchronize with nothing else queued, so none can go on; Horovod needs every "
+                  "rank to allreduce the same names)")
+        for h in batch:
+            if h.name not in common:
+                h.missing = [r for r, names in enumerate(per_rank) if h.name not in names]
         ready = [h for h in batch if h.name in common]
         native = {h.name: "ranks disagree on it (Horovod checks)" for h in ready
                   if len({d[h.name] for d in per_rank}) > 1}

@@ -415,6 +415,8 @@ class InaHookState:
         d = self.fallbacks.counters.as_dict()
         d["client"] = self.lane.client.stats.as_dict()
         d["job"] = self.lane.job
+        d["agreement_rounds_given_up"] = self.rounds.given_up
+        d["agreement_connections_reopened"] = self.rounds.reopened   # after a network error
         return d
 
     def timeline(self) -> list[tuple]:

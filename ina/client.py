@@ -463,13 +463,18 @@ class _Transfer:
         lens = self.sparse.lengths(self.hv, rows) if self.sparse else self.pkt_len
         self.cl._send(self.pkts, rows, lens)
 
-    def send_new(self, chunks: np.ndarray, witness: np.ndarray | bool = True) -> None:
+    def send_new(self, chunks: np.ndarray, witness: np.ndarray | bool = True, resends: np.ndarray | None = None) -> None:
         """Send chunks for the first time (their packets are loaded into the ring first). ``witness``:
-        whether a chunk's result may show the loss of chunks sent before it (ina.recovery)."""
+        whether a chunk's result may show the loss of chunks sent before it (ina.recovery). ``resends``:
+        ring rows of this turn's resends (:meth:`retransmit_lost`), sent first in the same batch."""
         if not chunks.size:
             return
-        self.send_rows(tail_copies(self.load(chunks), chunks, self.n_chunks, self.hv, self.cl.stats,   # ina.recovery
-                                   not self.sparse and (not self.E or self.n_chunks >= self.cl.tail_copy_from)))
+        rows = self.load(chunks)
+        if not np.all(witness):                   # sent after a replay: later than at the peers (ina.wire.Flag.LATE)
+            self.hv["flags"][rows[~np.broadcast_to(witness, rows.shape)]] |= int(Flag.LATE)
+        rows = tail_copies(rows, chunks, self.n_chunks, self.hv, self.cl.stats,   # ina.recovery
+                           not self.sparse and (not self.E or self.n_chunks >= self.cl.tail_copy_from))
+        self.send_rows(rows if resends is None or not resends.size else np.concatenate([resends, rows]))
         self.ld.sent(chunks, time.monotonic(), witness)
         self.n_sent += chunks.size
         self.max_sent = max(self.max_sent, int(chunks.max()))     # sparse rounds come in any order
@@ -567,18 +572,22 @@ class _Transfer:
         if self.tl and self.n_done == self.n_chunks:
             self.tl.mark("last_result")
         follows = nxt < self.n_chunks
-        self.retransmit_lost(now, pending)        # resends go out ahead of the new chunks: a peer that
-        self.checked = True                       # waits for one of ours gets it before what follows it
+        resends = self.retransmit_lost(now, pending, send=False)   # ahead of the new chunks, in their batch:
+        self.checked = True                       # a peer that waits for one of ours gets it before what follows it
         if follows.any():
             # a replay came to this rank alone, after the others had the result: the chunk it frees is
             # sent here later than by the peers, so its result says nothing of the chunks sent before it
-            self.send_new(nxt[follows], ~replayed[follows])
+            self.send_new(nxt[follows], ~replayed[follows], resends)
+        elif resends.size:
+            self.send_rows(resends)
         while self.low < self.n_chunks and self.done[self.low]:
             self.low += 1
 
-    def retransmit_lost(self, now: float, pending: np.ndarray | None = None) -> None:
+    def retransmit_lost(self, now: float, pending: np.ndarray | None = None, send: bool = True) -> np.ndarray:
         """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results
-        show the gap, after a silence or the timeout for the tail."""
+        show the gap, after a silence or the timeout for the tail. Returns their ring rows (flagged
+        RETRANSMIT); ``send`` False: not sent yet, the caller sends them ahead of its new chunks in one
+        batch (one sendmmsg per turn)."""
         cl = self.cl
         if pending is None:   # (``pending``: computed since nothing was sent or completed)
             pending = self.ld.pending(self.low, self.max_sent, self.done)
@@ -588,13 +597,15 @@ class _Transfer:
         rto, max_rto = (cl.current_rto(queued), cl.max_rto) if self.drained else (math.inf, math.inf)
         fast, probe, late = self.ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar)
         lost = np.concatenate([fast, probe, late])
-        if lost.size:                            # every sent, not-done chunk still owns its ring row
-            rows = lost % self.R
+        rows = lost % self.R                     # every sent, not-done chunk still owns its ring row
+        if lost.size:
             self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
-            self.send_rows(rows)
+            if send:
+                self.send_rows(rows)
             self.ld.resent(lost, now, probed=probe.size > 0, rules=(fast, probe, late))
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size
             cl.stats.retransmissions += lost.size
         cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto), now)
+        return rows

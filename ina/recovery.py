@@ -5,7 +5,8 @@ in a self-clocked window, so a chunk whose result is missing while results of ch
 it keep arriving was lost on the way (a worker's packet to the switch, or the result on the way
 back); it is resent at once, as TCP's fast retransmit does, instead of waiting for a timeout. The
 switch makes a resend safe in either case: a worker whose bit is already set only reads (a replay
-of the stored result if the round completed, a drop if it did not).
+of the stored result if the round completed, a drop if it did not; no replay for a rank's first
+resend of a round another rank's resend completed: it crossed the result, switch_model/alu.py).
 
 **Tail copies** come first (:func:`tail_copies`): the last chunk of a dense stream is sent twice,
 flagged TAIL, and the switch multicasts the result of a round completed by a TAIL packet twice
@@ -77,9 +78,8 @@ from . import recovery_kernels as RK
 from .wire import Flag
 
 TAIL_COPY_FROM = 16    # data streams of at least this many chunks send their last chunk twice (negotiation: always)
-DUPTHRESH = 3          # later results that mark a chunk lost (TCP's three duplicate ACKs)
-REO_FLOOR = 5e-4       # seconds a chunk may trail a later one before it counts as lost (reordering)
-FAST, PROBE, TIMEOUT = 1, 2, 3   # the rule of a chunk's last resend (LossDetector.rule; 0: never resent)
+DUPTHRESH, REO_FLOOR = RK.DUPTHRESH, RK.REO_FLOOR   # rule 1's count of later results, rule 2's floor (seconds)
+FAST, PROBE, TIMEOUT = RK.FAST, RK.PROBE, RK.TIMEOUT  # the rule of a chunk's last resend (LossDetector.rule; 0: never)
 
 
 def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats,
@@ -109,6 +109,7 @@ class LossDetector:
         self.tries = np.zeros(n, np.int64)         # resends so far (Karn: no RTT sample from these)
         self.witness = np.ones(n, bool)            # its result may count against chunks sent before it
         self.rule = np.zeros(n, np.int64)          # the rule of its last resend: FAST, PROBE, TIMEOUT (0: none)
+        self._kind = np.zeros(n, np.int64)         # scratch: what find_lost found each pending chunk
         self._next_seq = 1
         self.unsent = n                            # chunks never sent yet
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
@@ -145,33 +146,21 @@ class LossDetector:
         """(fast, probe, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule
         (1 and 2, 3, 4). ``pto``: the tail probe timeout (None before any round trip was measured).
         ``rttvar``: the round trips' mean deviation; the reordering window grows by twice it (round
-        trips that vary, on a loaded machine, make a late chunk no sign of a loss)."""
+        trips that vary, on a loaded machine, make a late chunk no sign of a loss). The rules run in one
+        compiled pass (``recovery_kernels.find_lost``)."""
+        pending = np.asarray(pending, np.int64)
+        none = pending[:0]
         if not len(pending):
-            return pending, pending, pending
-        later = self.later[pending]
-        if not later.any() and now - self.last_arrival <= min(rto, max_rto) and not self._probe_due(now, pto, max_rto):
-            return pending[:0], pending[:0], pending[:0]       # no evidence, no silence: the common turn
-        age = now - self.sent_at[pending]
-        backoff = 2.0 ** self.tries[pending]
-        fast = later >= self._threshold(pending, later)
-        if srtt is not None:
-            window = self.reordering_window(srtt, rttvar)
-            fast |= (later > 0) & (age > window)
-            # a resent chunk's result may be late because a peer has yet to resend its own packet (every
-            # rank sees a lost data packet as missing): resent again only after the reordering window,
-            # doubled per resend, not whenever results of chunks sent after it arrive
-            fast &= age > window * np.where(self.tries[pending] > 0, backoff / 2, 0.0)
-        # as TCP's retransmission timer, restarted by every result: while results flow, the fast
-        # rules see the late chunks; a process that was not scheduled for a while finds its chunks old
-        # but the results waiting in the socket (received first), so no silence and no timeout
-        limit = np.minimum(rto * backoff, max_rto)
-        timed_out = ~fast & (age > limit) & (now - self.last_arrival > limit)
-        probe = np.zeros_like(fast)
-        if self._probe_due(now, pto, max_rto):
-            cand = np.flatnonzero(~fast & ~timed_out & (age > pto))
-            if cand.size:      # the chunk resent least often, oldest send first
-                probe[cand[np.lexsort((self.seq[pending[cand]], self.tries[pending[cand]]))[0]]] = True
-        return pending[fast], pending[probe], pending[timed_out]
+            return none, none, none
+        probe_due = self._probe_due(now, pto, max_rto)
+        if not probe_due and now - self.last_arrival <= min(rto, max_rto) and not self.later[pending].any():
+            return none, none, none       # no evidence, no silence: the common turn
+        kind = self._kind[:pending.size]
+        if not RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.unsent,
+                            np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
+                            probe_due, self.last_arrival, kind):
+            return none, none, none
+        return pending[kind == RK.FAST], pending[kind == RK.PROBE], pending[kind == RK.TIMEOUT]
 
     def _probe_at(self, pto: float, max_rto: float) -> float:
         """When the probe timer fires: ``pto`` after it last started, doubled per probe of this silence."""
@@ -180,35 +169,17 @@ class LossDetector:
     def _probe_due(self, now: float, pto: float | None, max_rto: float) -> bool:
         return pto is not None and now > self._probe_at(pto, max_rto)
 
-    @staticmethod
-    def reordering_window(srtt: float, rttvar: float) -> float:
-        """How long a chunk may trail one sent after it before it counts as lost (rule 2)."""
-        return 1.25 * srtt + 2 * rttvar + REO_FLOOR
+    reordering_window = staticmethod(RK.reordering_window)      # rule 2's window (srtt, rttvar) -> seconds
 
     def next_deadline(self, pending: np.ndarray, srtt: float | None, rttvar: float, pto: float | None,
                       max_rto: float) -> float:
         """The earliest time rule 2 or 3 could find one of the ``pending`` chunks lost, if no result
         arrives before (inf: none could; the timeout, rule 4, is tens of round trips away)."""
-        t = np.inf
         if not len(pending):
-            return t
-        if pto is not None:     # the probe timer, and a chunk out for longer than pto
-            t = max(self._probe_at(pto, max_rto), float(self.sent_at[pending].min()) + pto)
-        later = self.later[pending]
-        if srtt is not None and later.any():         # rule 2's window (backed off for a resent chunk)
-            seen = pending[later > 0]
-            wait = self.reordering_window(srtt, rttvar) * 2.0 ** np.maximum(self.tries[seen] - 1, 0)
-            t = min(t, float((self.sent_at[seen] + wait).min()))
-        return t
-
-    def _threshold(self, pending: np.ndarray, later: np.ndarray) -> int:
-        """DUPTHRESH, or less at the stream's end (early retransmit, RFC 5827): once every chunk went
-        out and fewer than DUPTHRESH + 1 are outstanding (the pending ones and the results that came
-        after the oldest), one less than that many."""
-        if self.unsent:
-            return DUPTHRESH
-        outstanding = len(pending) + int(later[np.argmin(self.seq[pending])])
-        return max(1, min(DUPTHRESH, outstanding - 1))
+            return np.inf
+        return RK.next_deadline(np.asarray(pending, np.int64), self.sent_at, self.later, self.tries,
+                                np.nan if srtt is None else srtt, rttvar, np.nan if pto is None else pto,
+                                np.nan if pto is None else self._probe_at(pto, max_rto))
 
     def resent(self, chunks: np.ndarray, now: float, probed: bool = False, rules=None) -> None:
         """``chunks`` went out again at ``now``; ``probed``: one of them is a tail probe (rule 3).

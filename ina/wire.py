@@ -38,6 +38,9 @@ class Flag(enum.IntFlag):
     TAIL = 0x0020         # worker: the last chunk of a dense stream (a negotiation packet is one): nothing sent
     #                       after it shows its loss, so the worker sends it twice and the switch multicasts
     #                       its result twice (ina.recovery, "tail copies"); a second copy is a duplicate
+    LATE = 0x0040         # worker: a first send that waited for a replay of a result this worker lost (its peers
+    #                       sent the chunk long before and may have resent it: the switch replays none of their
+    #                       first resends that crossed the round's result; docs/switch.md)
 
 
 class PayloadType(enum.IntEnum):

@@ -10,7 +10,7 @@ from numba import njit
 
 from ina.wire import chunk_newer
 
-from .dataplane import (C_OVERFLOW, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP, O_FLAGS, O_PTYPE, P_INT8,
+from .dataplane import (C_OVERFLOW, F_LATE, F_RETRANSMIT, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP, O_FLAGS, O_PTYPE, P_INT8,
                         P_INT8N, P_INT32, P_INT64, P_NC8, P_NONE, Action, Verdict, bswap32, payload_width, rd16,
                         rd32)
 
@@ -165,13 +165,28 @@ _chunk_newer = njit(inline="always")(chunk_newer)
 
 
 @njit(inline="always")
-def _protocol(sets, pkts, i, c, bit, modulus):
-    """The slot protocol for packet i (chunk c, worker bit; chunk ids modulo ``modulus``): (its Action,
-    or the Verdict it is dropped with; whether it is the first packet of a new round)."""
+def _protocol(sets, pkts, i, c, bit, modulus, retx):
+    """The slot protocol for packet i (chunk c, worker bit; chunk ids modulo ``modulus``; ``retx``: it
+    carries the RETRANSMIT flag): (its Action, or the Verdict it is dropped with; whether it is the
+    first packet of a new round).
+
+    A resend of a round another rank's resend completed is not replayed when it is this rank's first
+    resend of the round (RETRANSMIT_CROSSED): a lost data packet makes every rank resend at once (none
+    can tell whose packet it was), the loser's resend completes the round, and the others' resends
+    cross the result's multicast on its way to them; a replay would send each of them the result a
+    second time. The same holds for a round completed by a LATE first send (a rank that lost the result
+    of the slot's previous round sends this chunk only after its replay; its peers, seeing this round's
+    result missing, resent). A rank that did lose that multicast resends again (after its reordering
+    window) and is replayed then, as is every resend of a rank whose earlier resend of the round was read."""
     m = sets[pkts[i].set_id]
     if c == m.round_chunk:
         if m.bitmap & bit:
+            crossed = retx and m.recovered != 0 and (m.resent & bit) == 0
+            if retx:
+                m.resent |= bit
             if m.complete:
+                if crossed:
+                    return np.int64(Verdict.RETRANSMIT_CROSSED), False
                 return np.int64(Action.REPLAY), False
             return np.int64(Verdict.RETRANSMIT_PENDING), False
         return np.int64(Action.ABSORBED), False
@@ -211,8 +226,10 @@ def aggregate(dp, buf, n):
         c = rd32(buf, i, O_CHUNK)
         pt = np.int64(buf[i, O_PTYPE])
         job = jobs[p.job]
-        a, first = _protocol(sets, pkts, i, c, bit, job.chunk_modulus)
-        sparse = (rd16(buf, i, O_FLAGS) & F_SPARSE) != 0
+        flags = rd16(buf, i, O_FLAGS)
+        retx = (flags & F_RETRANSMIT) != 0
+        a, first = _protocol(sets, pkts, i, c, bit, job.chunk_modulus, retx)
+        sparse = (flags & F_SPARSE) != 0
         adopt = False            # a sparse round's first data packet after header-only (zero) packets
         if a == Action.ABSORBED and not first and pt != m.ptype:
             if sparse and m.sparse != 0 and (pt == P_NONE or m.ptype == P_NONE):
@@ -239,6 +256,8 @@ def aggregate(dp, buf, n):
             m.count = 0
             m.complete = 0
             m.overflow = 0
+            m.recovered = 0
+            m.resent = np.uint64(0)
             m.ptype = pt
             m.codec = np.int64(buf[i, O_CODEC])
             m.maxexp = e
@@ -277,6 +296,9 @@ def aggregate(dp, buf, n):
             counters[C_OVERFLOW] += 1
         m.bitmap |= bit
         m.count += 1
+        if retx:
+            m.resent |= bit
         if m.count >= job.n_workers:
             m.complete = 1
+            m.recovered = np.uint8(1) if retx or (flags & F_LATE) != 0 else np.uint8(0)
             p.action = Action.HARVEST

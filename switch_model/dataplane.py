@@ -56,6 +56,8 @@ F_OVERFLOW = int(Flag.OVERFLOW)
 F_REPLAY = int(Flag.REPLAY)
 F_RAW = int(Flag.RAW_SUM)
 F_SPARSE = int(Flag.SPARSE)
+F_RETRANSMIT = int(Flag.RETRANSMIT)
+F_LATE = int(Flag.LATE)
 TRL = TRAILER_SIZE
 P_NONE, P_NC8, P_INT32, P_INT64, P_INT8 = (int(PayloadType.NONE), int(PayloadType.NC8), int(PayloadType.INT32),
                                            int(PayloadType.INT64), int(PayloadType.INT8))
@@ -84,6 +86,8 @@ class Verdict(IntEnum):
     RETRANSMIT_PENDING = 14    # retransmission while the round is still waiting for other workers
     FOREIGN_SOURCE = 15        # source address is not the one the rank joined from (checked last in parse)
     BAD_NEXT = 16              # sparse packet whose `next` is not an odd number of its stream's steps ahead
+    RETRANSMIT_CROSSED = 17    # a rank's first resend of a round another rank's resend (or LATE packet) completed: it crossed
+                               # the result's multicast (alu._protocol)
 
 
 class Action(IntEnum):
@@ -115,7 +119,9 @@ SET = np.dtype([("round_chunk", np.int64),   # the chunk id of the round it hold
                 ("next_dist", np.int64),     # sparse rounds: min over the packets of (next - chunk) mod M
                 ("complete", np.uint8),      # every worker's packet is in
                 ("overflow", np.uint8),      # a register saturated in this round
-                ("sparse", np.uint8)], align=True)   # a packet of the round had the SPARSE flag
+                ("sparse", np.uint8),        # a packet of the round had the SPARSE flag
+                ("recovered", np.uint8),     # the packet that completed the round was a resend or a late first send
+                ("resent", np.uint64)], align=True)  # workers that sent a resend (RETRANSMIT) of this round
 # one job-table entry, derived from a pipeline.Job record (Job.table_row): the fields of the same names.
 # pool_slots is the job's whole pool (pool indices 0..pool_slots-1 in packets); with --cores N the pool
 # is sharded: pool index p lives in shard p % shards at local slot slot_lo + p // shards.
@@ -166,7 +172,7 @@ class DataPlane(NamedTuple):
         """Forget the rounds of slots lo..lo+slots-1 (both sets): a new job starts from chunk 0."""
         s = self.sets[2 * lo: 2 * (lo + slots)]
         s["round_chunk"] = -1
-        for name in ("complete", "bitmap", "count", "overflow", "sparse"):
+        for name in ("complete", "bitmap", "count", "overflow", "sparse", "recovered", "resent"):
             s[name] = 0
 
 

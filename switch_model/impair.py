@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 DRAW_BLOCK = 4096         # packets whose uniforms are drawn at once (the same stream as one draw per burst)
+LATE_S = 0.002            # a held packet released more than this after its release time counts as late
 
 
 @dataclass
@@ -109,6 +110,8 @@ class Impairment:
         self.duplicated = 0
         self.reordered = 0
         self.delayed = 0
+        self.released = 0         # held packets (delayed, reordered) released when due
+        self.released_late = 0    # ... more than LATE_S after their release time (a poll that overslept)
         self.held = HeldPackets(width)
         self.out = np.zeros((64, width), np.uint8)       # the rows of an impaired burst
         self.out_lens = np.zeros(64, np.int64)
@@ -202,8 +205,16 @@ class Impairment:
         self.out[a:k, :w] = buf[rows, :w]
         self.out_lens[a:k], self.out_tags[a:k] = lens, tags
         if due.size:
+            self._count_released(hd.at[due[:a]], now)
             hd.remove(due[:a])
         return self.out, np.arange(k), self.out_lens[:k], self.out_tags[:k]
+
+    def _count_released(self, at: np.ndarray, now: float) -> None:
+        """Count released held packets and the late ones (those put back for the limit, due at once
+        with release time 0, count in neither)."""
+        timed = at[at > 0]
+        self.released += timed.size
+        self.released_late += int(np.count_nonzero(now - timed > LATE_S))
 
     def _grow(self, k: int) -> None:
         cap = max(k, 2 * len(self.out_lens))
@@ -213,4 +224,5 @@ class Impairment:
 
     def counters(self) -> dict:
         return {"dropped": self.dropped, "duplicated": self.duplicated, "reordered": self.reordered,
-                "delayed": self.delayed, "held": self.held.n}
+                "delayed": self.delayed, "held": self.held.n, "released": self.released,
+                "released_late": self.released_late}

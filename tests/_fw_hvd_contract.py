@@ -112,6 +112,29 @@ def join():
 case("join", join)
 case("after_join", lambda: ok_allreduce("e"))
 
+
+
+# 6. the ranks make their calls in different orders: rank 0 queues a and b before it waits for a, rank 1 waits
+# for a before it queues its second allreduce, so their buckets differ ({a, b} against {a}, then {b} against
+# {b}). The same b: the right sums; b of another shape: Horovod's mismatch error on every rank; another name (c):
+# both ranks wait for an allreduce the other never queues, an error on every rank at once
+def order(tag, shape, second):
+    a = torch.arange(6, dtype=torch.float32) + r
+    ha = hvd.allreduce_async(a, name=f"{tag}.a", op=hvd.Sum)
+    if r == 0:
+        hb = hvd.allreduce_async(torch.ones(shape), name=f"{tag}.b", op=hvd.Sum)
+        tensors[f"{tag}.a"] = hvd.synchronize(ha)
+    else:
+        tensors[f"{tag}.a"] = hvd.synchronize(ha)
+        hb = hvd.allreduce_async(torch.ones(shape), name=f"{tag}.{second}", op=hvd.Sum)
+    return hvd.synchronize(hb).tolist()
+
+
+case("order_same", lambda: order("order_same", [5], "b"))
+case("order_shape", lambda: order("order_shape", [5 + r], "b"))
+case("order_name", lambda: order("order_name", [5], "b" if r == 0 else "c"))
+case("after_order", lambda: ok_allreduce("f"))
+
 st = ina_hvd.stats()
 json.dump({"cases": cases, "stats": st}, open(f"{out_dir}/contract{r}.json", "w"), indent=1, default=str)
 torch.save(tensors, f"{out_dir}/contract{r}.pt")

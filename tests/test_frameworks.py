@@ -369,6 +369,20 @@ def test_horovod_contract(switch, horovod_ready, tmp_path):
         assert torch.equal(ts[r]["nf.y"], torch.full((100,), 3.0))
         reasons = c["nonfinite"]["result"]["reasons"]
         assert reasons.get("allreduce: NaN/Inf on some rank (Gloo propagates them)", 0) >= 1, reasons
+        # calls in different orders (the ranks' buckets differ): what both queue runs, with the right sums; b of
+        # another shape gets Horovod's mismatch error; different names (each rank waiting for one the other never
+        # queues) an error on every rank at once, naming what each waits for
+        for tag in ("order_same", "order_shape", "order_name"):
+            assert torch.equal(ts[r][f"{tag}.a"], torch.arange(6, dtype=torch.float32) * 2 + 1), (tag, ts[r])
+        assert c["order_same"]["ok"] and c["order_same"]["result"] == [2.0] * 5, c["order_same"]
+        for tag, parts in (("order_shape", ("Mismatched ALLREDUCE tensor shapes", "[5]", "[6]")),
+                           ("order_name", ("the ranks wait for different allreduces", "rank 0: 'order_name.b'",
+                                           "rank 1: 'order_name.c'"))):
+            assert not c[tag]["ok"] and "HorovodInternalError" in c[tag]["types"], (tag, c[tag])
+            assert all(part in c[tag]["message"] for part in parts), (tag, c[tag]["message"])
+            assert c[tag]["seconds"] < CONTRACT_BOUND, (tag, c[tag]["seconds"])
+        assert c["after_order"]["ok"] and c["after_order"]["result"]["through_switch"] == 1, c["after_order"]
+        assert c["after_order"]["result"]["sum"] == want, c["after_order"]
     # join: rank 1 joined, rank 0's allreduces got zeros from it (Average divides by the world size)
     assert torch.equal(ts[0]["join.a"], ts[0]["join.a_in"] / 2) and torch.equal(ts[0]["join.b"], ts[0]["join.b_in"])
     assert res[0]["cases"]["join"]["result"]["ret"] == res[1]["cases"]["join"]["result"]["ret"]

@@ -416,6 +416,68 @@ def test_both_copies_of_a_tail_chunk_count_once_and_its_result_comes_twice(ptype
             s.close()
 
 
+def test_resends_that_crossed_the_result_of_a_recovered_round_are_not_replayed():
+    """Rank 2's data packet is lost: every rank resends. Rank 0's resend arrives first (the round still
+    waits: read, dropped), rank 2's completes the round (multicast to all), rank 1's crossed that
+    multicast: dropped as retransmit_crossed, not replayed; the same for a round completed by a LATE
+    first send (a rank that waited for a replay before sending the chunk). A rank that resends again (it
+    did lose the multicast) is replayed, and so is every rank of a round completed by first sends.
+    Every result carries the exact sum; nobody gets more than it asked for."""
+    from ina.wire import Flag, MsgType, PayloadType, max_packet_size, pack, unpack
+    workers, slots, E = 3, 4, 16
+    vals = np.arange(workers * E, dtype=np.int32).reshape(workers, E) - 20
+    sw, socks = _in_process_switch(workers, slots, E)
+
+    def send(r, c, flags=0):
+        socks[r].sendto(pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                             payload_type=PayloadType.INT32, count=E, chunk=c, exponent=0, payload=vals[r],
+                             elements=E, flags=flags), ("127.0.0.1", sw.port))
+        assert sw.poll_once() == 1
+
+    def results(r, k):
+        got = [unpack(socks[r].recv(max_packet_size(E))) for _ in range(k)]
+        for p in got:
+            assert p.msg_type == MsgType.RESULT
+            assert np.array_equal(np.asarray(p.payload, np.int64)[:E], vals.astype(np.int64).sum(axis=0))
+        return [(p.chunk, bool(p.flags & Flag.REPLAY)) for p in got]
+
+    def counts():
+        st = sw.stats()
+        return st["counters"]["replays"], st["drops"]["retransmit_pending"], st["drops"]["retransmit_crossed"]
+    try:
+        send(0, 0)
+        send(1, 0)                                   # rank 2's packet of chunk 0 was lost
+        send(0, 0, Flag.RETRANSMIT)                  # read while the round waits
+        send(2, 0, Flag.RETRANSMIT)                  # completes the round: multicast
+        send(1, 0, Flag.RETRANSMIT)                  # crossed the multicast: no replay
+        assert counts() == (0, 1, 1)
+        send(0, 0, Flag.RETRANSMIT)                  # rank 0 resends again: its earlier resend was read
+        send(1, 0, Flag.RETRANSMIT)                  # rank 1 resends again: it lost the multicast
+        assert counts() == (2, 1, 1)
+        for r in range(workers):                     # a round completed by first sends: any resend is replayed
+            send(r, 1)
+        send(2, 1, Flag.RETRANSMIT)
+        assert counts() == (3, 1, 1)
+        send(0, 2)                                   # rank 2 sends chunk 2 late (it waited for a replay)
+        send(1, 2)
+        send(0, 2, Flag.RETRANSMIT)                  # its peers saw the result missing: read while it waits
+        send(2, 2, Flag.LATE)                        # completes the round: multicast
+        send(1, 2, Flag.RETRANSMIT)                  # crossed it: no replay
+        send(0, 2, Flag.RETRANSMIT)                  # rank 0's second resend: replayed
+        assert counts() == (4, 2, 2)
+        assert results(0, 5) == [(0, False), (0, True), (1, False), (2, False), (2, True)]
+        assert results(1, 4) == [(0, False), (0, True), (1, False), (2, False)]
+        assert results(2, 4) == [(0, False), (1, False), (1, True), (2, False)]
+        for s in socks:
+            s.settimeout(0.05)
+            with pytest.raises(OSError):             # nothing more
+                s.recv(max_packet_size(E))
+    finally:
+        sw.sock.close()
+        for s in socks:
+            s.close()
+
+
 @pytest.mark.parametrize("direction", ["ingress", "egress"])
 def test_a_lost_tail_packet_is_recovered_by_its_copy_not_a_probe(tmp_path, direction):
     """Allreduces of one data chunk (each is a negotiation round and one data round, both tails: nothing

@@ -47,6 +47,7 @@ from .shaping import (BURST_TIME, DOWN_QUEUE_FRAMES, QUEUE_TIME, UP_QUEUE_FRAMES
 log = logging.getLogger("ina.net")
 
 MEMBERSHIP_INTERVAL_CS = 24 * 3600 * 100   # the bridge's multicast membership interval (1/100 s): a day
+QUERY_RESPONSE_INTERVAL_CS = 10            # its query response interval (1/100 s): also how long it floods
 
 
 def host_key(name) -> str:
@@ -294,6 +295,11 @@ class Topology:
         # memberships fresh), of IGMPv3 (a v2 query turns hosts to v2, whose hosts suppress their report on
         # hearing another member's: measured, members were left out), and a membership lasts a day without
         # a report (no expiry during a run)
+        # a report (no expiry during a run). Switching the querier on makes the bridge wait one query response
+        # interval (default 10 s) before it trusts its memberships, and it floods every group to every port
+        # until then: that interval is set short first (a separate request: the kernel applies the querier
+        # before the interval within one)
+        fab.link("set", index=bi, kind="bridge", br_mcast_query_response_intvl=QUERY_RESPONSE_INTERVAL_CS)
         fab.link("set", index=bi, kind="bridge", br_mcast_snooping=1, br_mcast_querier=1, br_mcast_igmp_version=3,
                  br_mcast_membership_intvl=MEMBERSHIP_INTERVAL_CS)
         disable_ipv6(fab, bi)
