@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 
@@ -48,11 +47,8 @@ from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
 
-
 RX_WAIT = 0.002           # the receive's longest wait (bounds a loop turn when nothing arrives)
 RX_WAIT_MIN = 5e-5        # ... and its shortest, when a loss-recovery deadline is nearer
-TIMEOUT_FLOOR_WAITS = 16  # the timeout's floor in run-queue waits: after the probe's first four (1 + 2 + 4 + 8)
-
 
 __all__ = ["Client", "ClientStats", "AllreduceError"]
 
@@ -148,7 +144,7 @@ class Client(Worker):
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
-        self.run_queue = RunQueueDelay(on=os.environ.get("INA_TIMER_FLOOR", "1") != "0")   # (timer_floor)
+        self.run_queue = RunQueueDelay()    # the machine's wait for a core: the loss timers' floors
         self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet, results by %s", rank, job, host,
                  port, self.slots, self.elements, f"multicast to {group}" if self.multicast else "unicast")
@@ -319,8 +315,8 @@ class Client(Worker):
         probe find real losses much sooner). ``queued``: the serialisation time of the chunks in flight
         (their count x the result spacing); the last of a window on a slow link waits that long in the
         link's queue, so the timeout is at least the fastest round trip plus twice that."""
-        floor = max(self.rto if math.isinf(self.rtt_min) else max(self.rto, self.rtt_min + 2 * queued),
-                    self.timer_floor(TIMEOUT_FLOOR_WAITS))
+        rtt_floor = 0.0 if math.isinf(self.rtt_min) else self.rtt_min + 2 * queued
+        floor = max(self.rto, rtt_floor, self.run_queue.timeout_floor())
         if self.srtt is None:
             return min(self.max_rto, floor)
         return min(self.max_rto, max(floor, self.srtt + 4 * self.rttvar))
@@ -331,13 +327,7 @@ class Client(Worker):
         result spacings, at least ``min_rto``. None before the first round trip was measured."""
         if math.isinf(self.rtt_min):
             return None
-        return max(self.min_rto, 2 * self.rtt_min + 4 * spacing, self.timer_floor())
-
-    def timer_floor(self, waits: int = 1) -> float:
-        """The shortest silence a loss timer waits for, in ``waits`` of the longest wait for a core of one
-        loop turn lately (:mod:`ina.scheduling`: a peer or the switch waiting that long is silent). The tail
-        probe takes one, the timeout TIMEOUT_FLOOR_WAITS. Near 0 on an idle machine; 0 with INA_TIMER_FLOOR=0."""
-        return waits * self.run_queue.delay
+        return max(self.min_rto, 2 * self.rtt_min + 4 * spacing, self.run_queue.probe_floor())
 
     def wait_until(self, deadline: float, now: float) -> None:
         """Let the next receive (:meth:`receive`) wait no longer than until ``deadline`` (monotonic
@@ -397,7 +387,6 @@ class Client(Worker):
             self.ctl.close()
             self.ctl = None
             self.sock.close()
-            self.run_queue.close()
 
     def __enter__(self):
         return self

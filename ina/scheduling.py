@@ -11,7 +11,8 @@ microseconds, taken when half a millisecond or more passed since the last readin
 wait of one turn in an allreduce is what a peer or the switch, sharing the run queue, may keep the
 job silent for. :attr:`RunQueueDelay.delay` follows the longest such wait per allreduce (a new one
 as large replaces it; else it halves), and the client floors its tail probe (one wait) and
-retransmission timeout (TIMEOUT_FLOOR_WAITS) at it (``Client.timer_floor``). On an idle machine the
+retransmission timeout (TIMEOUT_FLOOR_WAITS waits) at it (:meth:`RunQueueDelay.probe_floor`,
+:meth:`RunQueueDelay.timeout_floor`). On an idle machine the
 waits are microseconds and the floor has no effect; ``INA_TIMER_FLOOR=0`` turns it off (to measure
 against it).
 """
@@ -19,21 +20,26 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
 DECAY = 0.5               # an allreduce without a wait this long lowers the estimate by this factor
 MIN_SPAN = 5e-4           # seconds between two readings at least (a shorter wait does not matter)
+TIMEOUT_FLOOR_WAITS = 16  # the retransmission timeout's floor in waits: after the probe's first four (1+2+4+8)
 
 
 class RunQueueDelay:
     """``delay``: seconds, the longest wait for a core within one client loop turn, followed from
     allreduce to allreduce (0 where the kernel keeps no schedstat)."""
 
-    def __init__(self, path: str = SCHEDSTAT, on: bool = True):
-        self.path = path if on else ""          # off (to measure against it): no reading, delay stays 0
+    def __init__(self, path: str = SCHEDSTAT, on: bool | None = None):
+        if on is None:                            # INA_TIMER_FLOOR=0 turns it off (to measure against it)
+            on = os.environ.get("INA_TIMER_FLOOR", "1") != "0"
+        self.path = path if on else ""            # off: no reading, delay stays 0
         self.delay = 0.0
         self.longest = 0.0                        # the longest wait of one turn since the last sample()
-        self._fds: dict[int, int | None] = {}     # per thread: its schedstat, open
+        self._fds: dict[int, int | None] = {}     # per thread: its schedstat, open (closed with the object)
+        self._closer = weakref.finalize(self, _close_all, self._fds)
         self._last = 0                            # ns waited by the thread of the last turn, at its end
         self._tid = -1
         self._read_at = 0.0                       # when the counter was last read (monotonic)
@@ -76,8 +82,22 @@ class RunQueueDelay:
         self._tid = -1                            # the wait between allreduces is not the job's silence
         return self.delay
 
+    def probe_floor(self) -> float:
+        """The tail probe's floor: one wait (a peer or the switch waiting that long keeps the job silent)."""
+        return self.delay
+
+    def timeout_floor(self) -> float:
+        """The retransmission timeout's floor (it resends every late chunk): TIMEOUT_FLOOR_WAITS waits, so
+        that it comes after the probe's first four (at 1, 3, 7 and 15 waits with its backoff), as a 20 ms
+        timeout leaves a 1 ms probe."""
+        return TIMEOUT_FLOOR_WAITS * self.delay
+
     def close(self) -> None:
-        for fd in self._fds.values():
-            if fd is not None:
-                os.close(fd)
-        self._fds.clear()
+        self._closer()
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        if fd is not None:
+            os.close(fd)
+    fds.clear()

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ina.client import TIMEOUT_FLOOR_WAITS, Client
-from ina.scheduling import MIN_SPAN, RunQueueDelay
+from ina.client import Client
+from ina.scheduling import MIN_SPAN, TIMEOUT_FLOOR_WAITS, RunQueueDelay
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_allreduce import switch  # noqa: E402,F401  (the module's switch fixture)
@@ -83,10 +83,9 @@ def test_this_kernels_schedstat_is_read_per_thread():
 def test_the_probe_and_the_timeout_wait_at_least_the_floor():
     """The tail probe waits at least one such wait, the retransmission timeout (which resends every late
     chunk) TIMEOUT_FLOOR_WAITS of them; with no wait measured, both are as before."""
-    rq = SimpleNamespace(delay=0.0)
+    rq = RunQueueDelay(on=False)
     cl = SimpleNamespace(min_rto=0.001, rtt_min=0.0002, rto=0.02, max_rto=1.0, srtt=0.001, rttvar=0.0005,
                          world_size=8, run_queue=rq)
-    cl.timer_floor = lambda waits=1: Client.timer_floor(cl, waits)
     assert Client.probe_timeout(cl, 0.0) == pytest.approx(0.001)
     assert Client.current_rto(cl) == pytest.approx(0.02)
     rq.delay = 0.004
