@@ -126,3 +126,26 @@ class ChunkOutput:
     def _tail_out(self) -> None:
         lo = self.full * self.rows.shape[1] if self.full else 0
         self.flat[lo:] = self.tail[0, :self.flat.size - lo]
+
+
+class PacketRings:
+    """The packet rings of a client's streams: ``get(rows, width)`` gives ``rows`` (at most ``max_rows``)
+    rows of ``width`` bytes, headers zeroed. Dense streams reuse one ring per packet width (its first
+    rows) from allreduce to allreduce instead of a fresh zeroed megabyte each. Every byte of a row is
+    written before the row is first sent (the header by the stream and ``fill_headers``, the whole
+    payload by the encoder, the last chunk zero-padded), so what a previous stream left is never sent.
+    A sparse stream (per-row payload types and trailers) gets a zeroed ring of its own."""
+
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        self.rings: dict[int, np.ndarray] = {}
+
+    def get(self, rows: int, width: int, sparse=None) -> np.ndarray:
+        if sparse:
+            return np.zeros((rows, width), np.uint8)
+        ring = self.rings.get(width)
+        if ring is None or ring.shape[0] < rows:
+            ring = self.rings[width] = np.zeros((max(rows, self.max_rows), width), np.uint8)
+        ring = ring[:rows]
+        ring[:, :HEADER_SIZE] = 0
+        return ring

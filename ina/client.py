@@ -37,6 +37,7 @@ from .compression.base import ScaleContext
 from .coalescing import ArrivalSpacing
 from .control import ControlChannel, ControlError
 from .recovery import TAIL_COPY_FROM, LossDetector, tail_copies
+from .scheduling import RunQueueDelay
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
@@ -46,10 +47,8 @@ from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
 
-
 RX_WAIT = 0.002           # the receive's longest wait (bounds a loop turn when nothing arrives)
 RX_WAIT_MIN = 5e-5        # ... and its shortest, when a loss-recovery deadline is nearer
-
 
 __all__ = ["Client", "ClientStats", "AllreduceError"]
 
@@ -135,6 +134,7 @@ class Client(Worker):
         # straight doubled bfp32's time at 8 workers on shaped links: docs/performance.md)
         self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
         self.tx = B.TxBatch(self.sock, capacity=1024)
+        self.rings = chunk_encoding.PacketRings(2 * self.slots)    # the streams' packet rings, reused
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
         if not 0 <= first_chunk < self.chunk_modulus:
             self.close()
@@ -144,6 +144,7 @@ class Client(Worker):
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
+        self.run_queue = RunQueueDelay()    # the machine's wait for a core: the loss timers' floors
         self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet, results by %s", rank, job, host,
                  port, self.slots, self.elements, f"multicast to {group}" if self.multicast else "unicast")
@@ -189,6 +190,7 @@ class Client(Worker):
                 tl.mark("negotiated")
             ctx = ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=c.next_seed(),
                                agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
+            self.run_queue.sample()
             out = self._reduce(c, x32, ctx, kw, sparse)
         except AllreduceError as e:
             self._break(str(e))
@@ -313,7 +315,8 @@ class Client(Worker):
         probe find real losses much sooner). ``queued``: the serialisation time of the chunks in flight
         (their count x the result spacing); the last of a window on a slow link waits that long in the
         link's queue, so the timeout is at least the fastest round trip plus twice that."""
-        floor = self.rto if math.isinf(self.rtt_min) else max(self.rto, self.rtt_min + 2 * queued)
+        rtt_floor = 0.0 if math.isinf(self.rtt_min) else self.rtt_min + 2 * queued
+        floor = max(self.rto, rtt_floor, self.run_queue.timeout_floor())
         if self.srtt is None:
             return min(self.max_rto, floor)
         return min(self.max_rto, max(floor, self.srtt + 4 * self.rttvar))
@@ -324,7 +327,7 @@ class Client(Worker):
         result spacings, at least ``min_rto``. None before the first round trip was measured."""
         if math.isinf(self.rtt_min):
             return None
-        return max(self.min_rto, 2 * self.rtt_min + 4 * spacing)
+        return max(self.min_rto, 2 * self.rtt_min + 4 * spacing, self.run_queue.probe_floor())
 
     def wait_until(self, deadline: float, now: float) -> None:
         """Let the next receive (:meth:`receive`) wait no longer than until ``deadline`` (monotonic
@@ -403,7 +406,7 @@ class _Transfer:
         self.S = cl.slots
         self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
         self.R = min(n_chunks, 2 * self.S)
-        self.pkts = np.zeros((self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0)), np.uint8)
+        self.pkts = cl.rings.get(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0), sparse)
         hv = self.hv = header_view(self.pkts)
         hv["version"] = VERSION
         hv["msg_type"] = int(MsgType.DATA)
@@ -478,6 +481,7 @@ class _Transfer:
         while self.n_done < n_chunks:
             k = cl.receive()
             now = time.monotonic()
+            cl.run_queue.turn(now)
             self.checked = False                  # set once retransmit_lost ran in this turn
             self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
             if not k:
