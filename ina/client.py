@@ -504,7 +504,7 @@ class _Transfer:
         cl.stats.packets_received += k
         sp, buf, lens = self.sparse, cl.rx.buf, cl.rx.lens
         fresh, ok, other, nbytes, abort, overflow, mismatch = SK.scan_results(
-            buf, lens, k, cl.job, self.c0, cl.chunk_modulus, n_chunks, sp.result_len if sp else self.res_len,
+            buf, lens, k, cl.job, self.c0, cl.chunk_modulus, self.max_sent + 1, sp.result_len if sp else self.res_len,
             sp.skip_len if sp else -1, bool(sp), bool(self.E), self.done, self.exps, self.fresh_idx, self.fresh_jj,
             self.fresh_replay)
         cl.stats.bytes_received += int(nbytes)

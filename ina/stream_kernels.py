@@ -35,8 +35,10 @@ def _put16(row, at, v):
 def scan_results(buf, lens, k, job, c0, modulus, n_chunks, res_len, skip_len, sparse, check_sparse, done, exps,
                  idx, jj, replayed):
     """Take a burst ``buf[:k]`` (lengths ``lens``) of one stream's results: chunk position j =
-    (chunk - c0) mod ``modulus``; a result of this stream is a RESULT of ``job`` with j < ``n_chunks``
-    and the result length (``res_len``, or header-only ``skip_len`` when ``sparse``).
+    (chunk - c0) mod ``modulus``; a result of this stream is a RESULT of ``job`` with j < ``n_chunks`` and
+    the result length (``res_len``, or header-only ``skip_len`` when ``sparse``). The client passes one past
+    the last position it sent as ``n_chunks``: a result of a chunk not sent yet is stale (e.g. from an
+    earlier run of the same job on the same port).
 
     For each fresh one (its chunk not ``done`` and not earlier in the burst): ``done[j]`` is set,
     ``exps[j]`` gets its exponent, and ``idx`` (row), ``jj`` (position), ``replayed`` (REPLAY flag)

@@ -366,3 +366,48 @@ def test_stage_times_add_up_to_the_busy_time_and_the_timeline_is_ordered(switch)
         assert times == sorted(times), tl
         assert tl["results"] == 25 and 1 <= tl["rx_bursts"] <= 25, tl    # 25 chunks of 128 elements
         assert 0 < tl["encode_s"] + tl["decode_s"] < tl["done"], tl
+
+
+def test_a_stale_result_of_a_chunk_not_yet_sent_is_not_taken(tmp_path):
+    """A worker's data socket may bind a fixed port (the job's multicast group port), so packets of an
+    earlier run of the same job can land on a new run's socket. A RESULT for a chunk this allreduce has
+    not sent yet (position 30 of 40, window 4) cannot be its own: it is counted stale and both ranks get
+    the same sums (taking it would mark chunk 30 done with garbage on rank 0 and drop its real result as a
+    duplicate). The switch holds every packet 20 ms, so chunk 30 goes out about 140 ms after the data
+    stream's first send, when the stale packet is put into rank 0's socket."""
+    import socket
+    import threading
+
+    from sw_harness import client_threads
+
+    from ina.wire import MsgType, PayloadType, pack
+    sw = SwitchProc("--slots", "64", "--elements", "128", "--ingress-delay-ms", "20", "--host-agg-port", "-1",
+                    log_path=tmp_path / "switch.log")
+    xs = [np.random.default_rng([r, 31]).standard_normal(40 * 128).astype(np.float32) for r in range(2)]
+    injected = []
+
+    def inject(cl):
+        wait_until(lambda: cl._timeline is not None and "first_send" in cl._timeline.marks, 20,
+                   "rank 0's data stream to start", interval=0.001)
+        chunk = (cl.next_chunk - 40 + 30) % cl.chunk_modulus      # next_chunk: already past this stream
+        garbage = pack(msg_type=MsgType.RESULT, job=cl.job, rank=0, chunk=chunk, payload_type=PayloadType.NC8,
+                       payload=np.full(128, 0x7F, np.uint8), elements=128)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(garbage, cl.sock.getsockname())
+        injected.append(cl.stats.packets_sent)
+
+    def body(r, cl):
+        if r == 0:
+            threading.Thread(target=inject, args=(cl,), daemon=True).start()
+        y = xs[r].copy()
+        cl.allreduce(y, codec="nc")
+        return y, cl.stats.stale_results
+
+    try:
+        out = client_threads(sw.port, 2, 77, body, elements=128, slots=4, timeout=20.0, timeline=True)
+    finally:
+        rc = sw.terminate()
+    assert rc == 0, sw.log()[-3000:]
+    assert injected and injected[0] < 30, injected            # in the socket before chunk 30 was sent
+    np.testing.assert_array_equal(out[0][0], out[1][0])
+    assert out[0][1] >= 1
