@@ -17,6 +17,7 @@ log = logging.getLogger("ina.sweep")
 
 SWITCH_PORT = 9999
 
+
 class CtrlC:
     """Ctrl-C as a latch as well as an exception. CPython prints and drops an exception raised inside a
     weakref callback or ``__del__`` ("Exception ignored in ..."), so a KeyboardInterrupt landing there
@@ -32,9 +33,10 @@ class CtrlC:
 
     @classmethod
     def install(cls) -> None:
-        """(the command's main thread only: Python delivers signals there)"""
-        cls.hit = False
-        if threading.current_thread() is threading.main_thread():
+        """Latch Ctrl-C from now on (once per process; from the main thread only: Python delivers
+        signals there). Every worker group installs it, so each command that waits for workers has it."""
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != cls.handler:
+            cls.hit = False
             signal.signal(signal.SIGINT, cls.handler)
 
     @classmethod
@@ -48,6 +50,7 @@ class WorkerGroup:
 
     def __init__(self, topo, n: int, out: Path, args):
         self.topo, self.n = topo, n
+        CtrlC.install()
         self.timeout = args.timeout
         self.sel = selectors.DefaultSelector()
         self.bufs = {}
