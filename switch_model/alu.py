@@ -10,9 +10,9 @@ from numba import njit
 
 from ina.wire import chunk_newer
 
-from .dataplane import (C_OVERFLOW, F_LATE, F_RETRANSMIT, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP, O_FLAGS, O_PTYPE, P_INT8,
-                        P_INT8N, P_INT32, P_INT64, P_NC8, P_NONE, Action, Verdict, bswap32, payload_width, rd16,
-                        rd32)
+from .dataplane import (C_OVERFLOW, F_LATE, F_RETRANSMIT, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP, O_FLAGS,
+                        O_PTYPE, P_INT8, P_INT8N, P_INT32, P_INT64, P_NC8, P_NONE, Action, Verdict, bswap32,
+                        payload_width, rd16, rd32)
 
 
 @njit(inline="always")

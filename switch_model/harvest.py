@@ -13,9 +13,9 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from ina.wire import SWITCH_RANK, result_type
 
-from .dataplane import (C_HARVESTED, C_MULTICAST, C_REPLAYS, F_OVERFLOW, F_RAW, F_SPARSE, HDR, O_CHUNK, O_CODEC, O_COUNT, O_EXP,
-                        O_FLAGS, O_JOB, O_MSG, O_PTYPE, O_RANK, O_SLOT, O_VERSION, P_INT8N, P_INT32, P_INT64, P_NC8,
-                        P_NONE, RESULT, TRL, VERSION, Action, bswap32, payload_width, wr16)
+from .dataplane import (C_HARVESTED, C_MULTICAST, C_REPLAYS, F_OVERFLOW, F_RAW, F_SPARSE, HDR, O_CHUNK, O_CODEC,
+                        O_COUNT, O_EXP, O_FLAGS, O_JOB, O_MSG, O_PTYPE, O_RANK, O_SLOT, O_VERSION, P_INT8N, P_INT32,
+                        P_INT64, P_NC8, P_NONE, RESULT, TRL, VERSION, Action, bswap32, payload_width, wr16)
 
 
 # --- the re-encoding's random numbers (specified in docs/switch.md, "The rounding hash") -------------
@@ -145,10 +145,11 @@ def harvest(dp, n):
     """Write completed slots' result packets into their shadow-copy rows; plan the transmissions.
 
     Returns the number of planned transmissions (dp.tx[:m]): per completed slot, one to the job's
-    multicast group where it has one, else a copy to every worker of the job; a unicast per replay (negative length: the tx stage sets its REPLAY flag
-    on a copy of the stored row). The plan is grouped by destination (a stable counting sort by
-    worker address: each worker's results keep their order), so that a burst's results for one
-    worker are one run, which the tx stage sends as one GSO message.
+    multicast group where it has one, else a copy to every worker of the job; a unicast per replay
+    (negative length: the tx stage sets its REPLAY flag on a copy of the stored row). The plan is
+    grouped by destination (a stable counting sort by worker address: each worker's results keep their
+    order), so that a burst's results for one worker are one run, which the tx stage sends as one GSO
+    message.
     """
     pkts, jobs, sets, tx, counters = dp.pkts, dp.jobs, dp.sets, dp.tx, dp.counters    # taken out once
     m = 0
@@ -163,27 +164,26 @@ def harvest(dp, n):
             _write_result(dp, s, p.job)
             if job.group_addr >= 0:               # IP multicast: once, to the job's group (multicast.py)
                 counters[C_MULTICAST] += 1
-                t = tx[m]
-                t.set_id = s
-                t.length = sets[s].result_len
-                t.addr = job.group_addr
-                m += 1
-                continue
-            for w in range(job.n_workers):        # a unicast copy per worker
-                t = tx[m]
-                t.set_id = s
-                t.length = sets[s].result_len
-                t.addr = job.addr_base + w
-                m += 1
+                m = _plan(tx, m, s, sets[s].result_len, job.group_addr)
+            else:
+                for w in range(job.n_workers):    # a unicast copy per worker
+                    m = _plan(tx, m, s, sets[s].result_len, job.addr_base + w)
         else:
             counters[C_REPLAYS] += 1
-            t = tx[m]
-            t.set_id = s
-            t.length = -sets[s].result_len
-            t.addr = job.addr_base + p.rank
-            m += 1
+            m = _plan(tx, m, s, -sets[s].result_len, job.addr_base + p.rank)
     _group_by_destination(tx, dp.tx_order, dp.tx_bins, m)
     return m
+
+
+@njit(inline="always")
+def _plan(tx, m, s, length, addr):
+    """Plan transmission m: set ``s``'s stored result row, ``length`` bytes (negative: a replay), to
+    address index ``addr``; returns m + 1."""
+    t = tx[m]
+    t.set_id = s
+    t.length = length
+    t.addr = addr
+    return m + 1
 
 
 @njit(inline="always")
