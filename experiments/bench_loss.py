@@ -62,7 +62,7 @@ SETTINGS = {                      # name: impairment of each direction
 TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
 COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
             "fast_replayed", "probe_replayed", "timeout_replayed", "duplicate_results", "coalesce_pause_s",
-            "tail_copies")
+            "tail_copies", "rejoin_pause_s")
 
 
 def switch_counts(host: str, port: int) -> dict:
@@ -99,7 +99,7 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
     h = hashlib.sha256()
     y = x.copy()
     st0 = cl.stats.as_dict()
-    tails = []
+    tails, turns = [], 0
     dt = 0.0                  # the allreduces' time (not the copies and the digest's in between)
     cpu0 = time.process_time()
     for _ in range(reps):
@@ -110,10 +110,11 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
         tl = cl.last_timeline or {}
         if "last_result" in tl and "last_send" in tl:
             tails.append(tl["last_result"] - tl["last_send"])
+        turns += tl.get("rx_bursts", 0)
         h.update(y.tobytes())
     st = cl.stats.as_dict()
     return {"time_per_allreduce_s": dt / reps, "digest": h.hexdigest(), "tail_s": float(np.mean(tails or [0.0])),
-            "cpu_per_allreduce_s": (time.process_time() - cpu0) / reps,
+            "cpu_per_allreduce_s": (time.process_time() - cpu0) / reps, "turns_per_allreduce": turns / reps,
             **{k: st.get(k, 0) - st0.get(k, 0) for k in COUNTERS}}
 
 
@@ -236,6 +237,7 @@ class Side:
         return {"time": max(g["time_per_allreduce_s"] for g in got),        # the slowest worker's
                 "tail": float(np.mean([g["tail_s"] for g in got])), "digest": digests.pop(),
                 "worker_cpu": float(np.mean([g["cpu_per_allreduce_s"] for g in got])),
+                "turns": float(np.mean([g["turns_per_allreduce"] for g in got])),
                 "counters": {k: sum(g[k] for g in got) for k in COUNTERS},
                 "switch": {k: sw1[k] - sw0[k] for k in sw1}}
 
@@ -258,6 +260,8 @@ def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], r
            "tail_s": float(np.median([b["tail"] for b in blocks])),
            "switch_cpu_per_allreduce_s": switch["cpu_ns"] / 1e9 / (reps * len(blocks)),
            "worker_cpu_per_allreduce_s": float(np.median([b["worker_cpu"] for b in blocks])),
+           # a rank's loop turns that took results (the data stream's), per allreduce: a loss's CPU follows them
+           "turns_per_allreduce": float(np.median([b["turns"] for b in blocks])),
            "exact": all(b["digest"] == ref[0]["digest"] for b in blocks),
            **counters, "switch": switch, "needed_resends": needed_resends(switch, n)}
     if path_ref:      # against the impairment path's own cost: what the losses alone add
@@ -312,7 +316,9 @@ def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
                     f"{row.get('vs_impairment_path', 1.0):.2f}x the impairment path alone, "
                     f"fast {row['fast_retransmissions']}, probes {row['probe_retransmissions']}, "
                     f"timeouts {row['timeout_retransmissions']}, needed ~{row['needed_resends']}, "
-                    f"tail {row['tail_s'] * 1e3:.2f} ms, switch {row['switch']}, exact {row['exact']}")
+                    f"tail {row['tail_s'] * 1e3:.2f} ms, turns {row['turns_per_allreduce']:.1f}, worker CPU "
+                    f"{row['worker_cpu_per_allreduce_s'] * 1e3:.2f} ms, switch CPU {row['switch_cpu_per_allreduce_s'] * 1e3:.2f} ms, "
+                    f"rejoin pauses {row['rejoin_pause_s']:.3f} s, switch {row['switch']}, exact {row['exact']}")
                 if not row["exact"]:
                     raise RuntimeError(f"{side.label}, {name}: results differ from the lossless run")
     return rows

@@ -595,6 +595,6 @@ class _Transfer:
             cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size
             cl.stats.retransmissions += lost.size
-            rejoin_pause(0 if send else lost.size, self.n_sent - self.n_done, self.spacing, cl)   # ina.recovery
+            rejoin_pause(0 if send else lost.size, min(self.S, self.n_chunks - self.n_done), self.spacing, cl)
         cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto), now)
         return rows

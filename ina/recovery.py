@@ -99,7 +99,8 @@ REJOIN_FLIGHT = 32     # chunks in flight from which a turn that resent waits fo
 
 def rejoin_pause(resent: int, in_flight: int, spacing, client) -> float:
     """After a loop turn that sent ``resent`` chunks again with this turn's new ones, ``in_flight`` chunks
-    out (``resent`` 0: the resends went out alone, no wave follows them): how long ``client`` (an
+    out once they are sent (the window, or what is left of the stream; ``resent`` 0: the resends went out
+    alone, no wave follows them): how long ``client`` (an
     ina.Client) waits before its next receive, set as ``spacing.hold`` (the transfer's
     ina.coalescing.ArrivalSpacing, whose ``per_pkt`` tells a fast link from a trickle), added to
     ``client.stats.rejoin_pause_s`` and returned. Half the smoothed round trip (none before one was

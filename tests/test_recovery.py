@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from ina.client import ClientStats
 from ina.coalescing import ArrivalSpacing
-from ina.recovery import DUPTHRESH, LossDetector
+from ina.recovery import DUPTHRESH, REJOIN_FLIGHT, LossDetector, rejoin_pause
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sw_harness import SwitchProc, Workers, bfp_reference, expected_inputs  # noqa: E402
@@ -344,6 +345,64 @@ def test_a_first_gap_that_was_the_process_pausing_does_not_make_a_fast_link_paus
 # ------------------------------------------------------------------------------------------------
 # tail copies: the last chunk of a stream (a negotiation packet is one) goes out twice, its result too
 # ------------------------------------------------------------------------------------------------
+class _Timers:
+    """What rejoin_pause reads of a client: its smoothed round trip, its longest pause, its counters."""
+
+    def __init__(self, srtt):
+        self.srtt, self.coalesce, self.stats = srtt, 0.004, ClientStats()
+
+
+def _spacing(gap: float) -> ArrivalSpacing:
+    sp = ArrivalSpacing()
+    for i in range(8):
+        sp.sample(1, i * gap, False)
+    return sp
+
+
+def test_a_turn_that_resent_waits_half_a_round_trip_for_the_wave_on_a_fast_link_only():
+    """After a loop turn that resent chunks with a window in flight, the client waits half a round trip
+    before its next receive, once (the resent chunks' results come back alone, ahead of the next wave:
+    taken with it, they cost no loop turn of their own), counted apart from receive coalescing. Not
+    after a turn without resends, nor before a round trip was measured, nor near a stream's end, nor
+    on a link whose results trickle (receive coalescing batches there), and never above ``coalesce``."""
+    fast, slow = _spacing(2e-5), _spacing(5e-4)
+    cl = _Timers(srtt=0.001)
+    assert rejoin_pause(3, 64, fast, cl) == pytest.approx(0.0005)
+    assert fast.hold == pytest.approx(0.0005) and cl.stats.rejoin_pause_s == pytest.approx(0.0005)
+    assert cl.stats.coalesce_pause_s == 0.0
+    t = time.monotonic()
+    assert fast.pause(8, 64, cl.coalesce) == 0.0        # the hold is waited out, not counted as coalescing
+    assert time.monotonic() - t >= 0.0005 and fast.hold == 0.0     # once
+    for resent, in_flight, sp, timers in ((0, 64, fast, cl), (3, REJOIN_FLIGHT - 1, fast, cl), (3, 64, slow, cl),
+                                          (3, 64, fast, _Timers(srtt=None))):
+        assert rejoin_pause(resent, in_flight, sp, timers) == 0.0 and sp.hold == 0.0
+    assert cl.stats.rejoin_pause_s == pytest.approx(0.0005)
+    assert rejoin_pause(1, 64, fast, _Timers(srtt=0.5)) == 0.004
+
+
+def test_resends_on_a_fast_link_wait_for_the_wave_and_results_stay_exact(tmp_path):
+    """1% loss both ways, 4 ranks on loopback, 300 k-element streams (a 64-chunk window): the ranks that
+    resent waited for the wave (``rejoin_pause_s``, at most half a round trip per turn with resends,
+    so at most ``coalesce`` per resend), every result is exact; receive coalescing did not pause."""
+    sw = SwitchProc("--slots", "64", "--elements", "1024", "--loss", "0.01", "--seed", "29",
+                    log_path=tmp_path / "switch.log")
+    try:
+        ops = [{"codec": "bfp32", "shape": [1024 * 300 + 11 * i], "seed": 110 + i} for i in range(4)]
+        client = {**SLOW_TIMEOUT, "elements": 1024, "slots": 64}
+        out = Workers(tmp_path, sw.port, N, job=9, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
+        imp = sw.stats()["impairments"]
+        dropped = imp["ingress"]["dropped"] + imp["egress"]["dropped"]
+    finally:
+        sw.terminate()
+    assert dropped >= 20, f"the impairment dropped only {dropped} packets: the test shows nothing"
+
+    def after_warmup(key):
+        return sum(m["stats"][key] - m["stats_after_warmup"][key] for m in out.values())
+    resent, held = after_warmup("retransmissions"), after_warmup("rejoin_pause_s")
+    assert resent > 0 and 0 < held <= resent * 0.004, (resent, held)
+    _check_exact(out, ops, N)
+
+
 def test_tail_copies_flag_the_last_chunk_and_count_the_copy():
     from ina.recovery import tail_copies
     from ina.wire import Flag, header_view
