@@ -301,22 +301,28 @@ def test_early_retransmit_near_the_end_of_the_stream():
     assert fast.size == 0
 
 
+def _lossy_window_run(tmp_path, ops, seed: int, job: int):
+    """``ops`` (the first a warm-up) by N ranks on loopback, 1024-element chunks, a 64-chunk window, 1%
+    loss both ways: the ranks' reports and the packets the switch dropped."""
+    sw = SwitchProc("--slots", "64", "--elements", "1024", "--loss", "0.01", "--seed", str(seed),
+                    log_path=tmp_path / "switch.log")
+    try:
+        client = {**SLOW_TIMEOUT, "elements": 1024, "slots": 64}
+        out = Workers(tmp_path, sw.port, N, job=job, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
+        imp = sw.stats()["impairments"]
+    finally:
+        sw.terminate()
+    return out, imp["ingress"]["dropped"] + imp["egress"]["dropped"]
+
+
 def test_a_loss_does_not_make_a_fast_link_pause_for_receive_coalescing(tmp_path):
     """Receive coalescing pauses (up to 4 ms) only where results trickle in slower than a loop turn.
     On loopback they come faster; a loss's recovery gap (or a peer's, which stalls the job's lockstep
     stream alike) is no sign of a slow link: under 1% loss in both directions the clients pause for
     coalescing for less than a tenth of one maximal pause per packet lost (each loss cost every rank
     a pause of up to 4 ms while the spacing estimate took such gaps in)."""
-    sw = SwitchProc("--slots", "64", "--elements", "1024", "--loss", "0.01", "--seed", "23",
-                    log_path=tmp_path / "switch.log")
-    try:
-        ops = [{"codec": "bfp32", "shape": [1024 * 300 + 7 * i], "seed": 90 + i} for i in range(6)]
-        client = {**SLOW_TIMEOUT, "elements": 1024, "slots": 64}
-        out = Workers(tmp_path, sw.port, N, job=7, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
-        imp = sw.stats()["impairments"]
-        dropped = imp["ingress"]["dropped"] + imp["egress"]["dropped"]
-    finally:
-        sw.terminate()
+    ops = [{"codec": "bfp32", "shape": [1024 * 300 + 7 * i], "seed": 90 + i} for i in range(6)]
+    out, dropped = _lossy_window_run(tmp_path, ops, seed=23, job=7)
     assert dropped >= 30, f"the impairment dropped only {dropped} packets: the test shows nothing"
     paused = sum(m["stats"]["coalesce_pause_s"] - m["stats_after_warmup"]["coalesce_pause_s"] for m in out.values())
     assert paused < 0.1 * dropped * 0.004, (paused, dropped)
@@ -384,16 +390,8 @@ def test_resends_on_a_fast_link_wait_for_the_wave_and_results_stay_exact(tmp_pat
     """1% loss both ways, 4 ranks on loopback, 300 k-element streams (a 64-chunk window): the ranks that
     resent waited for the wave (``rejoin_pause_s``, at most half a round trip per turn with resends,
     so at most ``coalesce`` per resend), every result is exact; receive coalescing did not pause."""
-    sw = SwitchProc("--slots", "64", "--elements", "1024", "--loss", "0.01", "--seed", "29",
-                    log_path=tmp_path / "switch.log")
-    try:
-        ops = [{"codec": "bfp32", "shape": [1024 * 300 + 11 * i], "seed": 110 + i} for i in range(4)]
-        client = {**SLOW_TIMEOUT, "elements": 1024, "slots": 64}
-        out = Workers(tmp_path, sw.port, N, job=9, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
-        imp = sw.stats()["impairments"]
-        dropped = imp["ingress"]["dropped"] + imp["egress"]["dropped"]
-    finally:
-        sw.terminate()
+    ops = [{"codec": "bfp32", "shape": [1024 * 300 + 11 * i], "seed": 110 + i} for i in range(4)]
+    out, dropped = _lossy_window_run(tmp_path, ops, seed=29, job=9)
     assert dropped >= 20, f"the impairment dropped only {dropped} packets: the test shows nothing"
 
     def after_warmup(key):
