@@ -36,7 +36,7 @@ from . import stream_kernels as SK
 from .compression.base import ScaleContext
 from .coalescing import ArrivalSpacing
 from .control import ControlChannel, ControlError
-from .recovery import TAIL_COPY_FROM, LossDetector, rejoin_pause, tail_copies
+from .recovery import TAIL_COPY_FROM, LossDetector, tail_copies
 from .scheduling import RunQueueDelay
 from .errors import AllreduceError
 from .host_client import HostAggClient
@@ -67,7 +67,6 @@ class ClientStats(WorkerStats):
     duplicate_results: int = 0        # results of chunks already done (replays of a resend, duplicates)
     tail_copies: int = 0              # second copies of a stream's last chunk sent (ina.recovery.tail_copies)
     coalesce_pause_s: float = 0.0     # time spent pausing for receive coalescing (a slow link's trickle)
-    rejoin_pause_s: float = 0.0       # time waited after resends for their results to join the wave (ina.recovery)
     stale_results: int = 0
     sparse_header_only: int = 0       # sparse streaming: rounds this worker took part in with 24 bytes (zero chunk)
     sparse_chunks_skipped: int = 0    # sparse streaming: chunks zero at every worker (no packet, no round)
@@ -309,11 +308,13 @@ class Client(Worker):
             self.srtt = 0.875 * self.srtt + 0.125 * r
 
     def current_rto(self, queued: float = 0.0) -> float:
-        """Retransmission timeout, the safety net of :mod:`ina.recovery`: srtt + 4 rttvar of the chunks' round trips
-        (RFC 6298, Karn's rule), at least ``rto``, at most ``max_rto``. It resends every late chunk, so it stays well
-        above a round trip (a window waiting for a slow peer would be resent again and again; fast retransmission and
-        the tail probe find real losses much sooner). ``queued``: the serialisation time of the chunks in flight (count
-        x result spacing), which the last of a window waits in a slow link's queue: at least rtt_min + 2 queued."""
+        """Retransmission timeout, the safety net of :mod:`ina.recovery`: srtt + 4 rttvar of the chunks'
+        measured round trips (RFC 6298 with Karn's rule), at least ``rto`` and at most ``max_rto``. It
+        resends every chunk it finds late, so it stays well above a round trip: a whole window waiting
+        for a slow peer would otherwise be resent again and again (fast retransmission and the tail
+        probe find real losses much sooner). ``queued``: the serialisation time of the chunks in flight
+        (their count x the result spacing); the last of a window on a slow link waits that long in the
+        link's queue, so the timeout is at least the fastest round trip plus twice that."""
         rtt_floor = 0.0 if math.isinf(self.rtt_min) else self.rtt_min + 2 * queued
         floor = max(self.rto, rtt_floor, self.run_queue.timeout_floor())
         if self.srtt is None:
@@ -595,6 +596,5 @@ class _Transfer:
             cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size
             cl.stats.retransmissions += lost.size
-            rejoin_pause(0 if send else lost.size, min(self.S, self.n_chunks - self.n_done), self.spacing, cl)
         cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto), now)
         return rows

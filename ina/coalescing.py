@@ -22,7 +22,6 @@ class ArrivalSpacing:
         self.last_rx: float | None = None
         self.per_pkt = 0.0
         self.samples = 0
-        self.hold = 0.0           # seconds to wait before the next receive, once (ina.recovery.rejoin_pause)
 
     def idle(self) -> None:
         """An idle gap (peers, a loss) follows: it says nothing about the link."""
@@ -49,12 +48,7 @@ class ArrivalSpacing:
 
     def pause(self, k: int, in_flight: int, longest: float) -> float:
         """After a receive burst of ``k`` results with ``in_flight`` chunks out: sleep to let a few more
-        arrive (at most ``longest`` seconds; 0: off) when the link trickles. Returns the pause. A ``hold``
-        set in the burst's turn (resends went out: ina.recovery.rejoin_pause) is waited out too, once, and
-        not returned (the client counts it apart)."""
-        if self.hold:
-            hold, self.hold = self.hold, 0.0
-            time.sleep(hold)
+        arrive (at most ``longest`` seconds; 0: off) when the link trickles. Returns the pause."""
         per_pkt = self.per_pkt if self.samples >= FIRST_SAMPLES else 0.0
         if k < COALESCE_TARGET and in_flight > 2 * COALESCE_TARGET and per_pkt > COALESCE_SPACING:
             pause = min(longest, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)

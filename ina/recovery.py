@@ -53,19 +53,6 @@ Four rules, in the order a lost chunk meets them:
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
    for as long (TCP restarts its retransmission timer with every acknowledgement).
 
-**Rejoining the wave** (:func:`rejoin_pause`): on a fast link where the job is CPU-bound (loopback: 4
-workers and the switch on 2 cores) results come back in waves, one loop turn each. A resent chunk's
-result does not: its round completes when the rank that lost its packet resends, ahead of that rank's
-share of the next wave, so it comes back alone, and every rank takes a loop turn (about 0.17 ms of CPU
-at 1.7 M elements) for that one result. Traced at 1.7 M elements and 1% loss, 26 of a rank's 33 loop
-turns of at most 7 results per allreduce held a resent chunk's result (lossless: 1.4 such turns), and
-its turns rose from 43 to 77. So after a turn that resent chunks, with a window in flight, the client
-waits half a round trip before its next receive: the lone results and the next wave arrive meanwhile
-and are taken in one turn (the CPU the turn would have cost goes to the switch and the peers, whose
-work is what the job waits for). Not on a link whose results trickle (receive coalescing already
-batches there), nor near a stream's end (fewer than ``REJOIN_FLIGHT`` chunks out: nothing to batch
-with). Counted: ``ClientStats.rejoin_pause_s``.
-
 The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart,
 and per rule the resends the switch answered with a replay (``LossDetector.rule`` keeps the rule of a
 chunk's last resend): the round had completed, so the resend recovered a result lost on the way back.
@@ -88,31 +75,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import recovery_kernels as RK
-from .coalescing import COALESCE_SPACING
 from .wire import Flag
 
 TAIL_COPY_FROM = 16    # data streams of at least this many chunks send their last chunk twice (negotiation: always)
 DUPTHRESH, REO_FLOOR = RK.DUPTHRESH, RK.REO_FLOOR   # rule 1's count of later results, rule 2's floor (seconds)
 FAST, PROBE, TIMEOUT = RK.FAST, RK.PROBE, RK.TIMEOUT  # the rule of a chunk's last resend (LossDetector.rule; 0: never)
-REJOIN_FLIGHT = 32     # chunks in flight from which a turn that resent waits for the wave (rejoin_pause)
-
-
-def rejoin_pause(resent: int, in_flight: int, spacing, client) -> float:
-    """After a loop turn that sent ``resent`` chunks again with this turn's new ones, ``in_flight`` chunks
-    out once they are sent (the window, or what is left of the stream; ``resent`` 0: the resends went out
-    alone, no wave follows them): how long ``client`` (an
-    ina.Client) waits before its next receive, set as ``spacing.hold`` (the transfer's
-    ina.coalescing.ArrivalSpacing, whose ``per_pkt`` tells a fast link from a trickle), added to
-    ``client.stats.rejoin_pause_s`` and returned. Half the smoothed round trip (none before one was
-    measured), at most the client's ``coalesce``, on a fast link with a window in flight; else 0 (see
-    "Rejoining the wave" above)."""
-    srtt, fast = client.srtt, spacing.per_pkt <= COALESCE_SPACING
-    hold = 0.0
-    if resent and srtt is not None and in_flight >= REJOIN_FLIGHT and fast:
-        hold = min(client.coalesce, srtt / 2)
-    spacing.hold = hold
-    client.stats.rejoin_pause_s += hold
-    return hold
 
 
 def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats,

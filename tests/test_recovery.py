@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from ina.client import ClientStats
 from ina.coalescing import ArrivalSpacing
-from ina.recovery import DUPTHRESH, REJOIN_FLIGHT, LossDetector, rejoin_pause
+from ina.recovery import DUPTHRESH, LossDetector
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sw_harness import SwitchProc, Workers, bfp_reference, expected_inputs  # noqa: E402
@@ -301,28 +300,22 @@ def test_early_retransmit_near_the_end_of_the_stream():
     assert fast.size == 0
 
 
-def _lossy_window_run(tmp_path, ops, seed: int, job: int):
-    """``ops`` (the first a warm-up) by N ranks on loopback, 1024-element chunks, a 64-chunk window, 1%
-    loss both ways: the ranks' reports and the packets the switch dropped."""
-    sw = SwitchProc("--slots", "64", "--elements", "1024", "--loss", "0.01", "--seed", str(seed),
-                    log_path=tmp_path / "switch.log")
-    try:
-        client = {**SLOW_TIMEOUT, "elements": 1024, "slots": 64}
-        out = Workers(tmp_path, sw.port, N, job=job, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
-        imp = sw.stats()["impairments"]
-    finally:
-        sw.terminate()
-    return out, imp["ingress"]["dropped"] + imp["egress"]["dropped"]
-
-
 def test_a_loss_does_not_make_a_fast_link_pause_for_receive_coalescing(tmp_path):
     """Receive coalescing pauses (up to 4 ms) only where results trickle in slower than a loop turn.
     On loopback they come faster; a loss's recovery gap (or a peer's, which stalls the job's lockstep
     stream alike) is no sign of a slow link: under 1% loss in both directions the clients pause for
     coalescing for less than a tenth of one maximal pause per packet lost (each loss cost every rank
     a pause of up to 4 ms while the spacing estimate took such gaps in)."""
-    ops = [{"codec": "bfp32", "shape": [1024 * 300 + 7 * i], "seed": 90 + i} for i in range(6)]
-    out, dropped = _lossy_window_run(tmp_path, ops, seed=23, job=7)
+    sw = SwitchProc("--slots", "64", "--elements", "1024", "--loss", "0.01", "--seed", "23",
+                    log_path=tmp_path / "switch.log")
+    try:
+        ops = [{"codec": "bfp32", "shape": [1024 * 300 + 7 * i], "seed": 90 + i} for i in range(6)]
+        client = {**SLOW_TIMEOUT, "elements": 1024, "slots": 64}
+        out = Workers(tmp_path, sw.port, N, job=7, ops=ops, client=client, warmup_ops=1).wait(timeout=120)
+        imp = sw.stats()["impairments"]
+        dropped = imp["ingress"]["dropped"] + imp["egress"]["dropped"]
+    finally:
+        sw.terminate()
     assert dropped >= 30, f"the impairment dropped only {dropped} packets: the test shows nothing"
     paused = sum(m["stats"]["coalesce_pause_s"] - m["stats_after_warmup"]["coalesce_pause_s"] for m in out.values())
     assert paused < 0.1 * dropped * 0.004, (paused, dropped)
@@ -351,56 +344,6 @@ def test_a_first_gap_that_was_the_process_pausing_does_not_make_a_fast_link_paus
 # ------------------------------------------------------------------------------------------------
 # tail copies: the last chunk of a stream (a negotiation packet is one) goes out twice, its result too
 # ------------------------------------------------------------------------------------------------
-class _Timers:
-    """What rejoin_pause reads of a client: its smoothed round trip, its longest pause, its counters."""
-
-    def __init__(self, srtt):
-        self.srtt, self.coalesce, self.stats = srtt, 0.004, ClientStats()
-
-
-def _spacing(gap: float) -> ArrivalSpacing:
-    sp = ArrivalSpacing()
-    for i in range(8):
-        sp.sample(1, i * gap, False)
-    return sp
-
-
-def test_a_turn_that_resent_waits_half_a_round_trip_for_the_wave_on_a_fast_link_only():
-    """After a loop turn that resent chunks with a window in flight, the client waits half a round trip
-    before its next receive, once (the resent chunks' results come back alone, ahead of the next wave:
-    taken with it, they cost no loop turn of their own), counted apart from receive coalescing. Not
-    after a turn without resends, nor before a round trip was measured, nor near a stream's end, nor
-    on a link whose results trickle (receive coalescing batches there), and never above ``coalesce``."""
-    fast, slow = _spacing(2e-5), _spacing(5e-4)
-    cl = _Timers(srtt=0.001)
-    assert rejoin_pause(3, 64, fast, cl) == pytest.approx(0.0005)
-    assert fast.hold == pytest.approx(0.0005) and cl.stats.rejoin_pause_s == pytest.approx(0.0005)
-    assert cl.stats.coalesce_pause_s == 0.0
-    t = time.monotonic()
-    assert fast.pause(8, 64, cl.coalesce) == 0.0        # the hold is waited out, not counted as coalescing
-    assert time.monotonic() - t >= 0.0005 and fast.hold == 0.0     # once
-    for resent, in_flight, sp, timers in ((0, 64, fast, cl), (3, REJOIN_FLIGHT - 1, fast, cl), (3, 64, slow, cl),
-                                          (3, 64, fast, _Timers(srtt=None))):
-        assert rejoin_pause(resent, in_flight, sp, timers) == 0.0 and sp.hold == 0.0
-    assert cl.stats.rejoin_pause_s == pytest.approx(0.0005)
-    assert rejoin_pause(1, 64, fast, _Timers(srtt=0.5)) == 0.004
-
-
-def test_resends_on_a_fast_link_wait_for_the_wave_and_results_stay_exact(tmp_path):
-    """1% loss both ways, 4 ranks on loopback, 300 k-element streams (a 64-chunk window): the ranks that
-    resent waited for the wave (``rejoin_pause_s``, at most half a round trip per turn with resends,
-    so at most ``coalesce`` per resend), every result is exact; receive coalescing did not pause."""
-    ops = [{"codec": "bfp32", "shape": [1024 * 300 + 11 * i], "seed": 110 + i} for i in range(4)]
-    out, dropped = _lossy_window_run(tmp_path, ops, seed=29, job=9)
-    assert dropped >= 20, f"the impairment dropped only {dropped} packets: the test shows nothing"
-
-    def after_warmup(key):
-        return sum(m["stats"][key] - m["stats_after_warmup"][key] for m in out.values())
-    resent, held = after_warmup("retransmissions"), after_warmup("rejoin_pause_s")
-    assert resent > 0 and 0 < held <= resent * 0.004, (resent, held)
-    _check_exact(out, ops, N)
-
-
 def test_tail_copies_flag_the_last_chunk_and_count_the_copy():
     from ina.recovery import tail_copies
     from ina.wire import Flag, header_view
