@@ -373,13 +373,16 @@ def main(argv=None) -> int:
                           "results": rows}, indent=2))
     else:
         print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'spread':>11} {'best':>5} {'fast':>6} "
-              f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} exact  this/baseline")
+              f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "
+              f"{'sCPU ms':>7} exact  this/baseline")
         for r in rows:
             lo, hi = min(r["vs_lossless_per_round"]), max(r["vs_lossless_per_round"])
             print(f"{r['code']:<8} {r['elements']:>9} {r['setting']:<32} {r['time_per_allreduce_s'] * 1e3:>8.2f} "
                   f"{r['vs_lossless']:>10.2f} {lo:>5.2f}-{hi:<5.2f} {r['vs_lossless_best']:>5.2f} {r['fast_retransmissions']:>6} "
                   f"{r['probe_retransmissions']:>6} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
                   f"{r['tail_s'] * 1e3:>7.2f} {r.get('vs_impairment_path', float('nan')):>6.2f} "
+                  f"{r['turns_per_allreduce']:>6.1f} {r['worker_cpu_per_allreduce_s'] * 1e3:>7.2f} "
+                  f"{r['switch_cpu_per_allreduce_s'] * 1e3:>7.2f} "
                   f"{'yes' if r['exact'] else 'NO':<5}  {r.get('this_vs_baseline', '')}")
     return 0
 
