@@ -8,13 +8,17 @@ A burst is impaired as arrays, never packet by packet: three uniforms per packet
 seeded generator decide loss, duplication and reordering. They are drawn ahead in blocks of
 ``DRAW_BLOCK`` packets, with a running count of the packets something happens to, so that a burst
 nothing happens to (no loss, no copy, nothing held back or due: nearly every burst at a low loss
-rate) costs a subtraction and is handed on untouched. Held packets (delay, reordering) wait in a pool
-of rows with their release times; only the bytes a packet has are copied.
+rate) costs a comparison and is handed on untouched. A burst that only lost packets (loss alone
+configured, nothing held) costs no copy of the survivors: at the egress the sent rows leave the lost
+ones out; at the ingress (whose stages read rows 0..k-1) the survivors close the gaps in place, moving
+the fewer rows of the two directions, each only by its own bytes (``close_gaps``). Held packets (delay,
+reordering) wait in a pool of rows with their release times; only the bytes a packet has are copied.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numba
 import numpy as np
 
 DRAW_BLOCK = 4096         # packets whose uniforms are drawn at once (the same stream as one draw per burst)
@@ -43,8 +47,51 @@ class ImpairmentConfig:
     def active(self) -> bool:
         return bool(self.loss or self.duplicate or self.reorder or self.delay_ms)
 
+    @property
+    def loss_only(self) -> bool:
+        """Only loss: a burst's packets are dropped or go on, none is copied or held."""
+        return not (self.duplicate or self.reorder or self.delay_ms)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@numba.njit(cache=True)
+def close_gaps(buf, lens, tags, keep, n):
+    """Close the gaps the dropped packets (``keep[i]`` False) leave in rows 0..n-1 of ``buf`` (and in
+    ``lens``, ``tags``), keeping the survivors' order: they end up in rows s..s+k-1; returns s. The rows
+    before the first gap move down to the end, or the rows after it up to the front, whichever are fewer;
+    a row moves only its own ``lens[i]`` bytes."""
+    first, last, k = n, -1, 0
+    for i in range(n):
+        if keep[i]:
+            k += 1
+        else:
+            first, last = min(first, i), i
+    if k == n:
+        return 0
+    w = buf.shape[1]
+    before_last = 0                   # survivors before the last gap: what moving towards the end copies
+    for i in range(last):
+        before_last += keep[i]
+    after_first = k - first           # survivors after the first gap: what moving towards the front copies
+    if after_first <= before_last:
+        j = first
+        for i in range(first + 1, n):
+            if keep[i]:
+                ln = min(lens[i], w)
+                buf[j, :ln] = buf[i, :ln]
+                lens[j], tags[j] = lens[i], tags[i]
+                j += 1
+        return 0
+    j = last
+    for i in range(last - 1, -1, -1):
+        if keep[i]:
+            ln = min(lens[i], w)
+            buf[j, :ln] = buf[i, :ln]
+            lens[j], tags[j] = lens[i], tags[i]
+            j -= 1
+    return j + 1
 
 
 class HeldPackets:
@@ -120,19 +167,21 @@ class Impairment:
     def set(self, config: ImpairmentConfig) -> None:
         self.config = config
         self._rng = np.random.default_rng(config.seed)
-        self._u = np.zeros((0, 3))            # the drawn uniforms not used yet, a row per packet
-        self._quiet = np.zeros(1, np.int64)   # _quiet[i]: packets among _u[:i] something happens to
+        self._u = np.zeros((0, 3))            # the drawn uniforms, a row per packet; _u[_at:] not used yet
+        self._hits = np.zeros(1, np.int64)    # _hits[i]: packets among _u[:i] something happens to
+        self._at = 0
 
     def _draw(self, n: int) -> tuple[np.ndarray, bool]:
         """The next ``n`` packets' uniforms, and whether something happens to one of them."""
-        if n > len(self._u):
+        i, j = self._at, self._at + n
+        if j > len(self._u):
             cfg = self.config
-            u = np.concatenate([self._u, self._rng.random((max(DRAW_BLOCK, n), 3))])
+            u = np.concatenate([self._u[i:], self._rng.random((max(DRAW_BLOCK, n), 3))])
             touched = (u[:, 0] < cfg.loss) | (u[:, 1] < cfg.duplicate) | (u[:, 2] < cfg.reorder) | (cfg.delay_ms > 0)
-            self._u, self._quiet = u, np.concatenate([[0], np.cumsum(touched)])
-        u, touched = self._u[:n], self._quiet[n] != self._quiet[0]
-        self._u, self._quiet = self._u[n:], self._quiet[n:]
-        return u, bool(touched)
+            self._u, self._hits = u, np.concatenate([[0], np.cumsum(touched)])
+            i, j = 0, n
+        self._at = j
+        return self._u[i:j], bool(self._hits[j] != self._hits[i])
 
     @property
     def active(self) -> bool:
@@ -155,13 +204,20 @@ class Impairment:
         When nothing happened to the burst and nothing is due, these are the arguments themselves.
         ``gather`` False (a caller that sends ``buf[rows]`` as they are, the egress): when no held
         packet is due, the survivors are ``rows`` of ``buf`` itself (a dropped or duplicated packet
-        costs no copy of the burst); otherwise the packets are copied into rows 0..k-1 of a pool."""
+        costs no copy of the burst); otherwise the packets are copied into rows 0..k-1 of a pool. ``gather``
+        True wants ``rows`` = 0..n-1 and may rearrange ``buf``, ``lens`` and ``tags`` in place (a receive
+        ring's, which the next receive overwrites): a burst that only lost packets comes back as rows
+        0..k-1 of a view of ``buf``'s rows."""
         cfg, n = self.config, len(rows)
         touched = False                               # a packet of the burst was dropped, copied or held
         if n and cfg.active:
             u, touched = self._draw(n)
         if not (touched or self.held.n) and n <= limit:
             return buf, rows, lens, tags                # nothing happens to this burst (the common case)
+        if touched and cfg.loss_only and not self.held.n:
+            out = self._drop(buf, rows, lens, tags, u[:, 0] >= cfg.loss, limit, gather)
+            if out is not None:
+                return out
         go = np.arange(n)
         if touched:
             copies = (u[:, 0] >= cfg.loss).astype(np.int64) * (1 + (u[:, 1] < cfg.duplicate))
@@ -185,6 +241,20 @@ class Impairment:
         if not (gather or due.size) and go.size <= limit:
             return buf, rows[go], lens[go], tags[go]    # drops and duplicates: the same rows, no copy
         return self._assemble(buf, rows[go], lens[go], tags[go], due, limit, now)
+
+    def _drop(self, buf, rows, lens, tags, keep, limit: int, gather: bool) -> tuple | None:
+        """Loss alone, nothing held: the survivors (``keep``) without a copy of them. ``gather``: the burst
+        is rows 0..n-1 of ``buf``, whose gaps close in place (``close_gaps``), the result a view of its
+        rows. None (the general path) when more than ``limit`` survive or ``rows`` are not 0..n-1."""
+        n = len(rows)
+        k = int(np.count_nonzero(keep))
+        if k > limit or (gather and (rows[0] != 0 or rows[-1] != n - 1)):
+            return None
+        self.dropped += n - k
+        if not gather:
+            return buf, rows[keep], lens[keep], tags[keep]
+        s = close_gaps(buf, lens, tags, keep, n)
+        return buf[s:s + k], np.arange(k), lens[s:s + k], tags[s:s + k]
 
     def _assemble(self, buf, rows, lens, tags, due, limit: int, now: float) -> tuple:
         """Copy the due held packets, then ``buf[rows]``, into ``self.out``; anything past ``limit``

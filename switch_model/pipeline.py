@@ -268,9 +268,9 @@ class Switch:
                                                    time.monotonic(), self.max_pass)
         if buf is self.rx.buf:
             return buf, self.rx.lens, n
-        k = rows.size
+        k = rows.size                   # rows 0..k-1 of buf: the pool's, or the ring's rows after a loss
         src[:k] = tags
-        return buf, self.ingress.out_lens, k
+        return buf, lens, k
 
     # buf / lens: the receive ring's (rx.buf, rx.lens) or the ingress side pool's, of the same types
     def stage_parse(self, buf, lens, n: int) -> None:
