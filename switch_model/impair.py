@@ -163,29 +163,32 @@ class Impairment:
         self.out = np.zeros((64, width), np.uint8)       # the rows of an impaired burst
         self.out_lens = np.zeros(64, np.int64)
         self.out_tags = np.zeros(64, np.int64)
+        one = np.zeros(1, np.int64)         # load close_gaps now (numba's cache: about 0.1 s), not at the first loss
+        close_gaps(self.out[:1], one, one.copy(), np.zeros(1, bool), 1)
 
     def set(self, config: ImpairmentConfig) -> None:
         self.config = config
+        self._on = config.active
         self._rng = np.random.default_rng(config.seed)
-        self._u = np.zeros((0, 3))            # the drawn uniforms, a row per packet; _u[_at:] not used yet
-        self._hits = np.zeros(1, np.int64)    # _hits[i]: packets among _u[:i] something happens to
+        self._u = np.zeros((0, 3))      # the drawn uniforms, a row per packet; _u[_at:] not used yet
+        self._hits = [0]                # _hits[i]: packets among _u[:i] something happens to (Python ints: cheap to read)
         self._at = 0
 
-    def _draw(self, n: int) -> tuple[np.ndarray, bool]:
-        """The next ``n`` packets' uniforms, and whether something happens to one of them."""
+    def _draw(self, n: int) -> np.ndarray | None:
+        """The next ``n`` packets' uniforms if something happens to one of them, else None."""
         i, j = self._at, self._at + n
-        if j > len(self._u):
+        if j >= len(self._hits):
             cfg = self.config
             u = np.concatenate([self._u[i:], self._rng.random((max(DRAW_BLOCK, n), 3))])
             touched = (u[:, 0] < cfg.loss) | (u[:, 1] < cfg.duplicate) | (u[:, 2] < cfg.reorder) | (cfg.delay_ms > 0)
-            self._u, self._hits = u, np.concatenate([[0], np.cumsum(touched)])
+            self._u, self._hits = u, [0, *np.cumsum(touched).tolist()]
             i, j = 0, n
         self._at = j
-        return self._u[i:j], bool(self._hits[j] != self._hits[i])
+        return self._u[i:j] if self._hits[j] != self._hits[i] else None
 
     @property
     def active(self) -> bool:
-        return self.config.active or self.holding
+        return self._on or self.held.n > 0
 
     @property
     def holding(self) -> bool:
@@ -208,12 +211,11 @@ class Impairment:
         True wants ``rows`` = 0..n-1 and may rearrange ``buf``, ``lens`` and ``tags`` in place (a receive
         ring's, which the next receive overwrites): a burst that only lost packets comes back as rows
         0..k-1 of a view of ``buf``'s rows."""
-        cfg, n = self.config, len(rows)
-        touched = False                               # a packet of the burst was dropped, copied or held
-        if n and cfg.active:
-            u, touched = self._draw(n)
-        if not (touched or self.held.n) and n <= limit:
+        n = len(rows)
+        u = self._draw(n) if n and self._on else None
+        if u is None and not self.held.n and n <= limit:
             return buf, rows, lens, tags                # nothing happens to this burst (the common case)
+        cfg, touched = self.config, u is not None       # a packet of the burst was dropped, copied or held
         if touched and cfg.loss_only and not self.held.n:
             out = self._drop(buf, rows, lens, tags, u[:, 0] >= cfg.loss, limit, gather)
             if out is not None:
