@@ -174,6 +174,11 @@ class Impairment:
         self._hits = [0]                # _hits[i]: packets among _u[:i] something happens to (Python ints: cheap to read)
         self._at = 0
 
+    def update(self, changes: dict | None) -> None:
+        """Set the fields ``changes`` names (None: none), keeping the others."""
+        if changes is not None:
+            self.set(ImpairmentConfig(**{**self.config.to_dict(), **changes}))
+
     def _draw(self, n: int) -> np.ndarray | None:
         """The next ``n`` packets' uniforms if something happens to one of them, else None."""
         i, j = self._at, self._at + n
@@ -293,6 +298,10 @@ class Impairment:
         self.out = np.zeros((cap, self.out.shape[1]), np.uint8)
         self.out_lens = np.zeros(cap, np.int64)
         self.out_tags = np.zeros(cap, np.int64)
+
+    def stats(self) -> dict:
+        """The configuration and the counters, as the switch's stats show them."""
+        return {**self.config.to_dict(), **self.counters()}
 
     def counters(self) -> dict:
         return {"dropped": self.dropped, "duplicated": self.duplicated, "reordered": self.reordered,

@@ -172,6 +172,7 @@ class Switch:
         self.counters = self.state.counters
         tx = self.state.tx                # harvest's transmission plan, as field views made once (not per burst)
         self._tx_rows, self._tx_lens, self._tx_addr = tx["set_id"], tx["length"], tx["addr"]
+        self._tx_mark = np.zeros(len(self.state.results), bool)     # stage_tx: rows sent as results
         self.clock = StageClock()
         self._waited = 0
         self.slot_owner = np.full(cfg.slots, -1, np.int64)
@@ -298,27 +299,29 @@ class Switch:
         return m2
 
     def stage_tx(self, m: int) -> None:
-        """Send harvest's plan (grouped by destination there: one GSO message per worker and burst).
-        Replays (negative length) go out with the REPLAY flag, set in the stored row only for their own
-        send (after the burst's multicasts; the egress impairments copy a packet they hold)."""
+        """Send harvest's plan (grouped by destination there: one GSO message per worker and burst). Replays
+        (negative length) go in the same send with the REPLAY flag set in the stored row for it (the egress
+        impairments copy a packet they hold); in a second one if their row also goes out as a result."""
         rows, lens, addr = self._tx_rows[:m], self._tx_lens[:m], self._tx_addr[:m]
         buf = self.state.results
-        if m and self._replays:
-            rep = lens < 0
+        if not (m and self._replays):
+            return self._send_impaired(buf, rows, lens, addr)
+        rep, mark = lens < 0, self._tx_mark
+        mark[rows[~rep]] = True
+        both, mark[rows] = mark[rows[rep]].any(), False
+        if both:
             self._send_impaired(buf, rows[~rep], lens[~rep], addr[~rep])
-            rows, lens, addr = rows[rep], -lens[rep], addr[rep]
-            flags = buf[:, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]     # a view: in place
-            flags[rows] |= int(Flag.REPLAY)
-            try:
-                self._send_impaired(buf, rows, lens, addr)
-            finally:
-                flags[rows] &= ~int(Flag.REPLAY) & 0xFFFF
-            return
-        self._send_impaired(buf, rows, lens, addr)
+            rows, lens, addr, rep = rows[rep], lens[rep], addr[rep], rep[rep]
+        flags = buf[:, OFFSET["flags"]: OFFSET["flags"] + 2].view(">u2")[:, 0]     # a view: in place
+        flags[rows[rep]] |= int(Flag.REPLAY)
+        try:
+            self._send_impaired(buf, rows, np.abs(lens), addr)
+        finally:
+            flags[rows[rep]] &= ~int(Flag.REPLAY) & 0xFFFF
 
     def _send_impaired(self, buf, rows, lens, addr) -> None:
-        """Send ``buf[rows]`` through the egress impairments when they are on: a dropped or duplicated
-        packet changes the rows sent, without a copy; held packets that are due join the send."""
+        """Send ``buf[rows]`` through the egress impairments when they are on (impair.py: a dropped
+        packet changes the rows sent, without a copy; held packets that are due join the send)."""
         if self.egress.active:          # each worker's copy is impaired on its own
             rows, lens, addr, groups = self.multicast.expand(rows, lens, addr)
             self.counters[C_MULTICAST_AS_COPIES] += groups
@@ -523,10 +526,8 @@ class Switch:
         return min(RX_TIMEOUT, want)
 
     def set_impairments(self, ingress: dict | None = None, egress: dict | None = None) -> dict:
-        if ingress is not None:
-            self.ingress.set(ImpairmentConfig(**{**self.ingress.config.to_dict(), **ingress}))
-        if egress is not None:
-            self.egress.set(ImpairmentConfig(**{**self.egress.config.to_dict(), **egress}))
+        self.ingress.update(ingress)
+        self.egress.update(egress)
         log.info("impairments now ingress=%s egress=%s", self.ingress.config.to_dict(), self.egress.config.to_dict())
         return {"ingress": self.ingress.config.to_dict(), "egress": self.egress.config.to_dict()}
 
@@ -577,8 +578,7 @@ class Switch:
             "jobs": {str(j): {"workers": i.n_workers, "slot_lo": i.slot_lo, "slots": i.slots,
                               "elements": i.elements, "raw": i.raw, "multicast": i.group_addr >= 0}
                      for j, i in self.job_info.items()},
-            "impairments": {"ingress": {**self.ingress.config.to_dict(), **self.ingress.counters()},
-                            "egress": {**self.egress.config.to_dict(), **self.egress.counters()}},
+            "impairments": {"ingress": self.ingress.stats(), "egress": self.egress.stats()},
         }
 
     def summary(self) -> str:
