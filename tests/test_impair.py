@@ -24,7 +24,7 @@ def _bursts(count: int):
         yield buf, np.arange(BURST), np.full(BURST, 30 + b % 7, np.int64), ids * 3 + 1
 
 
-def _run(cfg: ImpairmentConfig, bursts: int, step: float = 1e-4, limit: int = 1 << 30):
+def _run(cfg: ImpairmentConfig, bursts: int, step: float = 1e-4, limit: int = 1 << 30, gather: bool = True):
     """Push the bursts ``step`` seconds apart, then drain the held pool; returns the impairment and
     the delivered (id, length, tag) triples in delivery order."""
     imp = Impairment(cfg, width=WIDTH)
@@ -37,7 +37,7 @@ def _run(cfg: ImpairmentConfig, bursts: int, step: float = 1e-4, limit: int = 1 
         got.extend(zip(ids.tolist(), lens.tolist(), tags.tolist()))
 
     for buf, rows, lens, tags in _bursts(bursts):
-        take(imp.apply(buf, rows, lens, tags, now, limit))
+        take(imp.apply(buf, rows, lens, tags, now, limit, gather))
         now += step
     while imp.holding:
         now += 1e-3
@@ -78,6 +78,21 @@ def test_the_same_seed_drops_the_same_packets_and_another_seed_others():
     _, c = _run(ImpairmentConfig(loss=0.05, seed=5), 50)
     assert a == b
     assert [g[0] for g in a] != [g[0] for g in c]
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_loss_alone_delivers_the_survivors_intact_in_order(gather):
+    """Loss alone takes the path without a copy (the ingress closes the gaps in the receive ring, the
+    egress sends the surviving rows): every packet not counted dropped arrives once, in order, intact."""
+    n = 400 * BURST
+    imp, got = _run(ImpairmentConfig(loss=0.2, seed=7), 400, gather=gather)
+    assert _within(imp.dropped, n, 0.2), imp.counters()
+    ids = np.array([g[0] for g in got])
+    assert len(ids) == n - imp.dropped and np.all(np.diff(ids) > 0)
+    assert all(tag == 3 * i + 1 and ln == 30 + (i // BURST) % 7 for i, ln, tag in got)
+    buf, rows, lens, tags = next(_bursts(1))
+    out = Impairment(ImpairmentConfig(loss=0.2, seed=7), width=WIDTH).apply(buf, rows, lens, tags, 0.0, BURST, gather)
+    assert np.shares_memory(out[0], buf) and out[1].size < BURST        # the caller's rows, not a copy
 
 
 def test_an_untouched_burst_is_handed_on_without_a_copy():
