@@ -6,7 +6,7 @@ probability and the delay are zero the stage is a pass-through and costs nothing
 
 A burst is impaired as arrays, never packet by packet: three uniforms per packet from the direction's
 seeded generator decide loss, duplication and reordering. They are drawn ahead in blocks of
-``DRAW_BLOCK`` packets, with a running count of the packets something happens to, so that a burst
+``DRAW_BLOCK`` packets, with the positions of the packets something happens to, so that a burst
 nothing happens to (no loss, no copy, nothing held back or due: nearly every burst at a low loss
 rate) costs a comparison and is handed on untouched. A burst that only lost packets (loss alone
 configured, nothing held) costs no copy of the survivors: at the egress the sent rows leave the lost
@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 DRAW_BLOCK = 4096         # packets whose uniforms are drawn at once (the same stream as one draw per burst)
+NEVER = 1 << 62           # no packet drawn so far is impaired
 LATE_S = 0.002            # a held packet released more than this after its release time counts as late
 
 
@@ -174,7 +175,8 @@ class Impairment:
         self._on = config.active
         self._rng = np.random.default_rng(config.seed)
         self._u = np.zeros((0, 3))      # the drawn uniforms, a row per packet; _u[_at:] not used yet
-        self._hits = [0]                # _hits[i]: packets among _u[:i] something happens to (Python ints: cheap to read)
+        self._hit_at = np.zeros(0, np.int64)    # the rows of _u of packets something happens to
+        self._next = NEVER              # the first of them at or after _at (a Python int: cheap to compare)
         self._at = 0
 
     def update(self, changes: dict | None) -> None:
@@ -185,14 +187,19 @@ class Impairment:
     def _draw(self, n: int) -> np.ndarray | None:
         """The next ``n`` packets' uniforms if something happens to one of them, else None."""
         i, j = self._at, self._at + n
-        if j >= len(self._hits):
+        if j > len(self._u):
             cfg = self.config
             u = np.concatenate([self._u[i:], self._rng.random((max(DRAW_BLOCK, n), 3))])
             touched = (u[:, 0] < cfg.loss) | (u[:, 1] < cfg.duplicate) | (u[:, 2] < cfg.reorder) | (cfg.delay_ms > 0)
-            self._u, self._hits = u, [0, *np.cumsum(touched).tolist()]
+            self._u, self._hit_at = u, np.flatnonzero(touched)
+            self._next = int(self._hit_at[0]) if self._hit_at.size else NEVER
             i, j = 0, n
         self._at = j
-        return self._u[i:j] if self._hits[j] != self._hits[i] else None
+        if self._next >= j:
+            return None
+        k = int(np.searchsorted(self._hit_at, j))
+        self._next = int(self._hit_at[k]) if k < self._hit_at.size else NEVER
+        return self._u[i:j]
 
     @property
     def active(self) -> bool:
