@@ -13,6 +13,20 @@ whose shaping queue (the worker's download) sees each copy. A job's results go t
 otherwise, and for the replay of one worker's lost result, each worker gets its own unicast copy. While
 egress impairments are on, a multicast is sent as unicast copies (each worker's copy is lost or delayed
 on its own, as on its own link).
+
+**When the group's packets do not arrive.** A worker that joined may still never get the group's packets
+(a fabric without multicast routing, a firewall, a snooping bridge that lost the member, the host left
+the group): each result then reaches it only as the replay of its resend, after a loss timer, and every
+allreduce of the job is many times slower, with nothing else to show for it. The one rule
+(:meth:`Multicast.judge`): over a window of at least ``FALLBACK_MIN_RESULTS`` results multicast to a
+job's group, and at least ``FALLBACK_SLOTS`` times the job's slots (a window of results is in flight
+before its replays come back), if one rank was sent replays of at least ``FALLBACK_SHARE`` of them, the
+group does not reach that rank: from then on the job's results go as a unicast copy per worker, with a
+warning in the log, the counter ``multicast_fallbacks`` and the job's ``multicast_fallback`` in the
+stats (the client needs nothing: its data socket takes unicast on the same port). Losses of results on
+the way down that are the links', not the group's, cost replays of a few per cent. The rule is not
+applied while egress impairments are on (results then go as unicast copies anyway, and their loss is
+the impairment's). With ``--cores N`` each shard judges the results it sends.
 """
 from __future__ import annotations
 
@@ -25,6 +39,10 @@ import numpy as np
 from ina.wire import MAX_WORKERS, multicast_group
 
 log = logging.getLogger("ina.switch")
+
+FALLBACK_SHARE = 0.5        # a rank replayed for this share of a window's multicast results: the group misses it
+FALLBACK_MIN_RESULTS = 32   # the shortest window judged (results multicast)
+FALLBACK_SLOTS = 4          # ... and at least this many times the job's slots
 
 
 def egress_address(worker_ip: str) -> str:
@@ -44,6 +62,8 @@ class Multicast:
     def __init__(self, sock: socket.socket, enabled: bool, first: int, blocks: int):
         self.sock, self.enabled, self.first = sock, bool(enabled), int(first)
         self.workers = np.zeros(blocks, np.int64)       # per address block: the job's workers (0: unicast)
+        self.window = np.zeros(blocks, np.int64)        # per address block: results multicast per judged window
+        self.mark = np.zeros(first + blocks, np.int64)  # per address: the data plane's ``delivered`` at the window's start
         self.interface: str | None = None               # the socket's IP_MULTICAST_IF, once set
         if self.enabled:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
@@ -76,13 +96,43 @@ class Multicast:
             self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.interface))
         return group, f"group {group}:{port} from {self.interface}"
 
-    def install(self, block: int, n_workers: int) -> int:
-        """The address index of block ``block``'s group (its job sends there); remembers its workers."""
+    def install(self, block: int, n_workers: int, slots: int, delivered: np.ndarray) -> int:
+        """The address index of block ``block``'s group (its job sends there); remembers its workers and
+        starts the window :meth:`judge` looks at (``slots``: the job's slots here; ``delivered``: the data
+        plane's counts)."""
         self.workers[block] = n_workers
+        self.window[block] = max(FALLBACK_MIN_RESULTS, FALLBACK_SLOTS * int(slots))
+        self._restart(block, delivered)
         return self.first + block
 
     def remove(self, block: int) -> None:
         self.workers[block] = 0
+
+    def _restart(self, block: int, delivered: np.ndarray) -> None:
+        lo = block * MAX_WORKERS
+        self.mark[lo: lo + MAX_WORKERS] = delivered[lo: lo + MAX_WORKERS]
+        self.mark[self.first + block] = delivered[self.first + block]
+
+    def judge(self, delivered: np.ndarray) -> list[tuple[int, list, str]]:
+        """The multicasting jobs whose group does not reach a worker, by the rule of this module's
+        docstring: [(address block, the ranks it misses, why)]; each is no longer multicast here (the caller
+        moves its job to unicast copies). ``delivered``: the data plane's results multicast per group address
+        and replays per worker address. A window that passes starts the next."""
+        out = []
+        for block in np.flatnonzero(self.workers):
+            g, lo, n = self.first + block, block * MAX_WORKERS, self.workers[block]
+            sent = int(delivered[g] - self.mark[g])
+            if sent < self.window[block]:
+                continue
+            replays = delivered[lo: lo + n] - self.mark[lo: lo + n]
+            missed = np.flatnonzero(replays >= FALLBACK_SHARE * sent)
+            if missed.size:
+                out.append((int(block), missed.tolist(), f"rank(s) {missed.tolist()[:8]} needed a replay of "
+                            f"{int(replays.max())} of the last {sent} results multicast to the group"))
+                self.remove(block)
+            else:
+                self._restart(block, delivered)
+        return out
 
     def expand(self, rows, lens, addr):
         """(rows, lens, addr, number of multicasts replaced): the transmissions with each multicast replaced

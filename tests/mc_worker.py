@@ -2,12 +2,14 @@
 
 SPEC: switch ip and port, rank, world size, job, codec, the input op (sw_harness.make_input), allreduces
 to run; ``leave_group``: after the join, leave the job's multicast group (the host then drops the results
-multicast to it: lost). OUT (.npz): the last result, and the client's stats and whether the switch multicasts its results.
+multicast to it: lost). OUT (.npz): the last result; OUT.json: the client's stats, whether the switch multicasts its results and
+the seconds of each allreduce and how many of its results came as replays of resends.
 """
 from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,10 +31,15 @@ def main(spec_json: str, out: str) -> int:
             local = socket.inet_aton(cl.ctl.sock.getsockname()[0])
             cl.sock.setsockopt(socket.IPPROTO_IP, socket.IP_DROP_MEMBERSHIP,
                                socket.inet_aton(multicast_group(spec["job"])[0]) + local)
+        seconds, replayed = [], []
         for _ in range(spec.get("repeat", 1)):
             y = x.copy()
+            t = time.perf_counter()
             cl.allreduce(y, codec=spec["codec"])
-        meta = {"multicast": cl.multicast, "stats": asdict(cl.stats)}
+            seconds.append(time.perf_counter() - t)
+            s = cl.stats
+            replayed.append(s.fast_replayed + s.probe_replayed + s.timeout_replayed - sum(replayed))
+        meta = {"multicast": cl.multicast, "stats": asdict(cl.stats), "seconds": seconds, "replayed": replayed}
     np.savez(out, result=y)
     Path(out + ".json").write_text(json.dumps(meta))
     return 0

@@ -204,3 +204,46 @@ def test_on_loopback_the_switch_sends_unicast_copies(tmp_path):
         assert mc is False
     assert st["counters"]["multicast_results"] == 0 and st["counters"]["harvested"] > 0
     assert "unicast: rank(s) [0, 1, 2] did not join" in Path(tmp_path / "switch.log").read_text()
+
+
+def test_a_group_that_never_reaches_the_workers_falls_back_to_unicast(tmp_path):
+    """Every rank leaves the job's group after the join: the switch multicasts, but no result gets through
+    (as on a fabric that does not forward the group). Each result then comes only as the replay of a
+    resend; the switch sees that, says so, counts it and sends the job's results as unicast copies from
+    then on: the last allreduce gets its results without resends, and every sum is exact."""
+    op = {"shape": [300_000], "seed": 18}
+    with _topology(4) as topo:
+        sw = _switch(topo, tmp_path)
+        try:
+            results = _finish(_start_workers(topo, tmp_path, topo.workers, 10, op, repeat=4,
+                                             rank_extra=lambda r: {"leave_group": True}))
+            st = _switch_stats(topo)
+        finally:
+            sw.stop(timeout=10)
+    _exact(results, op, 4)
+    c, (fb,) = st["counters"], st["multicast_fallbacks"]
+    assert c["multicast_fallbacks"] == 1, c
+    assert 0 < c["multicast_results"] < c["harvested"], c
+    assert fb["job"] == 10 and fb["ranks"] and "needed a replay of" in fb["why"], fb
+    chunks = 300_000 // 2048 + 1
+    for r, (_, meta) in enumerate(results):
+        assert meta["replayed"][0] > chunks // 2, (r, meta["replayed"])     # multicast on, nothing arrives
+        assert meta["replayed"][-1] < chunks // 10, (r, meta["replayed"])   # unicast copies arrive
+    log = (tmp_path / "switch.log").read_text()
+    assert "job 10: its multicast group does not reach" in log and "unicast copy per worker from now on" in log
+
+
+def test_a_multicast_job_without_losses_keeps_its_group(tmp_path):
+    """The fallback's rule does not fire on a healthy group: 4 workers, many results, no fallback."""
+    op = {"shape": [300_000], "seed": 19}
+    with _topology(4) as topo:
+        sw = _switch(topo, tmp_path)
+        try:
+            results = _finish(_start_workers(topo, tmp_path, topo.workers, 11, op, repeat=4))
+            st = _switch_stats(topo)
+        finally:
+            sw.stop(timeout=10)
+    _exact(results, op, 4)
+    c = st["counters"]
+    assert c["multicast_fallbacks"] == 0 and c["multicast_results"] == c["harvested"] > 0, c
+    assert st["multicast_fallbacks"] == []
