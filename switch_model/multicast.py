@@ -69,16 +69,16 @@ class Multicast:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
 
-    def choose(self, job: int, addrs: list, groups: list | None) -> tuple[str | None, str]:
+    def choose(self, job: int, addrs: list, groups: list | None, port: int) -> tuple[str | None, str]:
         """(the group to send ``job``'s results to, or None; why). ``addrs``: the workers' (host, port),
-        ``groups``: the group each worker joined (None: none)."""
+        ``groups``: the group each worker joined (None: none); ``port``: the switch's UDP port as the workers
+        address it (shard 0's). The group follows from the address the switch reaches the workers from
+        (``ina.wire.multicast_group``), which is the one the workers address it at where they joined it."""
         if not self.enabled:
             return None, "multicast turned off (--no-multicast)"
-        group, port = multicast_group(job)
         groups = groups or [None] * len(addrs)
-        missing = [r for r, (g, (_, p)) in enumerate(zip(groups, addrs)) if g != group or int(p) != port]
-        if missing:
-            return None, f"rank(s) {missing[:8]} did not join group {group}:{port}"
+        if None in groups:
+            return None, f"rank(s) {[r for r, g in enumerate(groups) if g is None][:8]} did not join a group"
         hosts = [h for h, _ in addrs]
         if len(set(hosts)) != len(hosts) or any(ipaddress.ip_address(h).is_loopback for h in hosts):
             return None, "workers share a host"
@@ -91,10 +91,16 @@ class Multicast:
         local = set(via.values())
         if len(local) != 1 or (self.interface is not None and local != {self.interface}):
             return None, f"workers reached through {sorted(local)}, the multicast interface is {self.interface}"
+        source = local.pop()
+        group, gport = multicast_group(job, (source, port))
+        missing = [r for r, (g, (_, p)) in enumerate(zip(groups, addrs)) if g != group or int(p) != gport]
+        if missing:
+            return None, (f"rank(s) {missing[:8]} did not join group {group}:{gport} (this switch's for job {job} "
+                          f"from {source}; they joined {sorted(set(groups) - {group})[:4]})")
         if self.interface is None:
-            self.interface = local.pop()
+            self.interface = source
             self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.interface))
-        return group, f"group {group}:{port} from {self.interface}"
+        return group, f"group {group}:{gport} from {self.interface}"
 
     def install(self, block: int, n_workers: int, slots: int, delivered: np.ndarray) -> int:
         """The address index of block ``block``'s group (its job sends there); remembers its workers and

@@ -92,6 +92,7 @@ class Job:
     shard: int = 0
     group_addr: int = -1          # address index of the job's multicast group (-1: unicast copies)
     multicast_fallback: str = ""  # why its results went from multicast to unicast copies (multicast.py)
+    results_from: str = ""        # the address its multicast results come from (the workers filter on it)
     created: float = field(default_factory=time.time)
 
     active = True
@@ -423,10 +424,11 @@ class Switch:
         for r, (h, p) in enumerate(addrs):
             self.addrs[info.addr_base + r] = a = B.sockaddr(h, p)[0]
             self.state.peers[info.addr_base + r] = D.source_key(int(a["addr"]), int(a["port"]))
-        group, how = self.multicast.choose(job, addrs, groups)
+        group, how = self.multicast.choose(job, addrs, groups, self.port - shard)
         if group is not None:
+            info.results_from = self.multicast.interface
             info.group_addr = self.multicast.install(block, n_workers, slots, self.state.delivered)
-            self.addrs[info.group_addr] = B.sockaddr(group, int(addrs[0][1]))[0]
+            self.addrs[info.group_addr] = B.sockaddr(group, int(addrs[0][1]))[0]     # choose: every rank bound its port
         self.slot_owner[lo: lo + slots] = job
         self.state.reset_sets(lo, slots)
         self.state.jobs[job] = info.table_row()
