@@ -41,9 +41,12 @@ def default() -> bool:
     return os.environ.get("INA_MULTICAST", "1") != "0"
 
 
-def data_socket(local_ip: str, job: int, want: bool, switch: tuple[str, int]) -> tuple[socket.socket, str | None]:
+def data_socket(local_ip: str, job: int, want: bool | None,
+                switch: tuple[str, int]) -> tuple[socket.socket, str | None]:
     """(a worker's bound data socket, the group it joined or None). ``local_ip``: this worker's address
-    towards the switch; ``switch``: the switch's (IPv4 address, port) as this worker reaches it."""
+    towards the switch; ``want``: join the group (None: :func:`default`); ``switch``: the switch's (IPv4
+    address, port) as this worker reaches it."""
+    want = default() if want is None else want
     if want and not ipaddress.ip_address(local_ip).is_loopback:
         group, port = multicast_group(job, switch)
         try:
@@ -61,19 +64,20 @@ def data_socket(local_ip: str, job: int, want: bool, switch: tuple[str, int]) ->
     return B.udp_socket("0.0.0.0", 0), None
 
 
-def settle(sock: socket.socket, group: str | None, local_ip: str, multicast: bool, source: str | None,
-           ports: list) -> None:
-    """After the join: the switch multicasts the job's results (``multicast``) from address ``source`` and
-    UDP ports ``ports`` (its shards'), or it does not (then the group is left and the filter removed:
-    results come as unicast)."""
+def settle(sock: socket.socket, group: str | None, local_ip: str, config: dict, ports: list) -> bool:
+    """After the join (``config``: the switch's reply): whether the switch multicasts the job's results. If
+    it does, from address ``results_from`` and UDP ports ``ports`` (its shards'): the socket's filter takes
+    those only; if not, the group is left and the filter removed (results come as unicast)."""
+    multicast, source = bool(config.get("multicast", False)), config.get("results_from")
     if group is None:
-        return
+        return multicast
     if multicast:
         if source:                       # (else: a switch that does not say; the filter of data_socket stays)
             accept_only(sock, source, min(ports), max(ports) - min(ports) + 1)
-        return
+        return multicast
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_DROP_MEMBERSHIP, socket.inet_aton(group) + socket.inet_aton(local_ip))
     sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
+    return multicast
 
 
 def join(sock: socket.socket, group: str, local_ip: str) -> None:
@@ -83,7 +87,8 @@ def join(sock: socket.socket, group: str, local_ip: str) -> None:
     announce(group, local_ip)
 
 
-SO_ATTACH_FILTER, SO_DETACH_FILTER, SO_MEMINFO, SK_MEMINFO_DROPS = 26, 27, 55, 8     # Linux (asm-generic/socket.h, linux/sock_diag.h)
+# Linux (asm-generic/socket.h, linux/sock_diag.h)
+SO_ATTACH_FILTER, SO_DETACH_FILTER, SO_MEMINFO, SK_MEMINFO_DROPS = 26, 27, 55, 8
 SKF_NET_OFF = -0x100000        # classic BPF: offsets from the network (IP) header
 MAX_SHARDS = 256               # before the join: results may come from the switch's port and this many after it
 
@@ -113,13 +118,13 @@ def socket_drops(sock: socket.socket) -> int:
     return struct.unpack(f"{SK_MEMINFO_DROPS + 1}I", info)[SK_MEMINFO_DROPS]
 
 
-def report_drops(sock: socket.socket, rank: int, job: int) -> int:
-    """Log (once, at the end of a worker's job) the datagrams the kernel dropped at its data socket."""
+def close(sock: socket.socket, rank: int, job: int) -> None:
+    """Close a worker's data socket at the end of its job, logging the datagrams the kernel dropped there."""
     n = socket_drops(sock)
     if n:
         log.info("rank %d job %d: the kernel dropped %d datagram(s) at the data socket (not from the switch, "
                  "or beyond its receive buffer)", rank, job, n)
-    return n
+    sock.close()
 
 
 def _checksum(data: bytes) -> int:

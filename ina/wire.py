@@ -117,7 +117,7 @@ def sparse_announce(chunk, nonzero, pool_slots):
     return nonzero - pool_slots * (1 - steps % 2)         # plain arithmetic: numpy arrays too
 
 
-MULTICAST_PREFIX = 239         # a job's results group: 239.<switch byte>.<job high byte>.<job low byte> (administratively scoped)
+MULTICAST_PREFIX = 239         # a job's results group: 239.<switch byte>.<job high>.<job low> (administratively scoped)
 MULTICAST_PORT_BASE = 16384    # ... at UDP port 16384 + (job + switch port) % 16384 (below Linux's ephemeral range)
 
 
@@ -136,7 +136,8 @@ def multicast_group(job: int, switch: tuple[str, int]) -> tuple[str, int]:
         raise ValueError(f"job id {job} out of range 0..65535 (16-bit job field)")
     ip, port = switch
     a, b, c, d = ipaddress.IPv4Address(ip).packed
-    return f"{MULTICAST_PREFIX}.{a ^ b ^ c ^ d}.{job >> 8}.{job & 0xFF}", MULTICAST_PORT_BASE + (job + int(port)) % 16384
+    group = f"{MULTICAST_PREFIX}.{a ^ b ^ c ^ d}.{job >> 8}.{job & 0xFF}"
+    return group, MULTICAST_PORT_BASE + (job + int(port)) % 16384
 
 
 def max_packet_size(elements: int) -> int:

@@ -63,7 +63,7 @@ class Multicast:
         self.sock, self.enabled, self.first = sock, bool(enabled), int(first)
         self.workers = np.zeros(blocks, np.int64)       # per address block: the job's workers (0: unicast)
         self.window = np.zeros(blocks, np.int64)        # per address block: results multicast per judged window
-        self.mark = np.zeros(first + blocks, np.int64)  # per address: the data plane's ``delivered`` at the window's start
+        self.mark = np.zeros(first + blocks, np.int64)  # per address: the data plane's ``delivered`` at the window start
         self.interface: str | None = None               # the socket's IP_MULTICAST_IF, once set
         if self.enabled:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)

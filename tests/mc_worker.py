@@ -3,8 +3,9 @@
 SPEC: switch ip and port, rank, world size, job, codec, the input op (sw_harness.make_input), allreduces
 to run; ``leave_group``: after the join, leave the job's multicast group (the host then drops the results
 multicast to it: lost); ``hold``: say "joined" after the join and "done" after the allreduces on stdout,
-and wait for a line on stdin after each. OUT (.npz): the last result; OUT.json: the client's stats, whether the switch multicasts its results and
-the seconds of each allreduce and how many of its results came as replays of resends, the datagrams the kernel dropped at the data socket.
+and wait for a line on stdin after each. OUT (.npz): the last result; OUT.json: the client's stats, whether
+the switch multicasts its results, the seconds of each allreduce and how many of its results came as
+replays of resends, the datagrams the kernel dropped at the data socket.
 """
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ def _step(procs, word: str, timeout: float = 120.0) -> None:
             ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
             line = p.stdout.readline() if ready else ""
             if not line:
-                raise AssertionError(f"worker {out} did not say {word!r} within {timeout:g} s:\n{''.join(seen)[-3000:]}")
+                said = "".join(seen)[-3000:]
+                raise AssertionError(f"worker {out} did not say {word!r} within {timeout:g} s:\n{said}")
             seen.append(line)
     for p, _ in procs:
         p.stdin.write("\n")
@@ -328,3 +329,17 @@ def test_a_worker_takes_results_only_from_its_switch(tmp_path):
     for k in range(2):
         for r, (_, meta) in enumerate(results[k]):
             assert meta["socket_drops"] > 0, (k, r, meta)
+
+
+def test_the_group_rule_keeps_switches_of_one_subnet_and_jobs_apart():
+    """ina.wire.multicast_group: every host address of a /24 gets its own group for one job id, every job
+    of one switch its own group, two switches on one host their own port; job ids beyond 16 bits are
+    refused by name."""
+    from ina.wire import multicast_group
+    groups = {multicast_group(7, (f"10.213.6.{h}", 9999)) for h in range(1, 255)}
+    assert len({g for g, _ in groups}) == 254
+    assert len({multicast_group(j, ("10.213.6.1", 9999))[0] for j in range(0, 65536, 7)}) == len(range(0, 65536, 7))
+    assert multicast_group(7, ("10.0.0.1", 9999))[1] != multicast_group(7, ("10.0.0.1", 10000))[1]
+    assert all(16384 <= multicast_group(j, ("10.0.0.1", p))[1] < 32768 for j in (0, 65535) for p in (1, 65535))
+    with pytest.raises(ValueError, match="job id 65536 out of range"):
+        multicast_group(65536, ("10.0.0.1", 9999))
