@@ -238,7 +238,7 @@ def test_a_group_that_never_reaches_the_workers_falls_back_to_unicast(tmp_path):
     with _topology(4) as topo:
         sw = _switch(topo, tmp_path)
         try:
-            results = _finish(_start_workers(topo, tmp_path, topo.workers, 10, op, repeat=4,
+            results = _finish(_start_workers(topo, tmp_path, topo.workers, 10, op, repeat=6,
                                              rank_extra=lambda r: {"leave_group": True}))
             st = _switch_stats(topo)
         finally:
