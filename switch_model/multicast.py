@@ -22,14 +22,18 @@ allreduce of the job is many times slower, with nothing else to show for it. The
 job's group, and at least ``FALLBACK_SLOTS`` times the job's slots (a window of results is in flight
 before its replays come back, and the next chunks go out only after them: in the window where the group
 stops at least 3/4 of the results are replayed, then all), if one rank was sent replays of at least
-``FALLBACK_SHARE`` of them, the group does not reach that rank: from then on the job's results go as a unicast copy per worker, with a
-warning in the log, the counter ``multicast_fallbacks`` and the job's ``multicast_fallback`` in the
-stats (the client needs nothing: its data socket takes unicast on the same port). Losses of results on
-the way down that are the links', not the group's, cost replays of a few per cent; a worker starved of
-CPU (load average 20 on 2 cores) resends early and was replayed about half of a window's results
-(measured with ``--cores 2``: 69 of 133), which the share of 0.7 leaves alone. The rule is not
-applied while egress impairments are on (results then go as unicast copies anyway, and their loss is
-the impairment's). With ``--cores N`` each shard judges the results it sends.
+``FALLBACK_SHARE`` of them, the group does not reach that rank: from then on the job's results go as a
+unicast copy per worker, with a warning in the log, the counter ``multicast_fallbacks`` and the job's
+``multicast_fallback`` in the stats (the client needs nothing: its data socket takes unicast on the same
+port). Losses of results on the way down that are the links', not the group's, cost replays of a few
+per cent; a worker starved of CPU resends early and is replayed what it resent, in the runs here far
+less than 0.7 of a window. The rule is not applied while egress impairments are on (results then go as
+unicast copies anyway, and their loss is the impairment's). A job sharded over ``--cores N`` > 1 is not
+judged: the shards' results interleave on the way down, the workers resend on that reordering (8
+workers, 1 Gbit/s: 1400-2200 resends per 5 allreduces against 0-7 with one shard), and one rank was
+replayed 69 of 133 and 98 of 136 results of a healthy group, which this rule cannot tell from a group
+that does not arrive. (The worker could: a result whose first copy is a replay did not come by the
+group; not built.)
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ class Multicast:
         self.sock, self.enabled, self.first = sock, bool(enabled), int(first)
         self.workers = np.zeros(blocks, np.int64)       # per address block: the job's workers (0: unicast)
         self.window = np.zeros(blocks, np.int64)        # per address block: results multicast per judged window
-        self.mark = np.zeros(first + blocks, np.int64)  # per address: the data plane's ``delivered`` at the window start
+        self.mark = np.zeros(first + blocks, np.int64)  # per address: ``delivered`` at the window's start
         self.interface: str | None = None               # the socket's IP_MULTICAST_IF, once set
         if self.enabled:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
@@ -105,17 +109,18 @@ class Multicast:
             self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.interface))
         return group, f"group {group}:{gport} from {self.interface}"
 
-    def install(self, block: int, n_workers: int, slots: int, delivered: np.ndarray) -> int:
+    def install(self, block: int, n_workers: int, slots: int, delivered: np.ndarray, shards: int = 1) -> int:
         """The address index of block ``block``'s group (its job sends there); remembers its workers and
         starts the window :meth:`judge` looks at (``slots``: the job's slots here; ``delivered``: the data
-        plane's counts)."""
+        plane's counts; a job over ``shards`` > 1 is not judged)."""
         self.workers[block] = n_workers
-        self.window[block] = max(FALLBACK_MIN_RESULTS, FALLBACK_SLOTS * int(slots))
+        self.window[block] = max(FALLBACK_MIN_RESULTS, FALLBACK_SLOTS * int(slots)) if shards == 1 else 0
         self._restart(block, delivered)
         return self.first + block
 
     def remove(self, block: int) -> None:
         self.workers[block] = 0
+        self.window[block] = 0
 
     def _restart(self, block: int, delivered: np.ndarray) -> None:
         lo = block * MAX_WORKERS
@@ -128,7 +133,7 @@ class Multicast:
         moves its job to unicast copies). ``delivered``: the data plane's results multicast per group address
         and replays per worker address. A window that passes starts the next."""
         out = []
-        for block in np.flatnonzero(self.workers):
+        for block in np.flatnonzero(self.window):
             g, lo, n = self.first + block, block * MAX_WORKERS, self.workers[block]
             sent = int(delivered[g] - self.mark[g])
             if sent < self.window[block]:

@@ -427,7 +427,7 @@ class Switch:
         group, how = self.multicast.choose(job, addrs, groups, self.port - shard)
         if group is not None:
             info.results_from = self.multicast.interface
-            info.group_addr = self.multicast.install(block, n_workers, slots, self.state.delivered)
+            info.group_addr = self.multicast.install(block, n_workers, slots, self.state.delivered, shards)
             self.addrs[info.group_addr] = B.sockaddr(group, int(addrs[0][1]))[0]     # choose: every rank bound its port
         self.slot_owner[lo: lo + slots] = job
         self.state.reset_sets(lo, slots)
