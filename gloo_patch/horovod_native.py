@@ -12,7 +12,8 @@ import os
 import time
 
 DETAIL_NAME = "ina.agree.detail"
-INA_HOROVOD_CYCLE_MS = 5.0     # Horovod's cycle when the switch carries the allreduces (quieter_background_cycle)
+INA_HOROVOD_CYCLE_MS = 20.0    # Horovod's cycle when the switch carries the allreduces (quieter_background_cycle)
+POLL_FIRST_S, POLL_MAX_S = 0.0001, 0.001     # waiting for a Horovod handle: polls from 0.1 ms, doubling up to 1 ms
 
 
 def quieter_background_cycle() -> None:
@@ -70,15 +71,25 @@ class HorovodNative:
         if self.stale is not None:
             stale, self.stale = self.stale, None
             self._native_wait(stale, "an earlier agreement round")
-        deadline = time.monotonic() + self.config.timeout
-        while not self.orig["poll"](handle):
-            if time.monotonic() > deadline:
-                self.stale = handle
-                raise self.M.HorovodInternalError(
-                    f"INA backend: {what} did not complete within {self.config.timeout:g} s (INA_TIMEOUT): a rank "
-                    "did not reach it; queued here: " + ", ".join(list(self.active)[:10]))
-            time.sleep(0.0002)
+        if not self._poll_until(handle, time.monotonic() + self.config.timeout):
+            self.stale = handle
+            raise self.M.HorovodInternalError(
+                f"INA backend: {what} did not complete within {self.config.timeout:g} s (INA_TIMEOUT): a rank "
+                "did not reach it; queued here: " + ", ".join(list(self.active)[:10]))
         return self.orig["synchronize"](handle)
+
+    def _poll_until(self, handle, deadline: float | None = None) -> bool:
+        """Wait until Horovod's ``handle`` has finished (True), or ``deadline`` (``time.monotonic()``) passed
+        (False), polling at most every ``POLL_MAX_S``. Not through Horovod's ``synchronize``: it waits in a loop
+        of ``std::this_thread::yield()``, which keeps a core busy for as long as the op takes (one background
+        cycle at least) on a machine where backward needs it."""
+        pause = POLL_FIRST_S
+        while not self.orig["poll"](handle):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+        return True
 
     def _run_native(self, handles, why: dict) -> None:
         started = []
@@ -96,6 +107,7 @@ class HorovodNative:
                 h.error = e
         for h, nh in started:
             try:
+                self._poll_until(nh)     # unbounded as Horovod's own wait (its stall check warns)
                 self.orig["synchronize"](nh)
                 h.done = True
             except Exception as e:  # noqa: BLE001
