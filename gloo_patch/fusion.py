@@ -71,6 +71,10 @@ def allreduce_buffer(client, codec: str, group, average: bool) -> float:
     # a named allreduce keeps its error-feedback residual across steps; Horovod's generated names (no name
     # given) change every call, so those go stateless
     named = not any(h.name.startswith(NONAME) for h in group)
+    # float32 unfused into float32 outputs: the average is taken in the unfuse pass (the same float32 division
+    # the client makes, one pass over the buffer instead of two)
+    divide = average and copied and h0.postscale == 1.0 and not per_parameter(codec) and \
+        all(x.dtype == torch.float32 for x in (buf, *outputs))
     cpu = time.thread_time()
     if per_parameter(codec):
         views = buf.split([t.numel() for t in tensors])
@@ -78,11 +82,15 @@ def allreduce_buffer(client, codec: str, group, average: bool) -> float:
         for v, key in zip(views, keys):
             client.allreduce(v, codec=codec, average=average, key=key if named else None)
     else:
-        client.allreduce(buf, codec=codec, average=average, key=(h0.name, len(group), group[-1].name) if named else None)
+        client.allreduce(buf, codec=codec, average=average and not divide,
+                         key=(h0.name, len(group), group[-1].name) if named else None)
     cpu = time.thread_time() - cpu
     if h0.postscale != 1.0:
         buf.mul_(h0.postscale)
-    if copied:      # one split into views, then one view and one copy per output
+    if copied:      # one split into views, then one view and one copy (or division) per output
         for o, v in zip(outputs, buf.split([o.numel() for o in outputs])):
-            o.copy_(v.view(o.shape))
+            if divide:
+                torch.div(v.view(o.shape), client.world_size, out=o)
+            else:
+                o.copy_(v.view(o.shape))
     return cpu
