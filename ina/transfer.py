@@ -21,8 +21,7 @@ from . import stream_kernels as SK
 from .coalescing import ArrivalSpacing
 from .errors import AllreduceError
 from .recovery import LossDetector, tail_copies
-from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType, header_view,
-                   payload_view)
+from .wire import HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, Flag, PayloadType, header_view, payload_view
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -38,14 +37,9 @@ class Transfer:
         self.S = cl.slots
         self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
         self.R = min(n_chunks, 2 * self.S)
-        self.pkts = cl.rings.get(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0), sparse)
-        hv = self.hv = header_view(self.pkts)
-        hv["version"] = VERSION
-        hv["msg_type"] = int(MsgType.DATA)
-        hv["job"] = cl.job
-        hv["rank"] = cl.rank
-        hv["codec"] = codec_id
-        hv["payload_type"] = int(ptype)
+        self.pkts = cl.rings.get(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0),
+                                 cl.rings.header(cl.job, cl.rank, codec_id, ptype), sparse)
+        self.hv = header_view(self.pkts)
         self.pv = payload_view(self.pkts, ptype, E) if E else None
         self.exps_in = np.asarray(exponent, np.int64).reshape(-1)     # one per chunk, or one for all
         self.count, self.encoder, self.decode = count, encoder, decode
