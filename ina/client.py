@@ -296,9 +296,10 @@ class Client(Worker):
         c0 = self._next_chunk
         self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
         return Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
-                        sparse(c0) if sparse else None).run()
+                        sparse(c0) if sparse else None, self._timeline).run()
 
-    def _rtt_sample(self, r: float) -> None:
+    def rtt_sample(self, r: float) -> None:
+        """A chunk's round trip ``r`` (seconds) updates srtt and rttvar (Jacobson/Karn)."""
         if self.srtt is None:
             self.srtt, self.rttvar = r, r / 2
         else:
@@ -338,7 +339,7 @@ class Client(Worker):
         tail probe fire after 5 to 8 ms of silence: ``RxRing.recv_within``)."""
         return self.rx.recv_within(self._rx_wait, RX_WAIT)
 
-    def _send(self, pkts, rows, pkt_len):
+    def send_packets(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
         shard = 0
         if self.shards > 1:
@@ -352,7 +353,8 @@ class Client(Worker):
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += int(np.sum(pkt_len)) if np.ndim(pkt_len) else int(pkt_len) * len(rows)
 
-    def _stall_message(self, n_chunks, n_done, c0) -> str:
+    def stall_message(self, n_chunks, n_done, c0) -> str:
+        """Why a stream made no progress for ``timeout`` seconds, as far as the switch can tell."""
         msg = (f"job {self.job} rank {self.rank}: no progress for {self.timeout:g} s; "
                f"{n_chunks - n_done} of {n_chunks} chunks incomplete (chunk ids from {c0})")
         try:

@@ -30,7 +30,7 @@ class Transfer:
     """One :meth:`ina.client.Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
 
     def __init__(self, cl, c0: int, n_chunks: int, ptype: PayloadType, codec_id: int, exponent,
-                 result_type: PayloadType, count: int, encoder, decode, sparse=None):
+                 result_type: PayloadType, count: int, encoder, decode, sparse=None, timeline=None):
         self.cl, self.c0, self.n_chunks = cl, c0, n_chunks
         self.sparse = sparse          # an ina.sparse.SparseStream: chunks zero everywhere are skipped
         self.E = E = cl.elements if ptype != PayloadType.NONE else 0
@@ -65,7 +65,7 @@ class Transfer:
         self.max_sent = -1
         self.tail_copy = not sparse and (not E or n_chunks >= cl.tail_copy_from)   # ina.recovery.tail_copies
         self.spacing = ArrivalSpacing()            # the results' arrival spacing, for coalescing and the timers
-        self.tl = cl._timeline if self.E else None  # marks of the data stream (not of the negotiation)
+        self.tl = timeline if self.E else None     # marks of the data stream (not of the negotiation)
 
     def load(self, chunks: np.ndarray) -> np.ndarray:
         """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
@@ -80,7 +80,7 @@ class Transfer:
 
     def send_rows(self, rows: np.ndarray) -> None:
         lens = self.sparse.lengths(self.hv, rows) if self.sparse else self.pkt_len
-        self.cl._send(self.pkts, rows, lens)
+        self.cl.send_packets(self.pkts, rows, lens)
 
     def send_new(self, chunks: np.ndarray, witness: np.ndarray | bool = True, resends: np.ndarray | None = None,
                  rows: np.ndarray | None = None, top: int = -1) -> None:
@@ -129,7 +129,7 @@ class Transfer:
                 if not self.checked:
                     self.retransmit_lost(now)
                 if now - self.last_progress > cl.timeout:
-                    raise AllreduceError(cl._stall_message(n_chunks, self.n_done, self.c0))
+                    raise AllreduceError(cl.stall_message(n_chunks, self.n_done, self.c0))
         if self.overflow:
             raise AllreduceError(f"job {cl.job}: {self.overflow} chunk(s) came back with the OVERFLOW flag: a switch "
                                  "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
@@ -184,7 +184,7 @@ class Transfer:
             # is at most that long (so the tail probe has a bound from the first allreduce on)
             self.cl.rtt_min = min(self.cl.rtt_min, fastest)
             if self.E:    # the median
-                self.cl._rtt_sample(median)
+                self.cl.rtt_sample(median)
         # LossDetector.delivered's state (its count of later results ran in SK.take_burst)
         ld.last_arrival = ld.probe_base = now
         ld.probes = 0
