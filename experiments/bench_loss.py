@@ -99,7 +99,7 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
     h = hashlib.sha256()
     y = x.copy()
     st0 = cl.stats.as_dict()
-    tails = []
+    tails, turns = [], 0
     dt = 0.0                  # the allreduces' time (not the copies and the digest's in between)
     cpu0 = time.process_time()
     for _ in range(reps):
@@ -110,10 +110,11 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
         tl = cl.last_timeline or {}
         if "last_result" in tl and "last_send" in tl:
             tails.append(tl["last_result"] - tl["last_send"])
+        turns += tl.get("rx_bursts", 0)
         h.update(y.tobytes())
     st = cl.stats.as_dict()
     return {"time_per_allreduce_s": dt / reps, "digest": h.hexdigest(), "tail_s": float(np.mean(tails or [0.0])),
-            "cpu_per_allreduce_s": (time.process_time() - cpu0) / reps,
+            "cpu_per_allreduce_s": (time.process_time() - cpu0) / reps, "turns_per_allreduce": turns / reps,
             **{k: st.get(k, 0) - st0.get(k, 0) for k in COUNTERS}}
 
 
@@ -144,11 +145,14 @@ class Links:
         else:
             self.switch_ip = "127.0.0.1"
 
-    def popen(self, rank, argv, tree: str | None = None, **kw) -> subprocess.Popen:
-        """Start ``argv`` where worker ``rank`` runs (None: the switch), with the code of ``tree`` if given."""
+    def popen(self, rank, argv, tree: str | None = None, env: dict | None = None, **kw) -> subprocess.Popen:
+        """Start ``argv`` where worker ``rank`` runs (None: the switch), with the code of ``tree`` if given
+        and the variables ``env`` set."""
         host = None if self.topo is None else self.topo.switch if rank is None else self.topo.workers[rank]
+        if tree or env:
+            kw["env"] = {**os.environ, **(host.env() if host else {}), **({"PYTHONPATH": tree} if tree else {}),
+                         **(env or {})}
         if tree:
-            kw["env"] = {**os.environ, **(host.env() if host else {}), "PYTHONPATH": tree}
             kw["cwd"] = tree
         if self.topo is None:
             return subprocess.Popen(argv, **kw)
@@ -168,11 +172,12 @@ class Ranks:
     """The worker processes of one job, driven a block at a time (with the code of ``tree`` if given:
     this file runs as a script there, importing that tree's ina)."""
 
-    def __init__(self, links: Links, port: int, n: int, job: int, seed: int, tree: str | None = None):
+    def __init__(self, links: Links, port: int, n: int, job: int, seed: int, tree: str | None = None,
+                 env: dict | None = None):
         spec = {"host": links.switch_ip, "port": port, "workers": n, "job": job, "seed": seed}
         me = [os.path.abspath(__file__)] if tree else ["-m", "experiments.bench_loss"]
         self.ps = [links.popen(r, [sys.executable, *me, "--worker", json.dumps({**spec, "rank": r})], tree=tree,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(n)]
+                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(n)]
 
     def block(self, elements: int, reps: int, timeout: float) -> list[dict]:
         """Every rank runs ``reps`` allreduces of ``elements``; their reports, within ``timeout`` s."""
@@ -207,11 +212,12 @@ class Ranks:
 class Side:
     """A switch and its ranks running the code of one tree ("this": the importing one)."""
 
-    def __init__(self, links: Links, label: str, tree: str | None, port: int, n: int, seed: int):
+    def __init__(self, links: Links, label: str, tree: str | None, port: int, n: int, seed: int,
+                 env: dict | None = None):
         self.links, self.label, self.tree = links, label, tree
         self.sw = links.start_switch(port, tree)
         try:
-            self.ranks = Ranks(links, self.sw.port, n, job=2, seed=seed, tree=tree)
+            self.ranks = Ranks(links, self.sw.port, n, job=2, seed=seed, tree=tree, env=env)
         except BaseException:
             self.sw.stop()
             raise
@@ -236,6 +242,7 @@ class Side:
         return {"time": max(g["time_per_allreduce_s"] for g in got),        # the slowest worker's
                 "tail": float(np.mean([g["tail_s"] for g in got])), "digest": digests.pop(),
                 "worker_cpu": float(np.mean([g["cpu_per_allreduce_s"] for g in got])),
+                "turns": float(np.mean([g["turns_per_allreduce"] for g in got])),
                 "counters": {k: sum(g[k] for g in got) for k in COUNTERS},
                 "switch": {k: sw1[k] - sw0[k] for k in sw1}}
 
@@ -258,6 +265,8 @@ def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], r
            "tail_s": float(np.median([b["tail"] for b in blocks])),
            "switch_cpu_per_allreduce_s": switch["cpu_ns"] / 1e9 / (reps * len(blocks)),
            "worker_cpu_per_allreduce_s": float(np.median([b["worker_cpu"] for b in blocks])),
+           # a rank's loop turns that took results (the data stream's), per allreduce: a loss's CPU follows them
+           "turns_per_allreduce": float(np.median([b["turns"] for b in blocks])),
            "exact": all(b["digest"] == ref[0]["digest"] for b in blocks),
            **counters, "switch": switch, "needed_resends": needed_resends(switch, n)}
     if path_ref:      # against the impairment path's own cost: what the losses alone add
@@ -269,13 +278,14 @@ def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], r
 
 
 def run(n: int, sizes: list[int], reps: dict, rounds: int, seed: int, settings: dict, rate: str | None = None,
-        baseline: str | None = None) -> list:
+        baseline: str | None = None, baseline_env: dict | None = None) -> list:
     links = Links(rate, n)
     sides = []
     try:
         sides.append(Side(links, "this", None, 9999, n, seed))
-        if baseline:
-            sides.append(Side(links, "baseline", os.path.abspath(baseline), 9998, n, seed))
+        if baseline or baseline_env:
+            sides.append(Side(links, "baseline", os.path.abspath(baseline) if baseline else None, 9998, n, seed,
+                              env=baseline_env))
         return _run_all(sides, n, sizes, reps, rounds, seed, settings)
     finally:
         for side in sides:
@@ -303,16 +313,19 @@ def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
                 row = summarise(n, elements, name, settings[name], blocks[side.label, name],
                                 blocks[side.label, names[0]], r, blocks.get((side.label, PATH_ON)))
                 row["code"] = side.label
-                if side is not sides[0]:      # this tree's time over the baseline's, round by round
-                    row["this_vs_baseline"] = float(np.median(np.array([b["time"] for b in blocks[sides[0].label, name]])
-                                                              / np.array([b["time"] for b in blocks[side.label, name]])))
+                if side is not sides[0]:      # this tree's time (and worker CPU) over the baseline's, round by round
+                    for key, what in (("this_vs_baseline", "time"), ("this_vs_baseline_worker_cpu", "worker_cpu")):
+                        row[key] = float(np.median(np.array([b[what] for b in blocks[sides[0].label, name]])
+                                                   / np.array([b[what] for b in blocks[side.label, name]])))
                 rows.append(row)
                 log(f"{side.label}: {elements} elements, {name}: {row['time_per_allreduce_s'] * 1e3:.2f} ms per "
                     f"allreduce ({row['vs_lossless']:.2f}x lossless, per round {row['vs_lossless_per_round']}), "
                     f"{row.get('vs_impairment_path', 1.0):.2f}x the impairment path alone, "
                     f"fast {row['fast_retransmissions']}, probes {row['probe_retransmissions']}, "
                     f"timeouts {row['timeout_retransmissions']}, needed ~{row['needed_resends']}, "
-                    f"tail {row['tail_s'] * 1e3:.2f} ms, switch {row['switch']}, exact {row['exact']}")
+                    f"tail {row['tail_s'] * 1e3:.2f} ms, turns {row['turns_per_allreduce']:.1f}, worker CPU "
+                    f"{row['worker_cpu_per_allreduce_s'] * 1e3:.2f} ms, switch CPU "
+                    f"{row['switch_cpu_per_allreduce_s'] * 1e3:.2f} ms, switch {row['switch']}, exact {row['exact']}")
                 if not row["exact"]:
                     raise RuntimeError(f"{side.label}, {name}: results differ from the lossless run")
     return rows
@@ -332,6 +345,9 @@ def main(argv=None) -> int:
                     help="settings to run (the first is the reference of the ratios; default: all)")
     ap.add_argument("--baseline", metavar="DIR", help="also run every block with the code of DIR (a checkout "
                     "of another commit), interleaved with this tree's: a paired before/after comparison")
+    ap.add_argument("--baseline-env", nargs="+", metavar="NAME=VALUE", default=[],
+                    help="environment of the baseline's workers (e.g. INA_TIMER_FLOOR=0; without --baseline: this "
+                    "tree's code with these variables, a paired comparison of a switch such as INA_TIMER_FLOOR)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -342,10 +358,13 @@ def main(argv=None) -> int:
         ap.error(f"--reps needs one count per size ({len(a.sizes)}), got {len(a.reps)}")
     if a.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {a.rounds}")
+    bad = [v for v in a.baseline_env if "=" not in v]
+    if bad:
+        ap.error(f"--baseline-env takes NAME=VALUE, got {bad}")
     rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.rounds, a.seed,
-               {k: SETTINGS[k] for k in a.settings}, a.rate, a.baseline)
+               {k: SETTINGS[k] for k in a.settings}, a.rate, a.baseline, dict(v.split("=", 1) for v in a.baseline_env))
     if a.json:
-        print(json.dumps({"benchmark": "allreduce_under_loss",
+        print(json.dumps({"benchmark": "allreduce_under_loss", "baseline": a.baseline, "baseline_env": a.baseline_env,
                           "links": f"emulated {a.rate} per worker (tbf)" if a.rate else "loopback",
                           "impairments": "switch user-space impairments, both directions",
                           "codec": "bfp32", "rounds": a.rounds,
@@ -354,13 +373,16 @@ def main(argv=None) -> int:
                           "results": rows}, indent=2))
     else:
         print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'spread':>11} {'best':>5} {'fast':>6} "
-              f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} exact  this/baseline")
+              f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "
+              f"{'sCPU ms':>7} exact  this/baseline")
         for r in rows:
             lo, hi = min(r["vs_lossless_per_round"]), max(r["vs_lossless_per_round"])
             print(f"{r['code']:<8} {r['elements']:>9} {r['setting']:<32} {r['time_per_allreduce_s'] * 1e3:>8.2f} "
                   f"{r['vs_lossless']:>10.2f} {lo:>5.2f}-{hi:<5.2f} {r['vs_lossless_best']:>5.2f} {r['fast_retransmissions']:>6} "
                   f"{r['probe_retransmissions']:>6} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
                   f"{r['tail_s'] * 1e3:>7.2f} {r.get('vs_impairment_path', float('nan')):>6.2f} "
+                  f"{r['turns_per_allreduce']:>6.1f} {r['worker_cpu_per_allreduce_s'] * 1e3:>7.2f} "
+                  f"{r['switch_cpu_per_allreduce_s'] * 1e3:>7.2f} "
                   f"{'yes' if r['exact'] else 'NO':<5}  {r.get('this_vs_baseline', '')}")
     return 0
 

@@ -27,6 +27,16 @@ def test_loss_levels_always_include_the_lossless_reference_and_bad_ones_are_name
     assert p.returncode == 2 and "--loss 1.5" in p.stderr
 
 
+def test_bench_loss_names_a_malformed_baseline_environment_before_starting_anything(capsys):
+    """bench_loss --baseline-env takes NAME=VALUE pairs (the baseline's workers' environment, to pair a
+    tree against itself with a switch such as INA_TIMER_FLOOR=0); anything else is refused by name."""
+    from experiments.bench_loss import main as bench_loss
+    with pytest.raises(SystemExit) as e:
+        bench_loss(["--baseline-env", "INA_TIMER_FLOOR=0", "FLOOR"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "NAME=VALUE" in err and "['FLOOR']" in err, err
+
+
 def test_only_switch_traffic_runs_at_a_loss():
     plan = [("allreduce", 2, "100mbit", 1000, "gloo"), ("allreduce", 2, "100mbit", 1000, "ina:bfp32"),
             ("throughput", 2, "100mbit", 1000, "ina:bfp32"), ("allreduce", 2, "100mbit", 1000, "ina:3lc"),
