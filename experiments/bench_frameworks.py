@@ -255,7 +255,9 @@ def breakdown(r: dict) -> str:
         out += (f"\n    {r['agreement_rounds_per_step']:.1f} rounds/step; worker per step: agreement wait "
                 f"{w['agreement_wait'] * 1e3:.1f} ms, switch {w['switch'] * 1e3:.1f} ms, Gloo {w['native'] * 1e3:.1f} "
                 f"ms, CPU {w['worker_cpu'] * 1e3:.1f} ms"
-                + (f" (reading rounds {w['agreement_cpu'] * 1e3:.1f})" if "agreement_cpu" in w else ""))
+                + (f" (reading rounds {w['agreement_cpu'] * 1e3:.1f}" if "agreement_cpu" in w else "")
+                + (f", in the switch client {w['client_cpu'] * 1e3:.1f}" if "client_cpu" in w else "")
+                + (")" if "agreement_cpu" in w else ""))
     return out
 
 

@@ -129,7 +129,8 @@ def _switch_counters(topo) -> dict:
     tm = st.get("timing", {})         # the stage clock: where the switch's time went (docs/performance.md)
     return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()},
             **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()},
-            **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts") if k in tm}}
+            **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts") if k in tm},
+            "multicast_fallback_jobs": {f["job"]: f["why"] for f in st.get("multicast_fallbacks", [])}}
 
 
 def ina_rto(method: str, rate: str, slots: int, mtu: int, n: int = 4, base: float = 0.02,
@@ -193,7 +194,11 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
            "switch_link_tx_bytes": (c1["sw_tx"] - c0["sw_tx"]) / reps,
            "rel_error": max(r["rel_error"] for r in res), "wall": time.monotonic() - t0,
            "worker_cpu_per_allreduce": sum(sum(r["cpu_times"]) for r in res) / (n * reps),
-           "switch_counters": {k: s1[k] - s0.get(k, 0) for k in s1 if s1[k] - s0.get(k, 0)}}
+           "switch_counters": {k: s1[k] - s0.get(k, 0) for k in s1 if isinstance(s1[k], int) and s1[k] - s0.get(k, 0)}}
+    if s1.get("multicast_fallback_jobs", {}).get(job):       # the group did not reach a worker (warm-up included)
+        rec["multicast_fallback"] = s1["multicast_fallback_jobs"][job]
+        log.warning("%s n=%d %s: the switch sent job %d's results as unicast copies after its multicast group "
+                    "failed: %s", method, n, rate, job, rec["multicast_fallback"])
     if "client" in res[0]:
         rec["client_bytes_sent_per_worker"] = sum(r["client"]["bytes_sent"] for r in res) / (n * reps)
         rec["client_retransmissions"] = sum(r["client"]["retransmissions"] for r in res)

@@ -351,7 +351,7 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
     methods = _methods(ar or acc)
     rates = sorted({r["rate"] for r in ar}, key=_rk)
     sizes = sorted({r["elements"] for r in ar})
-    L = _md_intro(meta) + _md_targets(records, meta)
+    L = _md_intro(meta, records) + _md_targets(records, meta)
     if ar:
         L += _md_allreduce(ar, acc, methods, rates, sizes)
     if tp:
@@ -367,7 +367,7 @@ def report_md(meta, records, images: list[str], img_prefix: str = "") -> str:
     return "\n".join(L)
 
 
-def _md_intro(meta) -> list[str]:
+def _md_intro(meta, records=()) -> list[str]:
     L = ["# ina-sweep report", ""]
     L.append(f"Command(s): " + "; ".join(f"`{c}`" for c in meta.get("runs", [meta.get("command", "")])))
     L.append("")
@@ -392,6 +392,8 @@ def _md_intro(meta) -> list[str]:
                 f"timeouts x K, times / K; CPU work (per-packet costs, codecs) is not dilated (docs/performance.md).")
              + f" End-to-end times include encode+decode at {meta.get('codec_device', 'this CPU')}."
              + (f" INA results: {meta['results_delivery']}." if meta.get("results_delivery") else "")
+             + "".join(f" **{r['method']} n={r['workers']} {r['rate']}: results as unicast copies after the multicast "
+                       f"group failed** ({r['multicast_fallback']})." for r in records if r.get("multicast_fallback"))
              + (f" Workers' TCP (Gloo): {meta['tcp_cc']}." if meta.get("tcp_cc") else ""))
     L.append("")
     return L

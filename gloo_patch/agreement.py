@@ -22,6 +22,7 @@ the framework's own error on every rank). A bucket shared by two names only send
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -42,7 +43,9 @@ def _hash(text: str, salt: bytes) -> int:
     return int.from_bytes(d, "little") & ((1 << HASH_BITS) - 1)
 
 
+@functools.lru_cache(maxsize=65536)
 def bucket(name: str) -> int:
+    """The NaN/Inf flag bucket of a name (the same names come back every step: hashed once each)."""
     return _hash(name, b"bucket") % BUCKETS
 
 
@@ -98,15 +101,15 @@ class Agreement:
     nonfinite_buckets: frozenset
 
     def has_nonfinite(self, name: str) -> bool:
-        return bucket(name) in self.nonfinite_buckets
+        return bool(self.nonfinite_buckets) and bucket(name) in self.nonfinite_buckets
 
 
 def read(total: torch.Tensor) -> Agreement:
-    t = [int(x) for x in total.tolist()]
+    t = total.tolist()
     k = t[0]
     agree = k > 0 and k * t[2] == t[1] * t[1] and k * t[4] == t[3] * t[3]
     return Agreement(present=k, agree=agree, unusable=t[5] > 0,
-                     nonfinite_buckets=frozenset(i for i in range(BUCKETS) if t[_HEAD + i] > 0))
+                     nonfinite_buckets=frozenset(i for i, x in enumerate(t[_HEAD:]) if x > 0))
 
 
 # ---- one collective at a time (torch.distributed): a fixed-size row per rank, gathered ------------------

@@ -20,6 +20,7 @@ Environment (read when a job starts; the Horovod wrapper and the docs set them):
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -142,9 +143,11 @@ def new_job_id() -> int:
     return JOB_MIN + secrets.randbelow(JOB_MAX - JOB_MIN + 1)
 
 
+@functools.lru_cache(maxsize=None)
 def per_parameter(codec: str) -> bool:
     """True if ``codec`` keeps a residual per key (error feedback): the DDP comm hook and Horovod's fusion
-    then send each parameter (tensor) as its own keyed allreduce, with its own residual and scale."""
+    then send each parameter (tensor) as its own keyed allreduce, with its own residual and scale. Asked per
+    bucket, answered once per codec (``compression.get`` makes a codec object, with its random generator)."""
     from ina import compression  # noqa: PLC0415
 
     return compression.get(codec).keeps_residuals
@@ -205,8 +208,8 @@ class FallbackLog:
         ex = f" (first: {example})" if example else ""
         log.warning("%s %s falls back to Gloo: %s%s", self.prefix, op, why, ex)
 
-    def offloaded(self, n_tensors: int, n_elements: int) -> None:
+    def offloaded(self, n_tensors: int, n_elements: int, calls: int = 1) -> None:
         with self._lock:
-            self.counters.offloaded_calls += 1
+            self.counters.offloaded_calls += calls
             self.counters.offloaded_tensors += n_tensors
             self.counters.offloaded_elements += n_elements

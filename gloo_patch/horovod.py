@@ -80,13 +80,14 @@ class InaHandle:
     """Handle of an allreduce queued by the INA backend (Horovod's own handles are ints)."""
 
     __slots__ = ("name", "tensors", "outputs", "op", "prescale", "postscale", "grouped", "done", "error", "seq",
-                 "consumed", "desc", "sealed", "missing")
+                 "consumed", "desc", "sealed", "missing", "nbytes")
 
     def __init__(self, name, tensors, outputs, op, prescale, postscale, grouped, seq, desc):
         self.name, self.tensors, self.outputs, self.op = name, tensors, outputs, op
         self.prescale, self.postscale, self.grouped, self.seq = prescale, postscale, grouped, seq
         self.done, self.error, self.consumed, self.desc, self.sealed = False, None, False, desc, 0.0
         self.missing: list[int] = []     # the ranks that had not queued it, as the last reconciliation saw
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
     def result(self):
         return tuple(self.outputs) if self.grouped else self.outputs[0]
@@ -126,7 +127,10 @@ class _HorovodIna(HorovodNative):
         self.rounds = 0
         # where the worker's time goes (seconds, since init): waiting for agreement rounds, the switch
         # allreduces (fuse, stream, unfuse), Horovod's own allreduces; and the worker thread's CPU
-        self.seconds = {"agreement_wait": 0.0, "switch": 0.0, "native": 0.0, "worker_cpu": 0.0, "agreement_cpu": 0.0}
+        # worker_cpu: the worker thread's CPU; of it, reading the rounds (agreement_cpu) and inside the switch
+        # client's calls (client_cpu): the rest is the integration's own (fuse, unfuse, decisions, hand-offs)
+        self.seconds = {"agreement_wait": 0.0, "switch": 0.0, "native": 0.0, "worker_cpu": 0.0, "agreement_cpu": 0.0,
+                        "client_cpu": 0.0}
         self.switch_failed = False   # an allreduce through the switch failed: the client is latched broken
         # (sealed, started, finished, worker CPU s, 0) per bucket, time.perf_counter(): as the DDP lane's timeline
         self.timeline: collections.deque = collections.deque(maxlen=4096)
@@ -229,7 +233,7 @@ class _HorovodIna(HorovodNative):
             h = InaHandle(name, tensors, outputs, op, float(prescale), float(postscale), grouped, seq, desc)
             self.active[name] = h
             self.open.append(h)
-            self.open_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            self.open_bytes += h.nbytes
             if self.open_bytes >= self.bucket_bytes:    # a full bucket starts now, while backward goes on
                 self._seal()
         return h
@@ -337,7 +341,7 @@ class _HorovodIna(HorovodNative):
                 else:
                     carry.append(h)
             self.open[:0] = carry
-            self.open_bytes += sum(t.numel() * t.element_size() for h in carry for t in h.tensors)
+            self.open_bytes += sum(h.nbytes for h in carry)
             for h in done:
                 if self.active.get(h.name) is h:
                     del self.active[h.name]
@@ -384,7 +388,7 @@ class _HorovodIna(HorovodNative):
             native.update({h.name: "a rank's switch client failed earlier" for h in ready if h.name not in native})
         for h in ready:
             why = native.get(h.name) or self.why_not(h)
-            if why is None and ag.has_nonfinite(h.name):
+            if why is None and ag.has_nonfinite(h.name):    # False at once when no rank flagged any
                 why = "NaN/Inf on some rank (Gloo propagates them)"
             if why is not None:
                 native[h.name] = why
@@ -416,10 +420,12 @@ class _HorovodIna(HorovodNative):
                     h.error = e
 
     def _fused_allreduce(self, group) -> None:
-        fusion.allreduce_buffer(self.client, self.config.codec, group, average=group[0].op == self.M.Average)
+        self.seconds["client_cpu"] += fusion.allreduce_buffer(self.client, self.config.codec, group,
+                                                              average=group[0].op == self.M.Average)
         for h in group:
             h.done = True
-            self.fallbacks.offloaded(len(h.tensors), sum(t.numel() for t in h.tensors))
+        self.fallbacks.offloaded(sum(len(h.tensors) for h in group),
+                                 sum(t.numel() for h in group for t in h.tensors), calls=len(group))
 
     def synchronize(self, handle):
         if isinstance(handle, InaHandle):
@@ -433,6 +439,10 @@ class _HorovodIna(HorovodNative):
                 raise e if isinstance(e, (ValueError, NotImplementedError, self.M.HorovodInternalError)) \
                     else self.M.HorovodInternalError(e)
             return handle.result()
+        try:        # a Horovod handle (broadcast, allgather, ...): wait by polling, not in Horovod's yield loop
+            self._poll_until(handle)
+        except (RuntimeError, ValueError, TypeError):   # not a live Horovod handle: its synchronize answers
+            pass
         return self.orig["synchronize"](handle)
 
     def poll(self, handle) -> bool:

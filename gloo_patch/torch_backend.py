@@ -112,7 +112,7 @@ class _Lane:
 
         self.config, self.rank, self.size, self.job = config, rank, size, job
         self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, **config.client_kwargs())
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.SimpleQueue = queue.SimpleQueue()     # the hand-off to the lane: no Condition per item
         self._error: BaseException | None = None
         # (submitted, started, finished, lane CPU s, codec CPU s) of the last allreduces, time.perf_counter():
         # how much of the switch time ran while the caller still computed (DDP: backward), see timeline();

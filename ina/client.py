@@ -103,7 +103,7 @@ class Client(Worker):
         self._timeline: Timeline | None = None
         self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0), token=token)   # token: INA_TOKEN
         local_ip = self.ctl.sock.getsockname()[0]
-        self.sock, group = mcast.data_socket(local_ip, job, mcast.default() if multicast is None else multicast)
+        self.sock, group = mcast.data_socket(local_ip, job, multicast, self.ctl.sock.getpeername()[:2])
         try:
             cfg = self.ctl.request({"op": "join", "job": job, "rank": rank, "world_size": world_size,
                                     "multicast_group": group,
@@ -117,9 +117,9 @@ class Client(Worker):
         self.slots = int(cfg["slots"])
         self.elements = int(cfg["elements"])
         self.raw = bool(cfg["raw"])
-        self.multicast = bool(cfg.get("multicast", False))      # the switch sends results to the group
         self.register_bits = int(cfg["register_bits"])
         ports = [int(p) for p in cfg.get("ports", [port])]
+        self.multicast = mcast.settle(self.sock, group, local_ip, cfg, ports)   # the switch sends results to the group
         self.switch_addrs = np.zeros(len(ports), B.SOCKADDR_IN)     # one per switch shard (np.concatenate
         for i, p in enumerate(ports):                                # would drop the network byte order)
             self.switch_addrs[i] = B.sockaddr(host, p)[0]
@@ -386,7 +386,7 @@ class Client(Worker):
         finally:
             self.ctl.close()
             self.ctl = None
-            self.sock.close()
+            mcast.close(self.sock, self.rank, self.job)
 
     def __enter__(self):
         return self

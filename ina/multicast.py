@@ -1,8 +1,13 @@
 """IP multicast of results, the worker's side: a data socket that joined the job's group.
 
 The switch sends a job's results once, to the job's group (``ina.wire.multicast_group``: address and UDP
-port), when every worker of the job joined it (``switch_model/multicast.py``). A worker's data socket
-therefore binds the group's port and joins the group on the interface towards the switch. Where that cannot
+port, from the job id and the switch's address), when every worker of the job joined it
+(``switch_model/multicast.py``). A worker's data socket therefore binds the group's port and joins the
+group on the interface towards the switch. Once the switch says it multicasts, the socket takes only
+datagrams from the switch's address (:func:`accept_only`: a kernel socket filter), so that another
+sender to the same group (another switch whose job has the same id, in a fabric where their groups
+coincide) cannot hand this worker its results; what the filter drops is in the socket's drops
+(:func:`socket_drops`). Where that cannot
 be (the switch is reached over loopback, the port is taken: e.g. several workers of a job in one network
 namespace, or ``multicast=False`` / ``INA_MULTICAST=0``) the worker binds any port, joins nothing and says
 so at join: the switch then sends every worker its own unicast copy.
@@ -13,6 +18,7 @@ worker on the group's port before the switch learns of the join and sends the fi
 """
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 import os
@@ -35,17 +41,21 @@ def default() -> bool:
     return os.environ.get("INA_MULTICAST", "1") != "0"
 
 
-def data_socket(local_ip: str, job: int, want: bool = True) -> tuple[socket.socket, str | None]:
+def data_socket(local_ip: str, job: int, want: bool | None,
+                switch: tuple[str, int]) -> tuple[socket.socket, str | None]:
     """(a worker's bound data socket, the group it joined or None). ``local_ip``: this worker's address
-    towards the switch."""
+    towards the switch; ``want``: join the group (None: :func:`default`); ``switch``: the switch's (IPv4
+    address, port) as this worker reaches it."""
+    want = default() if want is None else want
     if want and not ipaddress.ip_address(local_ip).is_loopback:
-        group, port = multicast_group(job)
+        group, port = multicast_group(job, switch)
         try:
             sock = B.udp_socket("0.0.0.0", port)
         except OSError as e:
             log.info("job %d: results as unicast: port %d of group %s not free here (%s)", job, port, group, e)
         else:
             try:
+                accept_only(sock, switch[0], switch[1], MAX_SHARDS)   # before the join: no other sender's is queued
                 join(sock, group, local_ip)
                 return sock, group
             except OSError as e:
@@ -54,11 +64,67 @@ def data_socket(local_ip: str, job: int, want: bool = True) -> tuple[socket.sock
     return B.udp_socket("0.0.0.0", 0), None
 
 
+def settle(sock: socket.socket, group: str | None, local_ip: str, config: dict, ports: list) -> bool:
+    """After the join (``config``: the switch's reply): whether the switch multicasts the job's results. If
+    it does, from address ``results_from`` and UDP ports ``ports`` (its shards'): the socket's filter takes
+    those only; if not, the group is left and the filter removed (results come as unicast)."""
+    multicast, source = bool(config.get("multicast", False)), config.get("results_from")
+    if group is None:
+        return multicast
+    if multicast:
+        if source:                       # (else: a switch that does not say; the filter of data_socket stays)
+            accept_only(sock, source, min(ports), max(ports) - min(ports) + 1)
+        return multicast
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_DROP_MEMBERSHIP, socket.inet_aton(group) + socket.inet_aton(local_ip))
+    sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
+    return multicast
+
+
 def join(sock: socket.socket, group: str, local_ip: str) -> None:
     """Join ``group`` on the interface of ``local_ip``; deliver only this socket's groups to it."""
     sock.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton(group) + socket.inet_aton(local_ip))
     announce(group, local_ip)
+
+
+# Linux (asm-generic/socket.h, linux/sock_diag.h)
+SO_ATTACH_FILTER, SO_DETACH_FILTER, SO_MEMINFO, SK_MEMINFO_DROPS = 26, 27, 55, 8
+SKF_NET_OFF = -0x100000        # classic BPF: offsets from the network (IP) header
+MAX_SHARDS = 256               # before the join: results may come from the switch's port and this many after it
+
+
+def accept_only(sock: socket.socket, source_ip: str, first_port: int, ports: int) -> None:
+    """Let ``sock`` take only datagrams from ``source_ip``, UDP ports ``first_port`` .. ``first_port + ports
+    - 1`` (the switch's shards): a classic BPF socket filter, run by the kernel before the datagram is
+    queued, so it costs the receive loop nothing. Dropped datagrams count in :func:`socket_drops`."""
+    want = struct.unpack("!I", socket.inet_aton(source_ip))[0]
+    prog = [(0x20, 0, 0, (SKF_NET_OFF + 12) & 0xFFFFFFFF),     # A = the IP header's source address
+            (0x15, 0, 4, want),                                 # A != want: drop
+            (0x28, 0, 0, 0),                                    # A = the UDP header's source port
+            (0x35, 0, 2, first_port),                           # A < first_port: drop
+            (0x35, 1, 0, first_port + ports),                   # A >= first_port + ports: drop
+            (0x06, 0, 0, 0xFFFFFFFF),                           # accept whole
+            (0x06, 0, 0, 0)]                                    # drop
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, struct.pack("HL", len(prog), ctypes.addressof(code)))
+    log.debug("data socket %s takes datagrams from %s ports %d..%d only", sock.getsockname(), source_ip,
+              first_port, first_port + ports - 1)
+
+
+def socket_drops(sock: socket.socket) -> int:
+    """Datagrams the kernel dropped at ``sock``: refused by its filter (:func:`accept_only`) or beyond its
+    receive buffer."""
+    info = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
+    return struct.unpack(f"{SK_MEMINFO_DROPS + 1}I", info)[SK_MEMINFO_DROPS]
+
+
+def close(sock: socket.socket, rank: int, job: int) -> None:
+    """Close a worker's data socket at the end of its job, logging the datagrams the kernel dropped there."""
+    n = socket_drops(sock)
+    if n:
+        log.info("rank %d job %d: the kernel dropped %d datagram(s) at the data socket (not from the switch, "
+                 "or beyond its receive buffer)", rank, job, n)
+    sock.close()
 
 
 def _checksum(data: bytes) -> int:

@@ -13,6 +13,7 @@ the project derives from :data:`HEADER` and :data:`PAYLOAD_TYPES` below:
 from __future__ import annotations
 
 import enum
+import ipaddress
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,17 +117,27 @@ def sparse_announce(chunk, nonzero, pool_slots):
     return nonzero - pool_slots * (1 - steps % 2)         # plain arithmetic: numpy arrays too
 
 
-MULTICAST_PREFIX = (239, 77)   # a job's results group: 239.77.<job high byte>.<job low byte> (administratively scoped)
-MULTICAST_PORT_BASE = 16384    # ... at UDP port 16384 + job % 16384 (below Linux's ephemeral range)
+MULTICAST_PREFIX = 239         # a job's results group: 239.<switch byte>.<job high>.<job low> (administratively scoped)
+MULTICAST_PORT_BASE = 16384    # ... at UDP port 16384 + (job + switch port) % 16384 (below Linux's ephemeral range)
 
 
-def multicast_group(job: int) -> tuple[str, int]:
-    """The IP multicast group and UDP port a job's results are sent to (when every worker of the job
-    joined it): the one rule, used by the client (join, data socket's port) and the switch (send)."""
+def multicast_group(job: int, switch: tuple[str, int]) -> tuple[str, int]:
+    """The IP multicast group and UDP port job ``job``'s results are sent to by the switch at ``switch``
+    (its IPv4 address as the workers reach it, its UDP port) when every worker of the job joined it: the
+    one rule, used by the client (join, its data socket's port) and the switch (send).
+
+    The group's second byte is the XOR of the switch address's four bytes, so two switches in one /24
+    subnet (one layer-2 fabric) never share a group, nor do two jobs of one switch; two switches on one
+    host (one address) differ in the port. Beyond that (fabrics larger than a /24) two switches may
+    share a group for the same job id; the workers then drop what does not come from their switch
+    (``ina.multicast.accept_only``)."""
     job = int(job)
     if not 0 <= job <= 0xFFFF:
         raise ValueError(f"job id {job} out of range 0..65535 (16-bit job field)")
-    return f"{MULTICAST_PREFIX[0]}.{MULTICAST_PREFIX[1]}.{job >> 8}.{job & 0xFF}", MULTICAST_PORT_BASE + job % 16384
+    ip, port = switch
+    a, b, c, d = ipaddress.IPv4Address(ip).packed
+    group = f"{MULTICAST_PREFIX}.{a ^ b ^ c ^ d}.{job >> 8}.{job & 0xFF}"
+    return group, MULTICAST_PORT_BASE + (job + int(port)) % 16384
 
 
 def max_packet_size(elements: int) -> int:

@@ -248,7 +248,7 @@ class ControlPlane:
                                 "elements": info.elements,
                                 "raw": info.raw, "register_bits": self.switch.cfg.register_bits, "world_size": n,
                                 "incarnation": info.created, "profile": self.profile.name,
-                                "multicast": info.group_addr >= 0}
+                                "multicast": info.group_addr >= 0, "results_from": info.results_from or None}
                     if self.host_agg is not None:
                         p.result["host_aggregator"] = self.host_agg.info()
                     self._left[job] = set()

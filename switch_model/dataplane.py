@@ -101,7 +101,8 @@ DROP_REASONS = tuple(v.name.lower() for v in Verdict)      # index = verdict; "o
 N_REASONS = len(DROP_REASONS)
 COUNTERS = DROP_REASONS + ("overflow", "harvested", "replays", "rx_packets", "rx_bytes", "tx_packets", "tx_bytes",
                            "aborts_sent", "multicast_results",     # results sent once, to their job's group
-                           "multicast_as_copies")   # group sends made a unicast copy per worker (egress impairments on)
+                           "multicast_as_copies",   # group sends made a unicast copy per worker (egress impairments on)
+                           "multicast_fallbacks")   # jobs sent unicast copies after their group failed (multicast.py)
 C = {name: i for i, name in enumerate(COUNTERS)}
 C_OVERFLOW, C_HARVESTED, C_REPLAYS, C_MULTICAST = C["overflow"], C["harvested"], C["replays"], C["multicast_results"]
 C_RX_PACKETS, C_RX_BYTES = C["rx_packets"], C["rx_bytes"]
@@ -151,6 +152,8 @@ class DataPlane(NamedTuple):
     tx_bins: np.ndarray    # (peers + 1,) int64: harvest's scratch, planned transmissions per destination
     peers: np.ndarray      # (worker addresses,) int64: source_key of the address each job's rank joined from
     src: np.ndarray        # (burst,) int64: source_key of each packet of the current burst
+    delivered: np.ndarray  # (addresses,) int64: results multicast to each group address, replays sent to each
+                           # worker address (multicast.py judges whether a job's group reaches its workers)
     register_bits: int     # 32 or 64
     seed: int              # of the stochastic re-encoding
 
@@ -167,6 +170,7 @@ class DataPlane(NamedTuple):
                    vals=np.zeros(elements, np.int64), tx=np.zeros(burst * MAX_WORKERS, TX),
                    tx_order=np.zeros(burst * MAX_WORKERS, TX), tx_bins=np.zeros(peers + 1, np.int64),
                    peers=np.full(peers, -1, np.int64), src=np.zeros(burst, np.int64),
+                   delivered=np.zeros(peers, np.int64),
                    register_bits=int(register_bits), seed=int(seed))
 
     def reset_sets(self, lo: int, slots: int) -> None:

@@ -151,7 +151,7 @@ def harvest(dp, n):
     order), so that a burst's results for one worker are one run, which the tx stage sends as one GSO
     message.
     """
-    pkts, jobs, sets, tx, counters = dp.pkts, dp.jobs, dp.sets, dp.tx, dp.counters    # taken out once
+    pkts, jobs, sets, tx, counters, delivered = dp.pkts, dp.jobs, dp.sets, dp.tx, dp.counters, dp.delivered
     m = 0
     for i in range(n):
         p = pkts[i]
@@ -164,12 +164,15 @@ def harvest(dp, n):
             _write_result(dp, s, p.job)
             if job.group_addr >= 0:               # IP multicast: once, to the job's group (multicast.py)
                 counters[C_MULTICAST] += 1
+                delivered[job.group_addr] += 1
                 m = _plan(tx, m, s, sets[s].result_len, job.group_addr)
             else:
                 for w in range(job.n_workers):    # a unicast copy per worker
                     m = _plan(tx, m, s, sets[s].result_len, job.addr_base + w)
         else:
             counters[C_REPLAYS] += 1
+            if job.group_addr >= 0:               # a replay of a result multicast: the group missed this rank?
+                delivered[job.addr_base + p.rank] += 1
             m = _plan(tx, m, s, -sets[s].result_len, job.addr_base + p.rank)
     _group_by_destination(tx, dp.tx_order, dp.tx_bins, m)
     return m

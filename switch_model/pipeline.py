@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from ina import burst as B
 from ina.wire import MAX_WORKERS, OFFSET, Flag, MsgType, chunk_modulus, max_packet_size, pack
 
 from . import alu, dataplane as D, harvest, tail
+from .clock import STAGES, StageClock
 from .impair import Impairment, ImpairmentConfig
 from .multicast import Multicast
 
@@ -32,55 +34,9 @@ log = logging.getLogger("ina.switch")
 
 COUNTERS, C = D.COUNTERS, D.C
 C_REPLAYS, C_TX_PACKETS, C_TX_BYTES = C["replays"], C["tx_packets"], C["tx_bytes"]
-C_MULTICAST_AS_COPIES = C["multicast_as_copies"]
-STAGES = ("rx", "ingress", "parse", "aggregate", "harvest", "tx")
+C_MULTICAST_AS_COPIES, C_FALLBACKS = C["multicast_as_copies"], C["multicast_fallbacks"]
 MAX_ACTIVE_JOBS = 64
 RX_TIMEOUT = 0.02       # seconds a poll blocks for a packet when nothing is held (the socket's timeout)
-# burst-size histogram buckets: bucket b counts bursts of 2**b .. 2**(b+1) - 1 packets
-BURST_BUCKETS = 12
-
-
-class StageClock:
-    """Where a poll loop's time goes: nanoseconds per stage, and a histogram of burst sizes.
-
-    ``poll_once`` reads the clock once before the first stage and once after each stage, so the
-    stages partition each busy poll exactly: ``sum(stage_ns) == busy_ns``. Waiting for the first
-    packet of a burst (the blocking receive of an idle switch) is ``wait_ns``, not a stage's time.
-    Stage times are wall-clock times; ``busy_cpu_ns`` is the CPU time the data-plane thread got during
-    the busy polls, so ``busy_ns - busy_cpu_ns`` is the time it was runnable but preempted (on a
-    shared machine) or blocked in a system call.
-    """
-
-    def __init__(self):
-        # Python ints, not numpy arrays: the poll loop adds to them six times a burst, and an int's
-        # add is a fraction of a numpy element's read-modify-write
-        self.stage_ns = [0] * len(STAGES)
-        self.busy_ns = 0
-        self.busy_cpu_ns = 0
-        self.tx_cpu_ns = 0        # CPU ns of the tx stage alone (sendmmsg: the kernel's send path)
-        self.wait_ns = 0
-        self.bursts = 0
-        self.burst_hist = [0] * BURST_BUCKETS
-
-    def burst(self, n: int) -> None:
-        self.bursts += 1
-        self.burst_hist[min(n.bit_length() - 1, BURST_BUCKETS - 1)] += 1
-
-    def to_dict(self) -> dict:
-        hist = {(f"{1 << b}" if b == 0 else f"{1 << b}-{(1 << (b + 1)) - 1}"): int(v)
-                for b, v in enumerate(self.burst_hist) if v}
-        return {"stage_ns": {name: int(v) for name, v in zip(STAGES, self.stage_ns)}, "busy_ns": int(self.busy_ns),
-                "busy_cpu_ns": int(self.busy_cpu_ns), "tx_cpu_ns": int(self.tx_cpu_ns), "wait_ns": int(self.wait_ns), "bursts": int(self.bursts),
-                "burst_sizes": hist}
-
-
-def add_timing(into: dict, other: dict) -> None:
-    """Add one shard's ``StageClock.to_dict()`` into another's (the stats of a sharded switch)."""
-    for group in ("stage_ns", "burst_sizes"):
-        for key, v in other[group].items():
-            into[group][key] = into[group].get(key, 0) + v
-    for key in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts"):
-        into[key] += other[key]
 
 
 @dataclass
@@ -135,6 +91,8 @@ class Job:
     shards: int = 1
     shard: int = 0
     group_addr: int = -1          # address index of the job's multicast group (-1: unicast copies)
+    multicast_fallback: str = ""  # why its results went from multicast to unicast copies (multicast.py)
+    results_from: str = ""        # the address its multicast results come from (the workers filter on it)
     created: float = field(default_factory=time.time)
 
     active = True
@@ -178,6 +136,7 @@ class Switch:
         # worker addresses by job block, then the jobs' multicast groups by job block
         self.addrs = np.zeros(MAX_ACTIVE_JOBS * (MAX_WORKERS + 1), B.SOCKADDR_IN)
         self.multicast = Multicast(self.sock, cfg.multicast, MAX_ACTIVE_JOBS * MAX_WORKERS, MAX_ACTIVE_JOBS)
+        self.fallbacks: deque = deque(maxlen=16)     # the last jobs moved from multicast to unicast, and why
         self._free_blocks = list(range(MAX_ACTIVE_JOBS))
         self.job_info: dict[int, Job] = {}
         self._replays = False             # the last harvest planned replays
@@ -285,7 +244,23 @@ class Switch:
         r0 = self.counters[C_REPLAYS]
         m = self._harvest(self.state, n)
         self._replays = self.counters[C_REPLAYS] != r0
+        if self._replays and not self.egress.active:     # (egress impairments: copies, their loss is theirs)
+            self._judge_multicast()
         return m
+
+    def _judge_multicast(self) -> None:
+        """Jobs whose group does not reach a worker (multicast.py's rule) go on with a unicast copy per worker
+        (from the next burst on: this one's plan stands, its replays reach their rank anyway)."""
+        for block, ranks, why in self.multicast.judge(self.state.delivered):
+            info = next(i for i in self.job_info.values() if i.addr_block == block)
+            info.group_addr = -1
+            info.multicast_fallback = why
+            self.fallbacks.append({"job": info.job, "ranks": ranks, "why": why, "at": round(time.time(), 3)})
+            self.state.jobs[info.job]["group_addr"] = -1
+            self.counters[C_FALLBACKS] += 1
+            log.warning("job %d: its multicast group does not reach %s (%s): results go as a unicast copy per "
+                        "worker from now on (is multicast forwarded on the way: routing, a firewall, the bridge's "
+                        "snooping?)", info.job, ", ".join("%s:%d" % tuple(info.addrs[r]) for r in ranks[:8]), why)
 
     def _repeat_tail_results(self, buf, n: int, m: int) -> int:
         """A second multicast of each TAIL round's result, no replay of a second TAIL copy (tail.py);
@@ -449,10 +424,11 @@ class Switch:
         for r, (h, p) in enumerate(addrs):
             self.addrs[info.addr_base + r] = a = B.sockaddr(h, p)[0]
             self.state.peers[info.addr_base + r] = D.source_key(int(a["addr"]), int(a["port"]))
-        group, how = self.multicast.choose(job, addrs, groups)
+        group, how = self.multicast.choose(job, addrs, groups, self.port - shard)
         if group is not None:
-            info.group_addr = self.multicast.install(block, n_workers)
-            self.addrs[info.group_addr] = B.sockaddr(group, int(addrs[0][1]))[0]
+            info.results_from = self.multicast.interface
+            info.group_addr = self.multicast.install(block, n_workers, slots, self.state.delivered, shards)
+            self.addrs[info.group_addr] = B.sockaddr(group, int(addrs[0][1]))[0]     # choose: every rank bound its port
         self.slot_owner[lo: lo + slots] = job
         self.state.reset_sets(lo, slots)
         self.state.jobs[job] = info.table_row()
@@ -575,8 +551,10 @@ class Switch:
             "occupancy": {"slots_allocated": self.cfg.slots - self.free_slots(), "slots_total": self.cfg.slots,
                           "sets_aggregating": sets_busy},
             "jobs": {str(j): {"workers": i.n_workers, "slot_lo": i.slot_lo, "slots": i.slots,
-                              "elements": i.elements, "raw": i.raw, "multicast": i.group_addr >= 0}
+                              "elements": i.elements, "raw": i.raw, "multicast": i.group_addr >= 0,
+                              **({"multicast_fallback": i.multicast_fallback} if i.multicast_fallback else {})}
                      for j, i in self.job_info.items()},
+            "multicast_fallbacks": list(self.fallbacks),
             "impairments": {"ingress": {**self.ingress.config.to_dict(), **self.ingress.counters()},
                             "egress": {**self.egress.config.to_dict(), **self.egress.counters()}},
         }

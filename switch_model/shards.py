@@ -15,7 +15,8 @@ import sys
 import threading
 from dataclasses import replace
 
-from .pipeline import Switch, SwitchConfig, add_timing
+from .clock import add_timing
+from .pipeline import Switch, SwitchConfig
 
 log = logging.getLogger("ina.switch.shards")
 
@@ -183,6 +184,7 @@ class ShardGroup:
                     for key, v in other[group].items():
                         st[group][key] = st[group].get(key, 0) + v
                 st["occupancy"]["sets_aggregating"] += other["occupancy"]["sets_aggregating"]
+                st["multicast_fallbacks"] += other["multicast_fallbacks"]
                 add_timing(st["timing"], other["timing"])
             st["config"]["shards"] = self.n
             st["config"]["ports"] = self.ports

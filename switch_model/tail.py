@@ -71,6 +71,8 @@ def repeat_tail_results(dp, buf, n, m):
             if i >= 0:
                 used[i] = True
                 dropped += 1
+                if jobs[pkts[i].job].group_addr >= 0:     # harvest counted it as a replay of a multicast
+                    dp.delivered[t.addr] -= 1
                 continue
         tx[out] = t
         out += 1

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import json
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,21 +35,24 @@ def _topology(workers: int):
     return Topology(workers=workers, rate="1gbit", mtu=9000)
 
 
-def _switch(topo, tmp_path, *options):
-    return start_switch(PORT, "--stats-interval", "0", "--elements", "2048", "--slots", "256", *options,
-                        popen=functools.partial(topo.popen, topo.switch), host="0.0.0.0",
-                        control_host=topo.switch.ip, log_path=tmp_path / "switch.log", timeout=60.0)
+def _switch(topo, tmp_path, *options, host=None, port: int = PORT, log: str = "switch.log"):
+    host = host or topo.switch
+    return start_switch(port, "--stats-interval", "0", "--elements", "2048", "--slots", "256", *options,
+                        popen=functools.partial(topo.popen, host), host="0.0.0.0",
+                        control_host=host.ip, log_path=tmp_path / log, timeout=60.0)
 
 
-def _start_workers(topo, tmp_path, hosts, job: int, op: dict, rank_extra=None, **extra) -> list:
-    """mc_worker.py of each rank in its host; ``rank_extra(rank)``: further spec entries of that rank."""
+def _start_workers(topo, tmp_path, hosts, job: int, op: dict, rank_extra=None, switch=None, **extra) -> list:
+    """mc_worker.py of each rank in its host; ``rank_extra(rank)``: further spec entries of that rank;
+    ``switch``: (ip, port) of the switch (default: the topology's switch host, PORT)."""
+    ip, port = switch or (topo.switch.ip, PORT)
     procs = []
     for r, h in enumerate(hosts):
-        spec = {"ip": topo.switch.ip, "port": PORT, "rank": r, "world": len(hosts), "job": job, "codec": "bfp32",
+        spec = {"ip": ip, "port": port, "rank": r, "world": len(hosts), "job": job, "codec": "bfp32",
                 "op": op, "client": {"elements": 2048, "slots": 64}, **extra, **(rank_extra(r) if rank_extra else {})}
-        out = str(tmp_path / f"job{job}-rank{r}")
+        out = str(tmp_path / f"job{job}-{ip}-{port}-rank{r}")
         procs.append((topo.popen(h, [PY, str(WORKER), json.dumps(spec), out], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True), out))
+                                 stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True), out))
     return procs
 
 
@@ -65,9 +70,27 @@ def _finish(procs, timeout: float = 180.0) -> list:
     return res
 
 
-def _switch_stats(topo) -> dict:
+def _step(procs, word: str, timeout: float = 120.0) -> None:
+    """Wait until every worker (started with ``hold``) said ``word``, then let them all go on."""
+    deadline = time.monotonic() + timeout
+    for p, out in procs:
+        seen = []
+        while not seen or seen[-1].strip() != word:
+            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = p.stdout.readline() if ready else ""
+            if not line:
+                said = "".join(seen)[-3000:]
+                raise AssertionError(f"worker {out} did not say {word!r} within {timeout:g} s:\n{said}")
+            seen.append(line)
+    for p, _ in procs:
+        p.stdin.write("\n")
+        p.stdin.flush()
+
+
+def _switch_stats(topo, switch=None) -> dict:
     from ina.control import request
-    return request(topo.switch.ip, PORT, {"op": "stats"}, timeout=10.0)["stats"]
+    ip, port = switch or (topo.switch.ip, PORT)
+    return request(ip, port, {"op": "stats"}, timeout=10.0)["stats"]
 
 
 def _exact(results, op, n: int) -> None:
@@ -204,3 +227,119 @@ def test_on_loopback_the_switch_sends_unicast_copies(tmp_path):
         assert mc is False
     assert st["counters"]["multicast_results"] == 0 and st["counters"]["harvested"] > 0
     assert "unicast: rank(s) [0, 1, 2] did not join" in Path(tmp_path / "switch.log").read_text()
+
+
+def test_a_group_that_never_reaches_the_workers_falls_back_to_unicast(tmp_path):
+    """Every rank leaves the job's group after the join: the switch multicasts, but no result gets through
+    (as on a fabric that does not forward the group). Each result then comes only as the replay of a
+    resend; the switch sees that, says so, counts it and sends the job's results as unicast copies from
+    then on: the last allreduce gets its results without resends, and every sum is exact."""
+    op = {"shape": [300_000], "seed": 18}
+    with _topology(4) as topo:
+        sw = _switch(topo, tmp_path)
+        try:
+            results = _finish(_start_workers(topo, tmp_path, topo.workers, 10, op, repeat=6,
+                                             rank_extra=lambda r: {"leave_group": True}))
+            st = _switch_stats(topo)
+        finally:
+            sw.stop(timeout=10)
+    _exact(results, op, 4)
+    c, (fb,) = st["counters"], st["multicast_fallbacks"]
+    assert c["multicast_fallbacks"] == 1, c
+    assert 0 < c["multicast_results"] < c["harvested"], c
+    assert fb["job"] == 10 and fb["ranks"] and "needed a replay of" in fb["why"], fb
+    chunks = 300_000 // 2048 + 1
+    for r, (_, meta) in enumerate(results):
+        assert meta["replayed"][0] > chunks // 2, (r, meta["replayed"])     # multicast on, nothing arrives
+        assert meta["replayed"][-1] < chunks // 10, (r, meta["replayed"])   # unicast copies arrive
+    log = (tmp_path / "switch.log").read_text()
+    assert "job 10: its multicast group does not reach" in log and "unicast copy per worker from now on" in log
+
+
+def test_a_multicast_job_without_losses_keeps_its_group(tmp_path):
+    """The fallback's rule does not fire on a healthy group: 4 workers, many results, no fallback."""
+    op = {"shape": [300_000], "seed": 19}
+    with _topology(4) as topo:
+        sw = _switch(topo, tmp_path)
+        try:
+            results = _finish(_start_workers(topo, tmp_path, topo.workers, 11, op, repeat=4))
+            st = _switch_stats(topo)
+        finally:
+            sw.stop(timeout=10)
+    _exact(results, op, 4)
+    c = st["counters"]
+    assert c["multicast_fallbacks"] == 0 and c["multicast_results"] == c["harvested"] > 0, c
+    assert st["multicast_fallbacks"] == []
+
+
+def _two_switches_one_job_id(tmp_path, topo, switches: list, hosts: list) -> tuple[list, list]:
+    """Job 12 at each of ``switches`` ((host, port)), 2 workers each (``hosts``: 4), different inputs, at
+    once (every worker joins, then all start; all stay until all are done): (results per switch, stats per
+    switch); every sum is exact."""
+    ops = [{"shape": [400_000], "seed": 20 + k} for k in range(2)]
+    procs, stats_ = [], []
+    sws = [_switch(topo, tmp_path, host=h, port=p, log=f"switch{k}.log") for k, (h, p) in enumerate(switches)]
+    try:
+        for k, (h, p) in enumerate(switches):
+            procs.append(_start_workers(topo, tmp_path, hosts[2 * k: 2 * k + 2], 12, ops[k], switch=(h.ip, p),
+                                        repeat=3, hold=True))
+        _step(procs[0] + procs[1], "joined")
+        _step(procs[0] + procs[1], "done")
+        results = [_finish(pr) for pr in procs]
+        stats_ = [_switch_stats(topo, (h.ip, p)) for h, p in switches]
+    finally:
+        for sw in sws:
+            sw.stop(timeout=10)
+    for k in range(2):
+        _exact(results[k], ops[k], 2)
+        assert all(meta["multicast"] for _, meta in results[k])
+        assert stats_[k]["counters"]["multicast_results"] == stats_[k]["counters"]["harvested"] > 0
+    return results, stats_
+
+
+def test_two_switches_on_one_fabric_with_the_same_job_id_keep_their_results_apart(tmp_path):
+    """Two switches in two hosts of one fabric, each with a job 12: their groups differ (the group follows
+    from the switch's address), so each worker's download carries only its own switch's results and every
+    sum is exact (with one group for both, a worker took the other switch's results for its own)."""
+    with _topology(5) as topo:
+        before = topo.counters()
+        results, _ = _two_switches_one_job_id(tmp_path, topo, [(topo.switch, PORT), (topo.workers[4], PORT)],
+                                              topo.workers[:4])
+        after = topo.counters()
+    groups = {line.split("multicast: group ")[1].split()[0] for k in range(2)
+              for line in (tmp_path / f"switch{k}.log").read_text().splitlines() if "job 12 installed" in line}
+    assert len(groups) == 2, groups
+    for h, (_, meta) in zip(topo.workers[:4], results[0] + results[1]):
+        got = meta["stats"]["bytes_received"]
+        down = after[h.name].down_bytes - before[h.name].down_bytes
+        assert got <= down < 1.3 * got, f"{h.name}: download {down} B, its client received {got} B"
+
+
+def test_a_worker_takes_results_only_from_its_switch(tmp_path):
+    """Two switches in one host, at ports 16384 apart, each with a job 12: their groups and group ports
+    coincide (one address, the port counted modulo 16384), so every worker gets both switches' results;
+    its data socket's filter drops the other switch's (counted in the socket's drops) and every sum is
+    exact."""
+    with _topology(4) as topo:
+        results, _ = _two_switches_one_job_id(tmp_path, topo, [(topo.switch, PORT), (topo.switch, PORT + 16384)],
+                                              topo.workers)
+    groups = {line.split("multicast: group ")[1].split()[0] for k in range(2)
+              for line in (tmp_path / f"switch{k}.log").read_text().splitlines() if "job 12 installed" in line}
+    assert len(groups) == 1, groups
+    for k in range(2):
+        for r, (_, meta) in enumerate(results[k]):
+            assert meta["socket_drops"] > 0, (k, r, meta)
+
+
+def test_the_group_rule_keeps_switches_of_one_subnet_and_jobs_apart():
+    """ina.wire.multicast_group: every host address of a /24 gets its own group for one job id, every job
+    of one switch its own group, two switches on one host their own port; job ids beyond 16 bits are
+    refused by name."""
+    from ina.wire import multicast_group
+    groups = {multicast_group(7, (f"10.213.6.{h}", 9999)) for h in range(1, 255)}
+    assert len({g for g, _ in groups}) == 254
+    assert len({multicast_group(j, ("10.213.6.1", 9999))[0] for j in range(0, 65536, 7)}) == len(range(0, 65536, 7))
+    assert multicast_group(7, ("10.0.0.1", 9999))[1] != multicast_group(7, ("10.0.0.1", 10000))[1]
+    assert all(16384 <= multicast_group(j, ("10.0.0.1", p))[1] < 32768 for j in (0, 65535) for p in (1, 65535))
+    with pytest.raises(ValueError, match="job id 65536 out of range"):
+        multicast_group(65536, ("10.0.0.1", 9999))
