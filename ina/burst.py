@@ -304,6 +304,13 @@ def _take_lengths(msg, n, stride, lens):
         msg[i, 6] = 0
 
 
+def _int64s(v) -> np.ndarray:
+    """``v`` (an array or one value) as a 1-D int64 array, without a copy when it is one already."""
+    if type(v) is np.ndarray and v.dtype == np.int64 and v.ndim == 1:
+        return v
+    return np.asarray(v, np.int64).reshape(-1)
+
+
 def gso_supported(sock: socket.socket) -> bool:
     """Whether the kernel knows UDP_SEGMENT on this socket (it may still refuse a message: see TxBatch)."""
     try:
@@ -365,6 +372,18 @@ def _fill_messages(rows, lens, aidx, first, k, base, stride, abase, iov, iov_at,
     return total
 
 
+@njit(cache=True)
+def _build_messages(rows, lens, aidx, first, k, pos, gso, max_segments, max_bytes, base, stride, abase, iov, iov_at,
+                    msg, cmsg_at, cmsg_value, starts):
+    """:func:`_plan_messages` of entries ``first + pos .. first + k - 1`` and :func:`_fill_messages` of
+    them, in one call. Returns (messages, the entries' bytes)."""
+    sub_l = lens if lens.size == 1 else lens[first:first + k]
+    sub_a = aidx if aidx.size == 1 else aidx[first:first + k]
+    m = _plan_messages(sub_l, sub_a, pos, k, gso, max_segments, max_bytes, starts)
+    return m, _fill_messages(rows, lens, aidx, first, k, base, stride, abase, iov, iov_at, msg, cmsg_at, cmsg_value,
+                             starts, m, pos)
+
+
 def gso_runs(lens: np.ndarray, aidx: np.ndarray, max_segments: int = GSO_MAX_SEGMENTS) -> np.ndarray:
     """Where the GSO messages of a transmit list start: indices of the first entry of each message.
 
@@ -398,6 +417,7 @@ class TxBatch:
         self._cmsg = np.zeros(capacity, CMSG_U16)
         self._cmsg["len"], self._cmsg["level"], self._cmsg["type"] = CMSG_LEN_U16, SOL_UDP, UDP_SEGMENT
         self._cmsg_at = _ptr(self._cmsg) + np.arange(capacity, dtype=np.uint64) * CMSG_U16.itemsize
+        self._cmsg_value = self._cmsg["value"]
         self._msg = np.zeros(capacity, MMSGHDR)
         self._msg["namelen"] = SOCKADDR_IN.itemsize
         self._msgp = _ptr(self._msg)
@@ -420,9 +440,9 @@ class TxBatch:
         """Load (or compile) the send kernels now, on an empty send: the first call in a process costs
         about 0.2 s (numba's cache load), which belongs to start-up, not to the first burst."""
         none = np.zeros(1, np.int64)
-        m = _plan_messages(none, none, 0, 0, self.gso, self.gso_max_segments, GSO_MAX_BYTES, self._starts)
-        _fill_messages(none, none, none, 0, 0, np.uint64(0), np.uint64(0), np.uint64(0), self._iov64, self._iov_at,
-                       self._msg64, self._cmsg_at, self._cmsg["value"], self._starts, m, 1)
+        _build_messages(none, none, none, 0, 0, 1, self.gso, self.gso_max_segments, GSO_MAX_BYTES, np.uint64(0),
+                        np.uint64(0), np.uint64(0), self._iov64, self._iov_at, self._msg64, self._cmsg_at,
+                        self._cmsg_value, self._starts)
 
     def send(self, buf: np.ndarray, rows: np.ndarray, lens, addrs: np.ndarray, addr_idx) -> int:
         """Send ``buf[rows[i], :lens[i]]`` to ``addrs[addr_idx[i]]`` for every i, in sendmmsg bursts.
@@ -431,12 +451,11 @@ class TxBatch:
         for the call; ``lens`` and ``addr_idx`` are arrays or one value for every entry. Returns the
         number of packets the kernel accepted.
         """
-        rows = np.asarray(rows, np.int64).reshape(-1)
+        rows = _int64s(rows)
         n = rows.size
         if n == 0:
             return 0
-        lens = np.asarray(lens, np.int64).reshape(-1)
-        aidx = np.asarray(addr_idx, np.int64).reshape(-1)
+        lens, aidx = _int64s(lens), _int64s(addr_idx)
         base, abase = self._address(buf), self._address(addrs)
         stride = buf.strides[0]
         done = 0
@@ -466,12 +485,10 @@ class TxBatch:
         """Send entries ``first + pos .. first + k - 1`` as messages; returns k, or the entry (relative
         to ``first``) to resume from when the kernel refused GSO (which is then off)."""
         starts = self._starts
-        sub_l = lens if lens.size == 1 else lens[first:first + k]
-        sub_a = aidx if aidx.size == 1 else aidx[first:first + k]
-        m = _plan_messages(sub_l, sub_a, pos, k, self.gso, self.gso_max_segments, GSO_MAX_BYTES, starts)
-        sent_bytes = _fill_messages(rows, lens, aidx, first, k, np.uint64(base), np.uint64(stride), np.uint64(abase),
-                                    self._iov64, self._iov_at, self._msg64, self._cmsg_at, self._cmsg["value"],
-                                    starts, m, pos)
+        m, sent_bytes = _build_messages(rows, lens, aidx, first, k, pos, self.gso, self.gso_max_segments,
+                                        GSO_MAX_BYTES, np.uint64(base), np.uint64(stride), np.uint64(abase),
+                                        self._iov64, self._iov_at, self._msg64, self._cmsg_at, self._cmsg_value,
+                                        starts)
         if pos == 0:
             self.sent_bytes += int(sent_bytes)
         sent = 0

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from . import stream_kernels as SK
-from .wire import HEADER_SIZE
+from .wire import HEADER_SIZE, VERSION, MsgType, header_view
 
 
 def encode_block_fn(c, x32: np.ndarray, ctx, kw: dict, elements: int, block: int, timeline=None):
@@ -101,8 +101,9 @@ class ChunkOutput:
         self.tail = np.empty((1, E), np.float32) if self.full < n_chunks else None
 
     def decode(self, decode_into, chunks: np.ndarray, payload: np.ndarray, which: np.ndarray | None) -> None:
-        """``decode_into(payload, out_rows, chunks, which)`` (Codec.decode_sum_into's order) of ``chunks``."""
-        if self.tail is None:
+        """``decode_into(payload, out_rows, chunks, which)`` (Codec.decode_sum_into's order) of ``chunks``
+        (ascending, as a receive burst's fresh results come: only the last one may be the tail)."""
+        if self.tail is None or chunks[chunks.size - 1] != self.full:
             return decode_into(payload, self.rows, chunks, which)
         last = chunks == self.full
         if not last.any():
@@ -129,23 +130,38 @@ class ChunkOutput:
 
 
 class PacketRings:
-    """The packet rings of a client's streams: ``get(rows, width)`` gives ``rows`` (at most ``max_rows``)
-    rows of ``width`` bytes, headers zeroed. Dense streams reuse one ring per packet width (its first
-    rows) from allreduce to allreduce instead of a fresh zeroed megabyte each. Every byte of a row is
-    written before the row is first sent (the header by the stream and ``fill_headers``, the whole
-    payload by the encoder, the last chunk zero-padded), so what a previous stream left is never sent.
-    A sparse stream (per-row payload types and trailers) gets a zeroed ring of its own."""
+    """The packet rings of a client's streams: ``get(rows, width, header)`` gives ``rows`` (at most
+    ``max_rows``) rows of ``width`` bytes, each row's header set to ``header`` (:meth:`header`: a stream's
+    fixed fields). Dense streams reuse one ring per packet width (its first rows) from allreduce to
+    allreduce instead of a fresh zeroed megabyte each. Every byte of a row is written before the row is
+    first sent (the header by ``header`` and ``fill_headers``, the whole payload by the encoder, the last
+    chunk zero-padded), so what a previous stream left is never sent. A sparse stream (per-row payload
+    types and trailers) gets a zeroed ring of its own."""
 
     def __init__(self, max_rows: int):
         self.max_rows = max_rows
         self.rings: dict[int, np.ndarray] = {}
+        self.headers: dict[tuple, np.ndarray] = {}
 
-    def get(self, rows: int, width: int, sparse=None) -> np.ndarray:
+    def header(self, job: int, rank: int, codec_id: int, ptype: int) -> np.ndarray:
+        """A data packet's header (HEADER_SIZE bytes) with its fixed fields set, the others 0 (kept per stream kind)."""
+        key = (job, rank, codec_id, int(ptype))
+        h = self.headers.get(key)
+        if h is None:
+            h = np.zeros((1, HEADER_SIZE), np.uint8)
+            hv = header_view(h)
+            hv["version"], hv["msg_type"], hv["job"], hv["rank"] = VERSION, int(MsgType.DATA), job, rank
+            hv["codec"], hv["payload_type"] = codec_id, int(ptype)
+            h = self.headers[key] = h[0]
+        return h
+
+    def get(self, rows: int, width: int, header: np.ndarray, sparse=None) -> np.ndarray:
         if sparse:
-            return np.zeros((rows, width), np.uint8)
-        ring = self.rings.get(width)
-        if ring is None or ring.shape[0] < rows:
-            ring = self.rings[width] = np.zeros((max(rows, self.max_rows), width), np.uint8)
-        ring = ring[:rows]
-        ring[:, :HEADER_SIZE] = 0
+            ring = np.zeros((rows, width), np.uint8)
+        else:
+            ring = self.rings.get(width)
+            if ring is None or ring.shape[0] < rows:
+                ring = self.rings[width] = np.zeros((max(rows, self.max_rows), width), np.uint8)
+            ring = ring[:rows]
+        ring[:, :HEADER_SIZE] = header
         return ring

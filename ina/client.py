@@ -32,17 +32,15 @@ from . import burst as B
 from . import chunk_encoding, compression, lifetime, staging
 from . import multicast as mcast
 from . import sparse as sparse_mod
-from . import stream_kernels as SK
 from .compression.base import ScaleContext
-from .coalescing import ArrivalSpacing
 from .control import ControlChannel, ControlError
-from .recovery import TAIL_COPY_FROM, LossDetector, tail_copies
+from .recovery import TAIL_COPY_FROM
 from .scheduling import RunQueueDelay
 from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
-from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType, chunk_modulus,
-                   header_view, max_packet_size, payload_view)
+from .transfer import Transfer
+from .wire import PayloadType, chunk_modulus, header_view, max_packet_size
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -297,10 +295,11 @@ class Client(Worker):
         """
         c0 = self._next_chunk
         self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
-        return _Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
-                         sparse(c0) if sparse else None).run()
+        return Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
+                        sparse(c0) if sparse else None, self._timeline).run()
 
-    def _rtt_sample(self, r: float) -> None:
+    def rtt_sample(self, r: float) -> None:
+        """A chunk's round trip ``r`` (seconds) updates srtt and rttvar (Jacobson/Karn)."""
         if self.srtt is None:
             self.srtt, self.rttvar = r, r / 2
         else:
@@ -340,7 +339,7 @@ class Client(Worker):
         tail probe fire after 5 to 8 ms of silence: ``RxRing.recv_within``)."""
         return self.rx.recv_within(self._rx_wait, RX_WAIT)
 
-    def _send(self, pkts, rows, pkt_len):
+    def send_packets(self, pkts, rows, pkt_len):
         """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
         shard = 0
         if self.shards > 1:
@@ -354,7 +353,8 @@ class Client(Worker):
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += int(np.sum(pkt_len)) if np.ndim(pkt_len) else int(pkt_len) * len(rows)
 
-    def _stall_message(self, n_chunks, n_done, c0) -> str:
+    def stall_message(self, n_chunks, n_done, c0) -> str:
+        """Why a stream made no progress for ``timeout`` seconds, as far as the switch can tell."""
         msg = (f"job {self.job} rank {self.rank}: no progress for {self.timeout:g} s; "
                f"{n_chunks - n_done} of {n_chunks} chunks incomplete (chunk ids from {c0})")
         try:
@@ -393,208 +393,3 @@ class Client(Worker):
 
     def __exit__(self, *exc):
         self.close()
-
-
-class _Transfer:
-    """One :meth:`Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
-
-    def __init__(self, cl: Client, c0: int, n_chunks: int, ptype: PayloadType, codec_id: int, exponent,
-                 result_type: PayloadType, count: int, encoder, decode, sparse=None):
-        self.cl, self.c0, self.n_chunks = cl, c0, n_chunks
-        self.sparse = sparse          # an ina.sparse.SparseStream: chunks zero everywhere are skipped
-        self.E = E = cl.elements if ptype != PayloadType.NONE else 0
-        self.S = cl.slots
-        self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
-        self.R = min(n_chunks, 2 * self.S)
-        self.pkts = cl.rings.get(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0), sparse)
-        hv = self.hv = header_view(self.pkts)
-        hv["version"] = VERSION
-        hv["msg_type"] = int(MsgType.DATA)
-        hv["job"] = cl.job
-        hv["rank"] = cl.rank
-        hv["codec"] = codec_id
-        hv["payload_type"] = int(ptype)
-        self.pv = payload_view(self.pkts, ptype, E) if E else None
-        self.exps_in = np.asarray(exponent, np.int64).reshape(-1)     # one per chunk, or one for all
-        self.count, self.encoder, self.decode = count, encoder, decode
-        self.result_type = result_type
-        self.res_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E
-        self.res_pv = payload_view(cl.rx.buf, result_type, E) if E else None    # the receive ring's payloads
-        self.exps = np.zeros(n_chunks, np.int64)
-        self.done = np.zeros(n_chunks, bool)
-        burst = cl.rx.burst                        # a receive burst's fresh results (rows, positions, REPLAY)
-        self.fresh_idx, self.fresh_jj, self.fresh_replay = np.zeros(burst, np.int64), np.zeros(burst, np.int64), \
-            np.zeros(burst, bool)
-        self.rtt_scratch = np.zeros(burst)
-        self.rtts = (0, 0.0, 0.0, False)          # the burst's round trips (SK.round_trips)
-        self.ld = LossDetector(n_chunks)
-        self.overflow = 0
-        self.checked = False          # the loss check ran in this loop turn
-        self.drained = True           # the last receive emptied the socket
-        self.low = 0                  # every chunk below `low` is done
-        self.n_done = self.n_sent = 0
-        self.max_sent = -1
-        self.spacing = ArrivalSpacing()            # the results' arrival spacing, for coalescing and the timers
-        self.tl = cl._timeline if self.E else None  # marks of the data stream (not of the negotiation)
-
-    def load(self, chunks: np.ndarray) -> np.ndarray:
-        """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
-        E = self.E
-        rows = chunks % self.R
-        SK.fill_headers(self.pkts, rows, chunks, self.c0, self.cl.chunk_modulus, self.S, self.exps_in, self.count, E)
-        if E:
-            self.encoder.load(self.pkts, self.pv, rows, chunks)
-        if self.sparse:
-            self.cl.stats.sparse_header_only += self.sparse.load(self.pkts, self.hv, rows, chunks)
-        return rows
-
-    def send_rows(self, rows: np.ndarray) -> None:
-        lens = self.sparse.lengths(self.hv, rows) if self.sparse else self.pkt_len
-        self.cl._send(self.pkts, rows, lens)
-
-    def send_new(self, chunks: np.ndarray, witness: np.ndarray | bool = True, resends: np.ndarray | None = None) -> None:
-        """Send chunks for the first time (their packets are loaded into the ring first). ``witness``:
-        whether a chunk's result may show the loss of chunks sent before it (ina.recovery). ``resends``:
-        ring rows of this turn's resends (:meth:`retransmit_lost`), sent first in the same batch."""
-        if not chunks.size:
-            return
-        rows = self.load(chunks)
-        if not np.all(witness):                   # sent after a replay: later than at the peers (ina.wire.Flag.LATE)
-            self.hv["flags"][rows[~np.broadcast_to(witness, rows.shape)]] |= int(Flag.LATE)
-        rows = tail_copies(rows, chunks, self.n_chunks, self.hv, self.cl.stats,   # ina.recovery
-                           not self.sparse and (not self.E or self.n_chunks >= self.cl.tail_copy_from))
-        self.send_rows(rows if resends is None or not resends.size else np.concatenate([resends, rows]))
-        self.ld.sent(chunks, time.monotonic(), witness)
-        self.n_sent += chunks.size
-        self.max_sent = max(self.max_sent, int(chunks.max()))     # sparse rounds come in any order
-        if self.tl:
-            self.tl.mark("first_send")
-            if self.n_sent >= min(self.S, self.n_chunks):
-                self.tl.mark("window_sent")
-            if self.n_sent == self.n_chunks:
-                self.tl.mark("last_send")
-
-    def run(self) -> np.ndarray:
-        cl, n_chunks = self.cl, self.n_chunks
-        self.send_new(np.arange(min(self.S, n_chunks)))
-        now = self.last_progress = time.monotonic()
-        while self.n_done < n_chunks:
-            k = cl.receive()
-            now = time.monotonic()
-            cl.run_queue.turn(now)
-            self.checked = False                  # set once retransmit_lost ran in this turn
-            self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
-            if not k:
-                self.spacing.idle()
-            else:
-                self.receive(k, now)
-            if self.n_done < n_chunks:
-                if not self.checked:
-                    self.retransmit_lost(now)
-                if now - self.last_progress > cl.timeout:
-                    raise AllreduceError(cl._stall_message(n_chunks, self.n_done, self.c0))
-        if self.overflow:
-            raise AllreduceError(f"job {cl.job}: {self.overflow} chunk(s) came back with the OVERFLOW flag: a switch "
-                                 "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
-        return self.exps
-
-    def receive(self, k: int, now: float) -> None:
-        """Take a burst of ``k`` received packets: results of this transfer, aborts, stale packets."""
-        cl, n_chunks = self.cl, self.n_chunks
-        cl.stats.packets_received += k
-        sp, buf, lens = self.sparse, cl.rx.buf, cl.rx.lens
-        fresh, ok, other, nbytes, abort, overflow, mismatch = SK.scan_results(
-            buf, lens, k, cl.job, self.c0, cl.chunk_modulus, self.max_sent + 1, sp.result_len if sp else self.res_len,
-            sp.skip_len if sp else -1, bool(sp), bool(self.E), self.done, self.exps, self.fresh_idx, self.fresh_jj,
-            self.fresh_replay)
-        cl.stats.bytes_received += int(nbytes)
-        if abort >= 0:
-            why = lifetime.abort_reason(cl.ctl, cl.job, int(header_view(buf[abort:abort + 1])["rank"][0]))
-            raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
-                                 f"{n_chunks - self.n_done} of {n_chunks} chunks incomplete")
-        if mismatch:
-            sparse_mod.check_agreement(header_view(buf[:k])["flags"], bool(sp), cl.job)
-        cl.stats.duplicate_results += ok - fresh
-        cl.stats.stale_results += other
-        self.overflow += overflow
-        if fresh:    # Karn: round-trip samples only from chunks never resent
-            self.rtts = SK.round_trips(self.fresh_jj[:fresh], self.ld.tries, self.ld.sent_at, now, self.rtt_scratch)
-        self.spacing.sample(k, now, bool(fresh) and self.rtts[3])
-        if fresh:
-            self.complete(buf, self.fresh_idx[:fresh], self.fresh_jj[:fresh], self.fresh_replay[:fresh], now)
-        self.cl.stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, self.cl.coalesce)
-
-    def complete(self, buf: np.ndarray, idx: np.ndarray, jj: np.ndarray, replayed: np.ndarray, now: float) -> None:
-        """Results ``buf[idx]`` of chunks ``jj`` (fresh, distinct, marked done, their exponents taken):
-        decode, account, send the next chunks. ``replayed``: which came with the REPLAY flag."""
-        E = self.E
-        if self.tl:
-            self.tl.mark("first_result")
-        sp = self.sparse
-        lens = self.cl.rx.lens
-        if E:
-            if sp:        # zeros for header-only results
-                self.decode(jj, sp.payloads(buf, idx, lens))
-            else:         # straight from the receive ring into the output
-                self.decode(jj, self.res_pv, idx)
-        ld = self.ld
-        if replayed.any():                        # resends the switch answered with a replay, by rule
-            ld.count_replayed(jj[replayed], self.cl.stats)
-        samples, fastest, median, _ = self.rtts   # Karn: no samples from retransmitted chunks
-        if samples:
-            # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
-            # is at most that long (so the tail probe has a bound from the first allreduce on)
-            self.cl.rtt_min = min(self.cl.rtt_min, fastest)
-            if E:         # the median
-                self.cl._rtt_sample(median)
-        pending = ld.pending(self.low, self.max_sent, self.done)
-        ld.delivered(jj, pending, now)
-        self.n_done += jj.size
-        if sp:            # the streams' next rounds; the chunks in between are zero everywhere
-            skipped, nxt = sp.advance(buf, idx, lens, jj)
-            self.done[skipped] = True
-            self.n_done += skipped.size
-            self.cl.stats.sparse_chunks_skipped += skipped.size
-        else:
-            nxt = jj + self.S                     # self-clocking: each result frees its slot
-        self.last_progress = now
-        if self.tl and self.n_done == self.n_chunks:
-            self.tl.mark("last_result")
-        follows = nxt < self.n_chunks
-        resends = self.retransmit_lost(now, pending, send=False)   # ahead of the new chunks, in their batch:
-        self.checked = True                       # a peer that waits for one of ours gets it before what follows it
-        if follows.any():
-            # a replay came to this rank alone, after the others had the result: the chunk it frees is
-            # sent here later than by the peers, so its result says nothing of the chunks sent before it
-            self.send_new(nxt[follows], ~replayed[follows], resends)
-        elif resends.size:
-            self.send_rows(resends)
-        while self.low < self.n_chunks and self.done[self.low]:
-            self.low += 1
-
-    def retransmit_lost(self, now: float, pending: np.ndarray | None = None, send: bool = True) -> np.ndarray:
-        """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results
-        show the gap, after a silence or the timeout for the tail. Returns their ring rows (flagged
-        RETRANSMIT); ``send`` False: not sent yet, the caller sends them ahead of its new chunks in one
-        batch (one sendmmsg per turn)."""
-        cl = self.cl
-        if pending is None:   # (``pending``: computed since nothing was sent or completed)
-            pending = self.ld.pending(self.low, self.max_sent, self.done)
-        # a full receive burst: results may still wait in the socket (after a stall): no silence, no timeout yet
-        queued = (self.n_sent - self.n_done) * self.spacing.per_pkt
-        pto = cl.probe_timeout(self.spacing.per_pkt) if self.drained else None
-        rto, max_rto = (cl.current_rto(queued), cl.max_rto) if self.drained else (math.inf, math.inf)
-        fast, probe, late = self.ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar)
-        lost = np.concatenate([fast, probe, late])
-        rows = lost % self.R                     # every sent, not-done chunk still owns its ring row
-        if lost.size:
-            self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
-            if send:
-                self.send_rows(rows)
-            self.ld.resent(lost, now, probed=probe.size > 0, rules=(fast, probe, late))
-            cl.stats.fast_retransmissions += fast.size
-            cl.stats.probe_retransmissions += probe.size
-            cl.stats.timeout_retransmissions += late.size
-            cl.stats.retransmissions += lost.size
-        cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto), now)
-        return rows

@@ -1,22 +1,26 @@
-"""Compiled per-burst steps of the streaming client (ina.client's ``_Transfer``).
+"""Compiled per-burst steps of the streaming client (:class:`ina.transfer.Transfer`).
 
-A burst of results is taken in one pass over the receive ring's headers instead of a dozen numpy
-operations on structured views (each a few microseconds of Python per burst), and a burst of new
-chunks gets its headers in one pass too. The header's byte offsets come from :mod:`ina.wire` (the
-one declaration of the format); fields are read and written in network byte order.
+A burst of results is taken in one compiled call (:func:`take_burst`): the scan of the receive
+ring's headers, Karn's round trips, the loss detector's pending list and its count of later
+results (``ina.recovery_kernels``, called from here), and, for a dense stream, the chunks the
+results free and their headers. Each of these was a numba call of its own with numpy glue between
+(a dozen calls a burst, about 150 us of Python on a loaded machine). The header's byte offsets come
+from :mod:`ina.wire` (the one declaration of the format); fields are read and written in network
+byte order.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
+from . import recovery_kernels as RK
 from .gro import copy_bytes
 from .wire import OFFSET, Flag, MsgType, slot_of_chunk
 
 _MSG_TYPE, _FLAGS, _JOB, _SLOT = OFFSET["msg_type"], OFFSET["flags"], OFFSET["job"], OFFSET["slot"]
 _COUNT, _EXPONENT, _CHUNK = OFFSET["count"], OFFSET["exponent"], OFFSET["chunk"]
 _RESULT, _ABORT = int(MsgType.RESULT), int(MsgType.ABORT)
-_SPARSE, _OVERFLOW, _REPLAY = int(Flag.SPARSE), int(Flag.OVERFLOW), int(Flag.REPLAY)
+_SPARSE, _OVERFLOW, _REPLAY, _LATE = int(Flag.SPARSE), int(Flag.OVERFLOW), int(Flag.REPLAY), int(Flag.LATE)
 _slot_of_chunk = njit(inline="always")(slot_of_chunk)   # ina.wire's rule, as in the switch's data plane
 
 
@@ -84,23 +88,25 @@ def scan_results(buf, lens, k, job, c0, modulus, n_chunks, res_len, skip_len, sp
     return fresh, ok, other, nbytes, abort, overflow, mismatch
 
 
+@njit(cache=True, inline="always")
+def _fill_header(row, c, c0, modulus, slots, exps_in, count, elements, flags):
+    cid = (c0 + c) % modulus
+    _put16(row, _SLOT, _slot_of_chunk(cid, slots))
+    _put16(row, _CHUNK, cid >> 16)
+    _put16(row, _CHUNK + 2, cid & 0xFFFF)
+    _put16(row, _EXPONENT, exps_in[0 if exps_in.size == 1 else c] & 0xFFFF)
+    _put16(row, _FLAGS, flags)
+    if elements:
+        _put16(row, _COUNT, min(elements, count - c * elements))
+
+
 @njit(cache=True)
 def fill_headers(pkts, rows, chunks, c0, modulus, slots, exps_in, count, elements):
     """The headers of new chunks ``chunks`` in ring ``rows``: slot, chunk id, exponent (``exps_in``:
     one per chunk, or one for all), flags 0 and (with ``elements``) the valid element count of the
     tensor's ``count`` elements."""
-    one_exp = exps_in.size == 1
     for q in range(rows.size):
-        row = pkts[rows[q]]
-        c = chunks[q]
-        cid = (c0 + c) % modulus
-        _put16(row, _SLOT, _slot_of_chunk(cid, slots))
-        _put16(row, _CHUNK, cid >> 16)
-        _put16(row, _CHUNK + 2, cid & 0xFFFF)
-        _put16(row, _EXPONENT, exps_in[0 if one_exp else c] & 0xFFFF)
-        _put16(row, _FLAGS, 0)
-        if elements:
-            _put16(row, _COUNT, min(elements, count - c * elements))
+        _fill_header(pkts[rows[q]], chunks[q], c0, modulus, slots, exps_in, count, elements, 0)
 
 
 @njit(cache=True)
@@ -120,8 +126,59 @@ def round_trips(jj, tries, sent_at, now, scratch):
             resent = True
     if m == 0:
         return 0, 0.0, 0.0, resent
-    r = np.sort(scratch[:m])
+    r = scratch[:m]
+    r.sort()
     return m, r[0], (r[(m - 1) // 2] + r[m // 2]) / 2, resent
+
+
+@njit(cache=True)
+def take_burst(buf, lens, k, scan, done, exps, idx, jj, replayed, ld_arrays, now, rtt_scratch, low, max_sent, ring,
+               nxt):
+    """One receive burst ``buf[:k]`` of a stream, in one pass:
+
+    1. :func:`scan_results` (``scan``: job, c0, modulus, one past the last position sent, result length,
+       header-only length or -1, sparse, check sparse) marks the fresh results done, takes their
+       exponents and lists them in ``idx``, ``jj``, ``replayed`` (sorted by position);
+    2. :func:`round_trips` of the fresh ones (``ld_arrays``: the loss detector's tries, sent_at, seq,
+       witness, later);
+    3. with fresh results, the loss detector's pending chunks in ``low .. max_sent`` and its count of
+       later results (``recovery_kernels.pending_chunks``, ``count_later``: LossDetector.pending and
+       delivered's compiled steps);
+    4. with ``ring`` = (slots, chunks, ring rows, c0, modulus, exps_in, count, elements) and slots > 0 (a
+       dense stream, self-clocking): the chunks the results free (chunk j + slots), in ``nxt`` = (chunks,
+       rows, witness), their headers written into ``pkts`` (flags LATE where not a witness: sent after a
+       replay) -- everything but their codes;
+    5. ``low`` moved past the chunks done.
+
+    Returns (fresh, ok, other, bytes, abort row, overflow, mismatch, replayed count, (samples, fastest,
+    median, resent), pending, new chunks, the largest new chunk or -1, low)."""
+    job, c0, modulus, hi, res_len, skip_len, sparse, check_sparse = scan
+    fresh, ok, other, nbytes, abort, overflow, mismatch = scan_results(
+        buf, lens, k, job, c0, modulus, hi, res_len, skip_len, sparse, check_sparse, done, exps, idx, jj, replayed)
+    tries, sent_at, seq, wit, later = ld_arrays
+    n_rep = 0
+    for q in range(fresh):
+        n_rep += replayed[q]
+    rtts = round_trips(jj[:fresh], tries, sent_at, now, rtt_scratch)
+    pending = RK.pending_chunks(low, max_sent, done, seq) if fresh else np.empty(0, np.int64)
+    if fresh:
+        RK.count_later(jj[:fresh], pending, seq, tries, wit, later)
+    pkts, slots, n_chunks, R, rc0, rmod, exps_in, count, elements = ring
+    new_chunks, new_rows, new_wit = nxt
+    n_new = 0
+    top = -1
+    if slots > 0:
+        for q in range(fresh):
+            c = jj[q] + slots
+            if c < n_chunks:
+                r = c % R
+                new_chunks[n_new], new_rows[n_new], new_wit[n_new] = c, r, not replayed[q]
+                _fill_header(pkts[r], c, rc0, rmod, slots, exps_in, count, elements, _LATE if replayed[q] else 0)
+                top = max(top, c)
+                n_new += 1
+    while low < done.size and done[low]:
+        low += 1
+    return fresh, ok, other, nbytes, abort, overflow, mismatch, n_rep, rtts, pending, n_new, top, low
 
 
 @njit(cache=True)

@@ -350,3 +350,49 @@ def test_round_trips_follow_karns_rule(tries):
     if m:
         rtts = np.sort(1.0 - sent_at[first])
         assert fastest == rtts[0] and median == np.median(rtts)
+
+
+def test_a_receive_burst_frees_the_next_chunks_with_their_headers_in_one_pass():
+    """take_burst: fresh results of a stream are marked done (duplicates, other jobs and chunks not sent yet
+    are not), their round trips follow Karn's rule, every pending chunk sent before a result counts it, and
+    each result frees chunk j + slots, whose header is what fill_headers writes, flagged LATE when the result
+    was a replay (the peers sent that chunk long before: ina.recovery)."""
+    from ina import stream_kernels as SK
+    from ina.wire import Flag, MsgType, header_view
+    S, n, E, c0, mod, job = 4, 10, 8, 5, 1 << 10, 3
+    done, exps = np.zeros(n, bool), np.zeros(n, np.int64)
+    tries, sent_at = np.zeros(n, np.int64), np.zeros(n)
+    seq, wit, later = np.zeros(n, np.int64), np.ones(n, bool), np.zeros(n, np.int64)
+    seq[:S] = np.arange(1, S + 1)                  # chunks 0..3 went out in order
+    sent_at[:S] = [0.1, 0.2, 0.3, 0.4]
+    tries[2] = 1                                   # chunk 2 was resent: no round-trip sample from it
+    buf, lens = np.zeros((8, 64), np.uint8), np.full(8, 20 + E, np.int64)
+    hv = header_view(buf)
+    hv["msg_type"], hv["job"] = int(MsgType.RESULT), job
+    hv["chunk"][:6] = (c0 + np.array([3, 1, 2, 3, 7, 0])) % mod   # 3 twice; 7 not sent yet
+    hv["job"][5] = job + 1                         # another job's result of chunk 0
+    hv["exponent"][:6] = [-2, 5, 6, 9, 1, 1]
+    hv["flags"][1] = int(Flag.REPLAY)
+    burst = 8
+    idx, jj, rep = np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool)
+    exps_in = np.array([7], np.int64)
+    pkts, ref = np.zeros((2 * S, 64), np.uint8), np.zeros((2 * S, 64), np.uint8)
+    nxt = (np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool))
+    scan = (job, c0, mod, S, 20 + E, -1, False, True)
+    (fresh, ok, other, nbytes, abort, overflow, mismatch, n_rep, rtts, pending, n_new, top, low) = SK.take_burst(
+        buf, lens, 6, scan, done, exps, idx, jj, rep, (tries, sent_at, seq, wit, later), 1.0, np.zeros(burst), 0,
+        S - 1, (pkts, S, n, 2 * S, c0, mod, exps_in, 75, E), nxt)
+    assert (fresh, ok, other, abort, n_rep) == (3, 4, 2, -1, 1)
+    assert jj[:3].tolist() == [1, 2, 3] and idx[:3].tolist() == [1, 2, 0] and rep[:3].tolist() == [True, False, False]
+    assert done.tolist() == [False, True, True, True] + [False] * 6 and exps[[1, 2, 3]].tolist() == [5, 6, -2]
+    assert rtts[0] == 2 and np.isclose(rtts[1], 0.6) and np.isclose(rtts[2], 0.7) and rtts[3]   # chunks 3 and 1
+    assert pending.tolist() == [0] and later[0] == 2          # results of 1 and 3 (2 was resent: Karn)
+    assert n_new == 3 and top == 7 and low == 0
+    assert nxt[0][:3].tolist() == [5, 6, 7] and nxt[1][:3].tolist() == [5, 6, 7]
+    assert nxt[2][:3].tolist() == [False, True, True]
+    SK.fill_headers(ref, np.array([5, 6, 7]), np.array([5, 6, 7]), c0, mod, S, exps_in, 75, E)
+    ph = header_view(pkts)
+    ph_flags = ph["flags"].copy()
+    assert ph_flags[5] == int(Flag.LATE) and not ph_flags[[6, 7]].any()
+    ph["flags"][5] = 0
+    assert np.array_equal(pkts, ref)

@@ -1,0 +1,247 @@
+"""One packet stream of the streaming client (:meth:`ina.client.Client._stream`): its packet ring, the
+state of its chunks, and the loop that sends them and takes their results.
+
+A loop turn is a receive, one compiled pass over the burst (:func:`ina.stream_kernels.take_burst`:
+the scan of the results, Karn's round trips, the loss detector's pending list and its count of
+later results, and for a dense stream the headers of the chunks the results free), the decode of
+the results, the loss check, the encode of the freed chunks and one ``sendmmsg``. The state the
+pass updates lives in preallocated arrays; the Python between the calls is what the codec interface
+(decode, encode), the loss rules (:mod:`ina.recovery`) and the counters need.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from . import lifetime
+from . import sparse as sparse_mod
+from . import stream_kernels as SK
+from .coalescing import ArrivalSpacing
+from .errors import AllreduceError
+from .recovery import LossDetector, tail_copies
+from .wire import HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, Flag, PayloadType, header_view, payload_view
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+class Transfer:
+    """One :meth:`ina.client.Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
+
+    def __init__(self, cl, c0: int, n_chunks: int, ptype: PayloadType, codec_id: int, exponent,
+                 result_type: PayloadType, count: int, encoder, decode, sparse=None, timeline=None):
+        self.cl, self.c0, self.n_chunks = cl, c0, n_chunks
+        self.sparse = sparse          # an ina.sparse.SparseStream: chunks zero everywhere are skipped
+        self.E = E = cl.elements if ptype != PayloadType.NONE else 0
+        self.S = cl.slots
+        self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
+        self.R = min(n_chunks, 2 * self.S)
+        self.pkts = cl.rings.get(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0),
+                                 cl.rings.header(cl.job, cl.rank, codec_id, ptype), sparse)
+        self.hv = header_view(self.pkts)
+        self.pv = payload_view(self.pkts, ptype, E) if E else None
+        self.exps_in = np.asarray(exponent, np.int64).reshape(-1)     # one per chunk, or one for all
+        self.count, self.encoder, self.decode = count, encoder, decode
+        self.res_len = HEADER_SIZE + PAYLOAD_WIDTH[result_type] * E
+        self.res_pv = payload_view(cl.rx.buf, result_type, E) if E else None    # the receive ring's payloads
+        self.exps = np.zeros(n_chunks, np.int64)
+        self.done = np.zeros(n_chunks, bool)
+        burst = cl.rx.burst                        # a receive burst's fresh results (rows, positions, REPLAY)
+        self.fresh_idx, self.fresh_jj, self.fresh_replay = np.zeros(burst, np.int64), np.zeros(burst, np.int64), \
+            np.zeros(burst, bool)
+        self.rtt_scratch = np.zeros(burst)
+        # the chunks a burst's results free (dense streams): positions, ring rows, witness (SK.take_burst)
+        self.nxt = (np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool))
+        ld = self.ld = LossDetector(n_chunks)
+        self.ld_arrays = (ld.tries, ld.sent_at, ld.seq, ld.witness, ld.later)
+        self.ring = (self.pkts, 0 if sparse else self.S, n_chunks, self.R, c0, cl.chunk_modulus, self.exps_in,
+                     count, E)
+        self.overflow = 0
+        self.checked = False          # the loss check ran in this loop turn
+        self.drained = True           # the last receive emptied the socket
+        self.low = 0                  # every chunk below `low` is done
+        self.n_done = self.n_sent = 0
+        self.max_sent = -1
+        self.tail_copy = not sparse and (not E or n_chunks >= cl.tail_copy_from)   # ina.recovery.tail_copies
+        self.spacing = ArrivalSpacing()            # the results' arrival spacing, for coalescing and the timers
+        self.tl = timeline if self.E else None     # marks of the data stream (not of the negotiation)
+
+    def load(self, chunks: np.ndarray) -> np.ndarray:
+        """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
+        E = self.E
+        rows = chunks % self.R
+        SK.fill_headers(self.pkts, rows, chunks, self.c0, self.cl.chunk_modulus, self.S, self.exps_in, self.count, E)
+        if E:
+            self.encoder.load(self.pkts, self.pv, rows, chunks)
+        if self.sparse:
+            self.cl.stats.sparse_header_only += self.sparse.load(self.pkts, self.hv, rows, chunks)
+        return rows
+
+    def send_rows(self, rows: np.ndarray) -> None:
+        lens = self.sparse.lengths(self.hv, rows) if self.sparse else self.pkt_len
+        self.cl.send_packets(self.pkts, rows, lens)
+
+    def send_new(self, chunks: np.ndarray, witness: np.ndarray | bool = True, resends: np.ndarray | None = None,
+                 rows: np.ndarray | None = None, top: int = -1) -> None:
+        """Send chunks for the first time (their packets are loaded into the ring first). ``witness``:
+        whether a chunk's result may show the loss of chunks sent before it (ina.recovery). ``resends``:
+        ring rows of this turn's resends (:meth:`retransmit_lost`), sent first in the same batch.
+        ``rows``: the chunks' ring rows when their headers are written already (SK.take_burst: only their
+        codes are loaded here, and ``top`` is the largest of ``chunks``)."""
+        if not chunks.size:
+            return
+        if rows is None:
+            rows = self.load(chunks)
+            if not np.all(witness):               # sent after a replay: later than at the peers (ina.wire.Flag.LATE)
+                self.hv["flags"][rows[~np.broadcast_to(witness, rows.shape)]] |= int(Flag.LATE)
+            top = int(chunks.max())               # sparse rounds come in any order
+        elif self.E:
+            self.encoder.load(self.pkts, self.pv, rows, chunks)
+        if self.tail_copy and top == self.n_chunks - 1:
+            rows = tail_copies(rows, chunks, self.n_chunks, self.hv, self.cl.stats)     # ina.recovery
+        self.send_rows(rows if resends is None or not resends.size else np.concatenate([resends, rows]))
+        self.ld.sent(chunks, time.monotonic(), witness)
+        self.n_sent += chunks.size
+        self.max_sent = max(self.max_sent, top)
+        if self.tl:
+            self.tl.mark("first_send")
+            if self.n_sent >= min(self.S, self.n_chunks):
+                self.tl.mark("window_sent")
+            if self.n_sent == self.n_chunks:
+                self.tl.mark("last_send")
+
+    def run(self) -> np.ndarray:
+        cl, n_chunks = self.cl, self.n_chunks
+        self.send_new(np.arange(min(self.S, n_chunks)))
+        now = self.last_progress = time.monotonic()
+        while self.n_done < n_chunks:
+            k = cl.receive()
+            now = time.monotonic()
+            cl.run_queue.turn(now)
+            self.checked = False                  # set once retransmit_lost ran in this turn
+            self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
+            if not k:
+                self.spacing.idle()
+            else:
+                self.receive(k, now)
+            if self.n_done < n_chunks:
+                if not self.checked:
+                    self.retransmit_lost(now)
+                if now - self.last_progress > cl.timeout:
+                    raise AllreduceError(cl.stall_message(n_chunks, self.n_done, self.c0))
+        if self.overflow:
+            raise AllreduceError(f"job {cl.job}: {self.overflow} chunk(s) came back with the OVERFLOW flag: a switch "
+                                 "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
+        return self.exps
+
+    def receive(self, k: int, now: float) -> None:
+        """Take a burst of ``k`` received packets: results of this transfer, aborts, stale packets."""
+        cl, stats, sp, buf = self.cl, self.cl.stats, self.sparse, self.cl.rx.buf
+        stats.packets_received += k
+        scan = (cl.job, self.c0, cl.chunk_modulus, self.max_sent + 1, sp.result_len if sp else self.res_len,
+                sp.skip_len if sp else -1, bool(sp), bool(self.E))
+        fresh, ok, other, nbytes, abort, overflow, mismatch, n_rep, rtts, pending, n_new, top, self.low = \
+            SK.take_burst(buf, cl.rx.lens, k, scan, self.done, self.exps, self.fresh_idx, self.fresh_jj,
+                          self.fresh_replay, self.ld_arrays, now, self.rtt_scratch, self.low, self.max_sent, self.ring,
+                          self.nxt)
+        stats.bytes_received += nbytes
+        if abort >= 0:
+            why = lifetime.abort_reason(cl.ctl, cl.job, int(header_view(buf[abort:abort + 1])["rank"][0]))
+            raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
+                                 f"{self.n_chunks - self.n_done} of {self.n_chunks} chunks incomplete")
+        if mismatch:
+            sparse_mod.check_agreement(header_view(buf[:k])["flags"], bool(sp), cl.job)
+        stats.duplicate_results += ok - fresh
+        stats.stale_results += other
+        self.overflow += overflow
+        self.spacing.sample(k, now, fresh > 0 and rtts[3])       # Karn: round trips only of chunks never resent
+        if fresh:
+            self.complete(fresh, n_rep, rtts, pending, n_new, top, now)
+        stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, cl.coalesce)
+
+    def complete(self, fresh: int, n_rep: int, rtts: tuple, pending: np.ndarray, n_new: int, top: int,
+                 now: float) -> None:
+        """The burst's ``fresh`` results (SK.take_burst took them: marked done, exponents taken, counted
+        against the ``pending`` chunks): decode, account, send the next chunks (``n_new`` of them with
+        their headers written, dense streams). ``n_rep``: how many came with the REPLAY flag."""
+        buf, idx, jj, replayed = self.cl.rx.buf, self.fresh_idx[:fresh], self.fresh_jj[:fresh], \
+            self.fresh_replay[:fresh]
+        if self.tl:
+            self.tl.mark("first_result")
+        sp = self.sparse
+        if self.E:
+            if sp:        # zeros for header-only results
+                self.decode(jj, sp.payloads(buf, idx, self.cl.rx.lens))
+            else:         # straight from the receive ring into the output
+                self.decode(jj, self.res_pv, idx)
+        ld = self.ld
+        if n_rep:                                 # resends the switch answered with a replay, by rule
+            ld.count_replayed(jj[replayed], self.cl.stats)
+        samples, fastest, median, _ = rtts        # Karn: no samples from retransmitted chunks
+        if samples:
+            # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
+            # is at most that long (so the tail probe has a bound from the first allreduce on)
+            self.cl.rtt_min = min(self.cl.rtt_min, fastest)
+            if self.E:    # the median
+                self.cl.rtt_sample(median)
+        # LossDetector.delivered's state (its count of later results ran in SK.take_burst)
+        ld.last_arrival = ld.probe_base = now
+        ld.probes = 0
+        self.n_done += fresh
+        self.last_progress = now
+        if sp:            # the streams' next rounds; the chunks in between are zero everywhere
+            skipped, nxt = sp.advance(buf, idx, self.cl.rx.lens, jj)
+            self.done[skipped] = True
+            self.n_done += skipped.size
+            self.cl.stats.sparse_chunks_skipped += skipped.size
+            while self.low < self.n_chunks and self.done[self.low]:
+                self.low += 1
+        if self.tl and self.n_done == self.n_chunks:
+            self.tl.mark("last_result")
+        resends = self.retransmit_lost(now, pending, send=False)   # ahead of the new chunks, in their batch:
+        self.checked = True                       # a peer that waits for one of ours gets it before what follows it
+        if sp:
+            follows = nxt < self.n_chunks
+            if follows.any():
+                # a replay came to this rank alone, after the others had the result: the chunk it frees is
+                # sent here later than by the peers, so its result says nothing of the chunks sent before it
+                self.send_new(nxt[follows], ~replayed[follows], resends)
+                return
+        elif n_new:       # self-clocking: each result frees its slot (chunk j + slots, headers written)
+            chunks, rows, wit = self.nxt
+            self.send_new(chunks[:n_new], wit[:n_new], resends, rows[:n_new], top)
+            return
+        if resends.size:
+            self.send_rows(resends)
+
+    def retransmit_lost(self, now: float, pending: np.ndarray | None = None, send: bool = True) -> np.ndarray:
+        """Resend the chunks :class:`~ina.recovery.LossDetector` finds lost: fast where later results
+        show the gap, after a silence or the timeout for the tail. Returns their ring rows (flagged
+        RETRANSMIT); ``send`` False: not sent yet, the caller sends them ahead of its new chunks in one
+        batch (one sendmmsg per turn)."""
+        cl = self.cl
+        if pending is None:   # (``pending``: computed since nothing was sent or completed)
+            pending = self.ld.pending(self.low, self.max_sent, self.done)
+        # a full receive burst: results may still wait in the socket (after a stall): no silence, no timeout yet
+        per_pkt = self.spacing.per_pkt
+        if self.drained:
+            pto, rto, max_rto = cl.probe_timeout(per_pkt), cl.current_rto((self.n_sent - self.n_done) * per_pkt), \
+                cl.max_rto
+        else:
+            pto, rto, max_rto = None, math.inf, math.inf
+        fast, probe, late = self.ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar)
+        rows = _NO_ROWS
+        if fast.size or probe.size or late.size:
+            lost = np.concatenate([fast, probe, late])
+            rows = lost % self.R                 # every sent, not-done chunk still owns its ring row
+            self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
+            if send:
+                self.send_rows(rows)
+            self.ld.resent(lost, now, probed=probe.size > 0, rules=(fast, probe, late))
+            cl.stats.fast_retransmissions += fast.size
+            cl.stats.probe_retransmissions += probe.size
+            cl.stats.timeout_retransmissions += late.size
+            cl.stats.retransmissions += lost.size
+        cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto), now)
+        return rows
