@@ -135,11 +135,16 @@ class LossDetector:
 
     def delivered(self, chunks: np.ndarray, pending: np.ndarray, now: float) -> None:
         """Results of ``chunks`` arrived; count them against every still ``pending`` chunk sent before."""
-        self.last_arrival = self.probe_base = now
-        self.probes = 0
+        self.arrived(now)
         # a resent chunk's result may answer its first send: it says nothing of the order (Karn's ambiguity)
         RK.count_later(np.asarray(chunks, np.int64), np.asarray(pending, np.int64), self.seq, self.tries, self.witness,
                        self.later)
+
+    def arrived(self, now: float) -> None:
+        """A result arrived: the tail probe's timer restarts and its backoff resets (the count of later
+        results is :meth:`delivered`'s, or the client's compiled receive pass's)."""
+        self.last_arrival = self.probe_base = now
+        self.probes = 0
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
              pto: float | None = None, rttvar: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

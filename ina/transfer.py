@@ -185,9 +185,7 @@ class Transfer:
             self.cl.rtt_min = min(self.cl.rtt_min, fastest)
             if self.E:    # the median
                 self.cl.rtt_sample(median)
-        # LossDetector.delivered's state (its count of later results ran in SK.take_burst)
-        ld.last_arrival = ld.probe_base = now
-        ld.probes = 0
+        ld.arrived(now)                           # (its count of later results ran in SK.take_burst)
         self.n_done += fresh
         self.last_progress = now
         if sp:            # the streams' next rounds; the chunks in between are zero everywhere
