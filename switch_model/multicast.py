@@ -72,6 +72,7 @@ class Multicast:
         self.window = np.zeros(blocks, np.int64)        # per address block: results multicast per judged window
         self.mark = np.zeros(first + blocks, np.int64)  # per address: ``delivered`` at the window's start
         self.interface: str | None = None               # the socket's IP_MULTICAST_IF, once set
+        self.installed = 0                              # jobs sending to a group now (none: nothing to expand)
         if self.enabled:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
@@ -113,12 +114,14 @@ class Multicast:
         """The address index of block ``block``'s group (its job sends there); remembers its workers and
         starts the window :meth:`judge` looks at (``slots``: the job's slots here; ``delivered``: the data
         plane's counts; a job over ``shards`` > 1 is not judged)."""
+        self.installed += not self.workers[block]
         self.workers[block] = n_workers
         self.window[block] = max(FALLBACK_MIN_RESULTS, FALLBACK_SLOTS * int(slots)) if shards == 1 else 0
         self._restart(block, delivered)
         return self.first + block
 
     def remove(self, block: int) -> None:
+        self.installed -= bool(self.workers[block])
         self.workers[block] = 0
         self.window[block] = 0
 
@@ -152,6 +155,8 @@ class Multicast:
         """(rows, lens, addr, number of multicasts replaced): the transmissions with each multicast replaced
         by a unicast copy per worker of its job, grouped by destination (each worker's entries keep their
         order)."""
+        if not self.installed:                          # (a Python int: no array work per burst)
+            return rows, lens, addr, 0
         addr = np.asarray(addr)
         mc = addr >= self.first
         if not mc.any():
