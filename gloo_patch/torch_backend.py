@@ -46,6 +46,7 @@ BACKEND_NAME = "ina"
 _BT = dist.ProcessGroup.BackendType
 _OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 _OP_NAMES = {getattr(dist.ReduceOp, n): n for n in _OPS}
+_AVG = _OPS.index("AVG")
 NONFINITE = "NaN/Inf on some rank (Gloo propagates them)"
 CLIENT_FAILED = "a rank's switch client failed earlier"
 
@@ -376,7 +377,8 @@ class InaHookState:
     def __init__(self, process_group=None, switch=None, codec: str | None = None, timeout: float | None = None):
         self.process_group = process_group or dist.distributed_c10d._get_default_group()
         self.config = InaConfig.from_env(switch=switch, codec=codec, timeout=timeout)
-        rank, size = self.process_group.rank(), self.process_group.size()
+        self.rank, self.size = rank, size = self.process_group.rank(), self.process_group.size()
+        self.per_parameter = per_parameter(self.config.codec)
         # the agreement rounds run on a store of their own (``agreement.Rounds``, as Horovod's: a round that
         # cannot complete raises on the rank that waited, and the next rounds pair up again): the hook starts one
         # per bucket without waiting (backward goes on), the lane waits for it; Gloo fallbacks run on the lane,
@@ -392,11 +394,11 @@ class InaHookState:
         """Start this rank's agreement row for an allreduce (Average) of ``tensors`` on the agreement group,
         without waiting; the returned function waits (bounded by INA_TIMEOUT) and returns what :func:`agree`
         returns, or raises the same RuntimeError on every rank if the ranks disagree."""
-        mine = agreement.row(tensors, _OPS.index("AVG"), self.lane.unusable())
-        size = self.process_group.size()
-        table = torch.zeros(size, mine.numel(), dtype=torch.int64)   # a Sum of one row per rank: an all_gather
-        table[self.process_group.rank()] = mine
-        handle = self.rounds.start(table.reshape(-1))
+        mine = agreement.row(tensors, _AVG, self.lane.unusable())
+        size, n = self.size, mine.numel()
+        table = torch.zeros(size * n, dtype=torch.int64)   # a Sum of one row per rank: an all_gather
+        table[self.rank * n:(self.rank + 1) * n] = mine
+        handle = self.rounds.start(table)
 
         def decided() -> str | None:
             try:
@@ -437,7 +439,8 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes, NaN/Inf).
     Returns at once: the agreement round and the allreduce run on the lane while backward goes on."""
     buf, index = bucket.buffer(), bucket.index()
-    pending = state.agree_later([buf], f"[ina rank {state.process_group.rank()}] DDP bucket {index}")
+    what = f"[ina rank {state.rank}] DDP bucket {index}"
+    pending = state.agree_later([buf], what)
 
     def decide() -> bool:
         why = pending() or tensors_not_offloadable([buf])
@@ -446,18 +449,20 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
             return False
         state.fallbacks.fallback("DDP bucket", why, f"bucket {index}")
         dist.all_reduce(buf, group=state.process_group)   # on the lane: the hook's thread issues no collective here
-        buf.div_(state.process_group.size())
+        buf.div_(state.size)
         return True
 
+    if not state.per_parameter:     # the whole bucket, one allreduce, no residual (the key names it, unused)
+        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", decide=decide)
     # the residual of an error-feedback codec belongs to the bucket's parameters: DDP rebuilds its buckets
     # after the first iteration, so the index alone may name other parameters (or another size) later;
-    # the parameters' shapes name the layout the same way on every rank (the host aggregator checks)
+    # the parameters' shapes name the layout the same way on every rank (the host aggregator checks).
+    # One compression context per parameter (views of the bucket), as 3LC keeps one per tensor: a scale
+    # shared by the whole bucket (3lc-3v's M = max |g|) would round the gradients of every parameter smaller
+    # than the largest one to 0 until their residual catches up
     params = bucket.parameters()
     layout = ",".join("x".join(map(str, p.shape)) for p in params)
-    # an error-feedback codec gets one compression context per parameter (views of the bucket), as 3LC
-    # keeps one per tensor: a scale shared by the whole bucket (3lc-3v's M = max |g|) would round the
-    # gradients of every parameter smaller than the largest one to 0 until their residual catches up
-    parts = list(buf.split([p.numel() for p in params])) if per_parameter(state.config.codec) else [buf]
+    parts = list(buf.split([p.numel() for p in params]))
     return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide)
 
 
