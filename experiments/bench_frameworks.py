@@ -209,9 +209,10 @@ def run_config(kind: str, codec: str | None, switch: str | None, topo, a, switch
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if switch_pid is not None and codec is not None:     # rank 0 reads the switch's CPU over the timed steps
         env["BENCH_SWITCH_PID"] = str(switch_pid)
-    if codec is not None:   # "nc" or "nc@<bucket bytes>" (Horovod's INA_BUCKET_BYTES; 0: no overlap)
+    if codec is not None:   # "nc" or "nc@<bucket bytes>" (Horovod's INA_BUCKET_BYTES; 0: no overlap); "gloo@N": DDP, no INA
         codec, _, bucket = codec.partition("@")
-        env.update(INA_SWITCH=switch, INA_CODEC=codec, INA_SEED="7", INA_TIMEOUT="30")
+        if codec != "gloo":
+            env.update(INA_SWITCH=switch, INA_CODEC=codec, INA_SEED="7", INA_TIMEOUT="30")
         if bucket:      # Horovod: INA_BUCKET_BYTES; DDP: bucket_cap_mb (0: one bucket, no overlap)
             env["INA_BUCKET_BYTES"] = bucket if int(bucket) > 0 else str(1 << 40)
     me = [PY, "-m", "experiments.bench_frameworks", "--worker", kind, "--out", str(out), "--warmup", str(a.warmup),
@@ -283,6 +284,16 @@ def beside_main_s(r: dict) -> float:
     return sum(v["run_s"] for th in r.get("threads", {}).values() for k, v in th.items() if k != "MainThread")
 
 
+def worker_kind(framework: str, codec: str) -> str:
+    """The worker of a row: DDP with the INA hook, or plain DDP for ``gloo@N`` (Gloo with DDP buckets of N bytes,
+    to compare bucket layouts with Gloo's own in the same invocation)."""
+    if codec.partition("@")[0] == "gloo":
+        if framework != "ddp":
+            raise SystemExit(f"--codecs {codec}: gloo@N (DDP's bucket_cap_mb for plain Gloo) is for --frameworks ddp")
+        return "ddp"
+    return "ddp-ina" if framework == "ddp" else framework
+
+
 def target(rate: str | None) -> str:
     """The goal for INA's step time, as a ratio to Gloo's in the same run."""
     return "<= 1.05x Gloo's time (loopback)" if rate is None else ">= 2.5x faster than Gloo (0.40x its time)"
@@ -305,7 +316,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     ap.add_argument("--rate", help="emulated link rate per host, e.g. 100mbit (default: loopback, no shaping)")
     ap.add_argument("--codecs", default="nc,bfp32",
-                    help="codecs; codec@N runs Horovod with INA_BUCKET_BYTES=N (codec@0: no overlap with backward)")
+                    help="codecs; codec@N runs Horovod with INA_BUCKET_BYTES=N, DDP with bucket_cap_mb N bytes (codec@0: no "
+                         "overlap with backward); gloo@N: DDP on plain Gloo with N-byte buckets")
     ap.add_argument("--frameworks", default="horovod,ddp")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
@@ -336,7 +348,7 @@ def main(argv=None) -> int:
                 if not a.json:
                     print(f"{fw:8s} gloo   {base['median_s'] * 1e3:7.1f} ms/step" + cpu_breakdown(base), flush=True)
                 for codec in a.codecs.split(","):
-                    r = run_config("ddp-ina" if fw == "ddp" else fw, codec, addr, topo, a, sw.proc.pid)
+                    r = run_config(worker_kind(fw, codec), codec, addr, topo, a, sw.proc.pid)
                     ratio = r["median_s"] / base["median_s"]
                     results["runs"].append({"framework": fw, "codec": codec, **r, "ratio_to_gloo": ratio,
                                             "speedup_vs_gloo": 1 / ratio, "meets_target": meets(ratio, a.rate)})
