@@ -71,10 +71,11 @@ def allreduce_buffer(client, codec: str, group, average: bool) -> float:
     # a named allreduce keeps its error-feedback residual across steps; Horovod's generated names (no name
     # given) change every call, so those go stateless
     named = not any(h.name.startswith(NONAME) for h in group)
-    # float32 unfused into float32 outputs: the average is taken in the unfuse pass (the same float32 division
-    # the client makes, one pass over the buffer instead of two)
+    # float32 unfused into float32 outputs on the CPU: the average is taken in the unfuse pass (one pass over the
+    # buffer instead of two). Not on CUDA, whose division by a number multiplies by its reciprocal (one bit off
+    # the client's float32 division, which stays the rule there)
     divide = average and copied and h0.postscale == 1.0 and not per_parameter(codec) and \
-        all(x.dtype == torch.float32 for x in (buf, *outputs))
+        buf.device.type == "cpu" and all(x.dtype == torch.float32 for x in (buf, *outputs))
     cpu = time.thread_time()
     if per_parameter(codec):
         views = buf.split([t.numel() for t in tensors])

@@ -440,7 +440,7 @@ class _HorovodIna(HorovodNative):
                     else self.M.HorovodInternalError(e)
             return handle.result()
         try:        # a Horovod handle (broadcast, allgather, ...): wait by polling, not in Horovod's yield loop
-            self._poll_until(handle)
+            self.wait_user_op(handle)
         except (RuntimeError, ValueError, TypeError):   # not a live Horovod handle: its synchronize answers
             pass
         return self.orig["synchronize"](handle)

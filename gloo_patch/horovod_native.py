@@ -11,6 +11,8 @@ import json
 import os
 import time
 
+from .common import log
+
 DETAIL_NAME = "ina.agree.detail"
 INA_HOROVOD_CYCLE_MS = 20.0    # Horovod's cycle when the switch carries the allreduces (quieter_background_cycle)
 POLL_FIRST_S, POLL_MAX_S = 0.0001, 0.001     # waiting for a Horovod handle: polls from 0.1 ms, doubling up to 1 ms
@@ -93,6 +95,16 @@ class HorovodNative:
             pause = min(2 * pause, POLL_MAX_S)
         return True
 
+    def wait_user_op(self, handle) -> None:
+        """Wait for the user's own Horovod op (broadcast, allgather, ...) by polling. Unbounded as Horovod's own
+        wait (a rank may legitimately reach a broadcast later), but it says what it waits for: a warning every
+        INA_TIMEOUT while the op has not finished."""
+        waited = 0.0
+        while not self._poll_until(handle, time.monotonic() + self.config.timeout):
+            waited += self.config.timeout
+            log.warning("[ina horovod rank %d] still waiting for Horovod op (handle %s) after %g s: a rank has "
+                        "not reached it yet", self.rank, handle, waited)
+
     def _run_native(self, handles, why: dict) -> None:
         started = []
         for h in handles:
@@ -107,10 +119,9 @@ class HorovodNative:
                 started.append((h, nh))
             except Exception as e:  # noqa: BLE001 - the caller's synchronize raises it
                 h.error = e
-        for h, nh in started:
+        for h, nh in started:     # every rank agreed to run these here: bounded as the agreement's rounds
             try:
-                self._poll_until(nh)     # unbounded as Horovod's own wait (its stall check warns)
-                self.orig["synchronize"](nh)
+                self._native_wait(nh, f"Horovod's allreduce {h.name!r} (run by Horovod: {why[h.name]})")
                 h.done = True
             except Exception as e:  # noqa: BLE001
                 h.error = e

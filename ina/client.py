@@ -134,6 +134,7 @@ class Client(Worker):
         self.tx = B.TxBatch(self.sock, capacity=1024)
         self.rings = chunk_encoding.PacketRings(2 * self.slots)    # the streams' packet rings, reused
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
+        self._leave_at_exit = None     # lifetime.leave_at_exit, once the client is whole
         if not 0 <= first_chunk < self.chunk_modulus:
             self.close()
             raise ValueError(f"first_chunk {first_chunk} out of range 0..{self.chunk_modulus - 1} (the chunk ids of a "
@@ -375,7 +376,8 @@ class Client(Worker):
         """Leave the job (the switch frees its slots once every worker left)."""
         if self.ctl is None:
             return
-        self._leave_at_exit.detach()
+        if self._leave_at_exit is not None:
+            self._leave_at_exit.detach()
         if self._host is not None:
             self._host.close()
             self._host = None

@@ -3,8 +3,9 @@
 The switch sends a job's results once, to the job's group (``ina.wire.multicast_group``: address and UDP
 port, from the job id and the switch's address), when every worker of the job joined it
 (``switch_model/multicast.py``). A worker's data socket therefore binds the group's port and joins the
-group on the interface towards the switch. Once the switch says it multicasts, the socket takes only
-datagrams from the switch's address (:func:`accept_only`: a kernel socket filter), so that another
+group on the interface towards the switch. From before the join, the socket takes only datagrams from the
+switch's address and ports (:func:`accept_only`: a kernel socket filter; narrowed to the address the results
+come from and the shards' ports once the switch says it multicasts, removed if it does not), so that another
 sender to the same group (another switch whose job has the same id, in a fabric where their groups
 coincide) cannot hand this worker its results; what the filter drops is in the socket's drops
 (:func:`socket_drops`). Where that cannot
@@ -73,7 +74,11 @@ def settle(sock: socket.socket, group: str | None, local_ip: str, config: dict, 
         return multicast
     if multicast:
         if source:                       # (else: a switch that does not say; the filter of data_socket stays)
-            accept_only(sock, source, min(ports), max(ports) - min(ports) + 1)
+            try:
+                accept_only(sock, source, min(ports), max(ports) - min(ports) + 1)
+            except (OSError, ValueError) as e:   # the filter of data_socket (the switch's port range) stays
+                log.warning("results from %s: the data socket's filter could not be narrowed to ports %s (%s)",
+                            source, ports, e)
         return multicast
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_DROP_MEMBERSHIP, socket.inet_aton(group) + socket.inet_aton(local_ip))
     sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
@@ -120,11 +125,16 @@ def socket_drops(sock: socket.socket) -> int:
 
 def close(sock: socket.socket, rank: int, job: int) -> None:
     """Close a worker's data socket at the end of its job, logging the datagrams the kernel dropped there."""
-    n = socket_drops(sock)
+    try:
+        n = socket_drops(sock)
+    except OSError as e:             # a kernel without SO_MEMINFO: nothing to report
+        log.debug("rank %d job %d: the data socket's drops cannot be read (%s)", rank, job, e)
+        n = 0
+    finally:
+        sock.close()
     if n:
         log.info("rank %d job %d: the kernel dropped %d datagram(s) at the data socket (not from the switch, "
                  "or beyond its receive buffer)", rank, job, n)
-    sock.close()
 
 
 def _checksum(data: bytes) -> int:

@@ -82,15 +82,20 @@ DUPTHRESH, REO_FLOOR = RK.DUPTHRESH, RK.REO_FLOOR   # rule 1's count of later re
 FAST, PROBE, TIMEOUT = RK.FAST, RK.PROBE, RK.TIMEOUT  # the rule of a chunk's last resend (LossDetector.rule; 0: never)
 
 
-def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats,
-                copy: bool = True) -> np.ndarray:
-    """The ring ``rows`` of ``chunks`` (first sends of a dense stream of ``n_chunks``), with a second
-    copy of the stream's last chunk, flagged TAIL in ``headers`` (ina.wire.header_view of the ring),
-    counted in ``stats.tail_copies``; ``copy`` False: ``rows`` as they are. Nothing sent after the last chunk can show its loss (a negotiation
-    round is one chunk): a copy makes its loss on the way to the switch take both (p^2), and the TAIL
+def tail_copy_wanted(sparse: bool, payload: bool, n_chunks: int, tail_copy_from: int) -> bool:
+    """Whether a stream sends its last chunk twice (:func:`tail_copies`): a dense stream's, if it is a
+    negotiation (no ``payload``) or has at least ``tail_copy_from`` chunks."""
+    return not sparse and (not payload or n_chunks >= tail_copy_from)
+
+
+def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats) -> np.ndarray:
+    """The ring ``rows`` of ``chunks`` (first sends of a dense stream of ``n_chunks`` that
+    :func:`tail_copy_wanted`), with a second copy of the stream's last chunk, flagged TAIL in ``headers``
+    (ina.wire.header_view of the ring), counted in ``stats.tail_copies``. Nothing sent after the last
+    chunk can show its loss (a negotiation round is one chunk): a copy makes its loss on the way to the switch take both (p^2), and the TAIL
     flag makes the switch multicast its result twice for the way back. The switch absorbs one copy (the
     other meets the worker's bit set and is dropped: switch_model/tail.py)."""
-    if not copy or chunks.max() < n_chunks - 1:
+    if chunks.max() < n_chunks - 1:
         return rows
     last = chunks == n_chunks - 1
     tail = rows[last]

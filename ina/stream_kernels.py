@@ -144,7 +144,7 @@ def take_burst(buf, lens, k, scan, done, exps, idx, jj, replayed, ld_arrays, now
     3. with fresh results, the loss detector's pending chunks in ``low .. max_sent`` and its count of
        later results (``recovery_kernels.pending_chunks``, ``count_later``: LossDetector.pending and
        delivered's compiled steps);
-    4. with ``ring`` = (slots, chunks, ring rows, c0, modulus, exps_in, count, elements) and slots > 0 (a
+    4. with ``ring`` = (pkts, slots, chunks, ring rows, c0, modulus, exps_in, count, elements) and slots > 0 (a
        dense stream, self-clocking): the chunks the results free (chunk j + slots), in ``nxt`` = (chunks,
        rows, witness), their headers written into ``pkts`` (flags LATE where not a witness: sent after a
        replay) -- everything but their codes;
@@ -176,9 +176,16 @@ def take_burst(buf, lens, k, scan, done, exps, idx, jj, replayed, ld_arrays, now
                 _fill_header(pkts[r], c, rc0, rmod, slots, exps_in, count, elements, _LATE if replayed[q] else 0)
                 top = max(top, c)
                 n_new += 1
+    return fresh, ok, other, nbytes, abort, overflow, mismatch, n_rep, rtts, pending, n_new, top, \
+        first_not_done(low, done)
+
+
+@njit(cache=True)
+def first_not_done(low, done):
+    """The first chunk from ``low`` on without its result (every chunk below it is done)."""
     while low < done.size and done[low]:
         low += 1
-    return fresh, ok, other, nbytes, abort, overflow, mismatch, n_rep, rtts, pending, n_new, top, low
+    return low
 
 
 @njit(cache=True)

@@ -20,7 +20,7 @@ from . import sparse as sparse_mod
 from . import stream_kernels as SK
 from .coalescing import ArrivalSpacing
 from .errors import AllreduceError
-from .recovery import LossDetector, tail_copies
+from .recovery import LossDetector, tail_copies, tail_copy_wanted
 from .wire import HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, Flag, PayloadType, header_view, payload_view
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -63,7 +63,7 @@ class Transfer:
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
         self.max_sent = -1
-        self.tail_copy = not sparse and (not E or n_chunks >= cl.tail_copy_from)   # ina.recovery.tail_copies
+        self.tail_copy = tail_copy_wanted(bool(sparse), bool(E), n_chunks, cl.tail_copy_from)
         self.spacing = ArrivalSpacing()            # the results' arrival spacing, for coalescing and the timers
         self.tl = timeline if self.E else None     # marks of the data stream (not of the negotiation)
 
@@ -193,8 +193,7 @@ class Transfer:
             self.done[skipped] = True
             self.n_done += skipped.size
             self.cl.stats.sparse_chunks_skipped += skipped.size
-            while self.low < self.n_chunks and self.done[self.low]:
-                self.low += 1
+            self.low = SK.first_not_done(self.low, self.done)
         if self.tl and self.n_done == self.n_chunks:
             self.tl.mark("last_result")
         resends = self.retransmit_lost(now, pending, send=False)   # ahead of the new chunks, in their batch:

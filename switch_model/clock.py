@@ -36,7 +36,8 @@ class StageClock:
         hist = {(f"{1 << b}" if b == 0 else f"{1 << b}-{(1 << (b + 1)) - 1}"): int(v)
                 for b, v in enumerate(self.burst_hist) if v}
         return {"stage_ns": {name: int(v) for name, v in zip(STAGES, self.stage_ns)}, "busy_ns": int(self.busy_ns),
-                "busy_cpu_ns": int(self.busy_cpu_ns), "tx_cpu_ns": int(self.tx_cpu_ns), "wait_ns": int(self.wait_ns), "bursts": int(self.bursts),
+                "busy_cpu_ns": int(self.busy_cpu_ns), "tx_cpu_ns": int(self.tx_cpu_ns), "wait_ns": int(self.wait_ns),
+                "bursts": int(self.bursts),
                 "burst_sizes": hist}
 
 

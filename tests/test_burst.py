@@ -352,14 +352,15 @@ def test_round_trips_follow_karns_rule(tries):
         assert fastest == rtts[0] and median == np.median(rtts)
 
 
-def test_a_receive_burst_frees_the_next_chunks_with_their_headers_in_one_pass():
+@pytest.mark.parametrize("c0", [5, (1 << 10) - 2], ids=["ids-in-range", "ids-wrap-mid-stream"])
+def test_a_receive_burst_frees_the_next_chunks_with_their_headers_in_one_pass(c0):
     """take_burst: fresh results of a stream are marked done (duplicates, other jobs and chunks not sent yet
     are not), their round trips follow Karn's rule, every pending chunk sent before a result counts it, and
     each result frees chunk j + slots, whose header is what fill_headers writes, flagged LATE when the result
     was a replay (the peers sent that chunk long before: ina.recovery)."""
     from ina import stream_kernels as SK
     from ina.wire import Flag, MsgType, header_view
-    S, n, E, c0, mod, job = 4, 10, 8, 5, 1 << 10, 3
+    S, n, E, mod, job = 4, 10, 8, 1 << 10, 3
     done, exps = np.zeros(n, bool), np.zeros(n, np.int64)
     tries, sent_at = np.zeros(n, np.int64), np.zeros(n)
     seq, wit, later = np.zeros(n, np.int64), np.ones(n, bool), np.zeros(n, np.int64)

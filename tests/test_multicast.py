@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import select
 import subprocess
 import sys
@@ -71,17 +72,24 @@ def _finish(procs, timeout: float = 180.0) -> list:
 
 
 def _step(procs, word: str, timeout: float = 120.0) -> None:
-    """Wait until every worker (started with ``hold``) said ``word``, then let them all go on."""
+    """Wait until every worker (started with ``hold``) said ``word``, then let them all go on. Reads the pipe's
+    descriptor itself (a buffered readline could take the word's line into Python's buffer while ``select``
+    waits on an empty pipe); what follows the word stays for the next step."""
     deadline = time.monotonic() + timeout
     for p, out in procs:
-        seen = []
-        while not seen or seen[-1].strip() != word:
-            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = p.stdout.readline() if ready else ""
-            if not line:
-                said = "".join(seen)[-3000:]
-                raise AssertionError(f"worker {out} did not say {word!r} within {timeout:g} s:\n{said}")
-            seen.append(line)
+        fd, got = p.stdout.fileno(), getattr(p, "unread", b"")
+        while True:
+            lines = got.split(b"\n")
+            said = [line.strip() for line in lines[:-1]]
+            if word.encode() in said:
+                p.unread = b"\n".join(lines[said.index(word.encode()) + 1:])
+                break
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            more = os.read(fd, 1 << 16) if ready else b""
+            if not more:
+                raise AssertionError(f"worker {out} did not say {word!r} within {timeout:g} s:\n"
+                                     f"{got.decode(errors='replace')[-3000:]}")
+            got += more
     for p, _ in procs:
         p.stdin.write("\n")
         p.stdin.flush()
@@ -288,6 +296,10 @@ def _two_switches_one_job_id(tmp_path, topo, switches: list, hosts: list) -> tup
         results = [_finish(pr) for pr in procs]
         stats_ = [_switch_stats(topo, (h.ip, p)) for h, p in switches]
     finally:
+        for p, _ in (x for pr in procs for x in pr):
+            if p.poll() is None:      # a step failed: the workers would wait on their stdin
+                p.kill()
+                p.wait(timeout=10)
         for sw in sws:
             sw.stop(timeout=10)
     for k in range(2):

@@ -354,8 +354,11 @@ def test_tail_copies_flag_the_last_chunk_and_count_the_copy():
     rows = tail_copies(np.array([4, 5]), np.array([5, 4]), 6, hv, stats)   # chunk 5 (row 4) is the last
     assert rows.tolist() == [4, 5, 4] and stats.tail_copies == 1
     assert hv["flags"][4] == int(Flag.TAIL) and not hv["flags"][5]
-    rows = tail_copies(np.array([4, 5]), np.array([5, 4]), 6, hv, stats, copy=False)   # a short data stream
-    assert rows.tolist() == [4, 5] and stats.tail_copies == 1
+
+    from ina.recovery import tail_copy_wanted
+    assert not tail_copy_wanted(False, True, 6, 16)          # a short data stream: no copy
+    assert tail_copy_wanted(False, True, 16, 16) and tail_copy_wanted(False, False, 1, 16)   # long; a negotiation
+    assert not tail_copy_wanted(True, True, 100, 16)         # a sparse stream's rounds come in any order
 
 
 def _in_process_switch(workers, slots, E):

@@ -87,6 +87,20 @@ def test_a_job_continues_across_the_chunk_id_wrap(switch, slots):
             c.close()
 
 
+def test_a_first_chunk_out_of_range_is_refused_by_name_and_the_job_stays_usable(switch):
+    """A bad ``first_chunk`` is a ValueError naming it (not an error of the half-built client), the
+    rank leaves the job, and the job's next join of that rank works."""
+    import ina
+    with pytest.raises(ValueError, match="first_chunk -1 out of range"):
+        ina.Client(("127.0.0.1", switch.port), rank=0, world_size=1, job=59, slots=8, elements=16, timeout=20,
+                   first_chunk=-1)
+    with ina.Client(("127.0.0.1", switch.port), rank=0, world_size=1, job=59, slots=8, elements=16,
+                    timeout=20) as c:
+        x = np.arange(40, dtype=np.float32)
+        c.allreduce(x, codec="bfp32")
+        assert np.array_equal(x, np.arange(40, dtype=np.float32))
+
+
 # ------------------------------------------------------------------------------------------------
 # the rounding hash (docs/switch.md, "The rounding hash")
 # ------------------------------------------------------------------------------------------------
