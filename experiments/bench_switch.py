@@ -86,7 +86,7 @@ def run_scenario(ptype, workers: int, burst: int, elements: int, seconds: float)
             c1 = time.thread_time_ns()
             sw.stage_aggregate(sw.rx.buf, burst)
             c2 = time.thread_time_ns()
-            sw.stage_harvest(burst)
+            sw.stage_harvest(sw.rx.buf, burst)
             c3 = time.thread_time_ns()
             busy += time.perf_counter() - t
             for name, ns in zip(KERNEL_STAGES, (c1 - c0, c2 - c1, c3 - c2)):

@@ -63,6 +63,9 @@ class Transfer:
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
         self.max_sent = -1
+        # resends say RETRANSMIT, and GROUP_SEEN once a result came by the job's multicast group (a fresh result
+        # without REPLAY in a multicast job): their replays then do not count against the group (ina.wire.Flag)
+        self.resend_flags = int(Flag.RETRANSMIT)
         self.tail_copy = tail_copy_wanted(bool(sparse), bool(E), n_chunks, cl.tail_copy_from)
         self.spacing = ArrivalSpacing()            # the results' arrival spacing, for coalescing and the timers
         self.tl = timeline if self.E else None     # marks of the data stream (not of the negotiation)
@@ -146,6 +149,8 @@ class Transfer:
                           self.fresh_replay, self.ld_arrays, now, self.rtt_scratch, self.low, self.max_sent, self.ring,
                           self.nxt)
         stats.bytes_received += nbytes
+        if fresh > n_rep and cl.multicast:
+            self.resend_flags = int(Flag.RETRANSMIT | Flag.GROUP_SEEN)
         if abort >= 0:
             why = lifetime.abort_reason(cl.ctl, cl.job, int(header_view(buf[abort:abort + 1])["rank"][0]))
             raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
@@ -232,7 +237,7 @@ class Transfer:
         if fast.size or probe.size or late.size:
             lost = np.concatenate([fast, probe, late])
             rows = lost % self.R                 # every sent, not-done chunk still owns its ring row
-            self.hv["flags"][rows] |= int(Flag.RETRANSMIT)
+            self.hv["flags"][rows] |= self.resend_flags
             if send:
                 self.send_rows(rows)
             self.ld.resent(lost, now, probed=probe.size > 0, rules=(fast, probe, late))

@@ -58,6 +58,7 @@ F_RAW = int(Flag.RAW_SUM)
 F_SPARSE = int(Flag.SPARSE)
 F_RETRANSMIT = int(Flag.RETRANSMIT)
 F_LATE = int(Flag.LATE)
+F_GROUP_SEEN = int(Flag.GROUP_SEEN)
 TRL = TRAILER_SIZE
 P_NONE, P_NC8, P_INT32, P_INT64, P_INT8 = (int(PayloadType.NONE), int(PayloadType.NC8), int(PayloadType.INT32),
                                            int(PayloadType.INT64), int(PayloadType.INT8))

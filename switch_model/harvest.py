@@ -13,9 +13,9 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from ina.wire import SWITCH_RANK, result_type
 
-from .dataplane import (C_HARVESTED, C_MULTICAST, C_REPLAYS, F_OVERFLOW, F_RAW, F_SPARSE, HDR, O_CHUNK, O_CODEC,
-                        O_COUNT, O_EXP, O_FLAGS, O_JOB, O_MSG, O_PTYPE, O_RANK, O_SLOT, O_VERSION, P_INT8N, P_INT32,
-                        P_INT64, P_NC8, P_NONE, RESULT, TRL, VERSION, Action, bswap32, payload_width, wr16)
+from .dataplane import (C_HARVESTED, C_MULTICAST, C_REPLAYS, F_GROUP_SEEN, F_OVERFLOW, F_RAW, F_SPARSE, HDR, O_CHUNK,
+                        O_CODEC, O_COUNT, O_EXP, O_FLAGS, O_JOB, O_MSG, O_PTYPE, O_RANK, O_SLOT, O_VERSION, P_INT8N, P_INT32,
+                        P_INT64, P_NC8, P_NONE, RESULT, TRL, VERSION, Action, bswap32, payload_width, rd16, wr16)
 
 
 # --- the re-encoding's random numbers (specified in docs/switch.md, "The rounding hash") -------------
@@ -141,8 +141,9 @@ def _write_result(dp, s, j):
 
 
 @njit(cache=True)
-def harvest(dp, n):
-    """Write completed slots' result packets into their shadow-copy rows; plan the transmissions.
+def harvest(dp, buf, n):
+    """Write completed slots' result packets into their shadow-copy rows; plan the transmissions
+    (``buf``: the burst's packets, for the flags of the resends replayed).
 
     Returns the number of planned transmissions (dp.tx[:m]): per completed slot, one to the job's
     multicast group where it has one, else a copy to every worker of the job; a unicast per replay
@@ -171,8 +172,8 @@ def harvest(dp, n):
                     m = _plan(tx, m, s, sets[s].result_len, job.addr_base + w)
         else:
             counters[C_REPLAYS] += 1
-            if job.group_addr >= 0:               # a replay of a result multicast: the group missed this rank?
-                delivered[job.addr_base + p.rank] += 1
+            if job.group_addr >= 0 and (rd16(buf, i, O_FLAGS) & F_GROUP_SEEN) == 0:
+                delivered[job.addr_base + p.rank] += 1   # a replay of a result multicast: the group missed this rank?
             m = _plan(tx, m, s, -sets[s].result_len, job.addr_base + p.rank)
     _group_by_destination(tx, dp.tx_order, dp.tx_bins, m)
     return m

@@ -181,7 +181,7 @@ class Switch:
             t3 = now()
             self.stage_aggregate(buf, n_in)
             t4 = now()
-            m = self.stage_harvest(n_in)
+            m = self.stage_harvest(buf, n_in)
             if m:
                 m = self._repeat_tail_results(buf, n_in, m)
             t5, cpu5 = now(), time.thread_time_ns()
@@ -241,9 +241,9 @@ class Switch:
     def stage_aggregate(self, buf, n: int) -> None:
         self._aggregate(self.state, buf, n)
 
-    def stage_harvest(self, n: int) -> int:
+    def stage_harvest(self, buf, n: int) -> int:
         r0 = self.counters[C_REPLAYS]
-        m = self._harvest(self.state, n)
+        m = self._harvest(self.state, buf, n)
         self._replays = self.counters[C_REPLAYS] != r0
         if self._replays and not self.egress.active:     # (egress impairments: copies, their loss is theirs)
             self._judge_multicast()
@@ -570,9 +570,9 @@ class Switch:
         st, buf, lens = self.state, self.rx.buf, self.rx.lens
         self._parse = D.bind(D.parse, st, buf, lens, 0)
         self._aggregate = D.bind(alu.aggregate, st, buf, 0)
-        self._harvest = D.bind(harvest.harvest, st, 0)
+        self._harvest = D.bind(harvest.harvest, st, buf, 0)
         self._repeat_tail = D.bind(tail.repeat_tail_results, st, buf, 0, 0)
         self._rx_account = D.bind(D.rx_account, st, self._rx_src, lens, 0, 0)
         self.stage_parse(buf, lens, 0)
         self.stage_aggregate(buf, 0)
-        self.stage_harvest(0)
+        self.stage_harvest(buf, 0)

@@ -70,7 +70,7 @@ def _run(sw: Switch, ptype: int, payloads: list[np.ndarray], chunk: int) -> None
         sw.rx.lens[r] = pkt.size
     sw.stage_parse(sw.rx.buf, sw.rx.lens, n)
     sw.stage_aggregate(sw.rx.buf, n)
-    assert sw.stage_harvest(n) == WORKERS                  # one completed slot, multicast to every worker
+    assert sw.stage_harvest(sw.rx.buf, n) == WORKERS                  # one completed slot, multicast to every worker
 
 
 @pytest.mark.parametrize("bits", [64, 32])

@@ -442,7 +442,7 @@ def test_new_round_in_the_burst_that_completed_its_set_waits_for_the_harvest():
             n = len(pkts)
             sw.stage_parse(sw.rx.buf, sw.rx.lens, n)
             sw.stage_aggregate(sw.rx.buf, n)
-            m = sw.stage_harvest(n)
+            m = sw.stage_harvest(sw.rx.buf, n)
             res = sw.state.results
             return [(int(hdr(res[r].tobytes())["chunk"]), res[r, HEADER_SIZE: HEADER_SIZE + 64].view(">i4").astype(np.int64))
                     for r in sw.state.tx["set_id"][:m]]
