@@ -83,14 +83,24 @@ def overlap(timeline, windows) -> dict:
     last submission is when backward's last gradient was ready (the end of its compute); the switch time
     of each bucket before that point overlapped with backward, the rest is exposed (``backward_s_per_step``:
 from the step's start to that point: forward and backward as they ran beside the streaming). Also the lane's CPU
-    per step (agreement, encode, stream, decode) and the codec's share of it (encode + decode)."""
+    per step (agreement, encode, stream, decode) and the codec's share of it (encode + decode). The step's tail
+    (DDP's lane, whose entries say when the agreement decided): the last bucket's agreement (submitted to
+    decided: the round, waiting for the other ranks' same bucket), its allreduce (decided to finished) and the
+    rest of the step after it (DDP's copy into the gradients, the optimizer)."""
     busy = inside = exposed = cpu = codec = backward = 0.0
-    n = 0
+    tail = [0.0, 0.0, 0.0]
+    n = n_tail = 0
     for lo, hi in windows:
         mine = [e for e in timeline if lo <= e[0] <= hi]
         if not mine:
             continue
         last = max(e[0] for e in mine)
+        end = max(mine, key=lambda e: e[0])
+        if len(end) > 5:
+            tail[0] += end[5] - end[0]
+            tail[1] += end[2] - end[5]
+            tail[2] += hi - end[2]
+            n_tail += 1
         busy += sum(e[2] - e[1] for e in mine)
         inside += sum(max(0.0, min(e[2], last) - e[1]) for e in mine)
         exposed += max(e[2] for e in mine) - last
@@ -102,7 +112,9 @@ from the step's start to that point: forward and backward as they ran beside the
     return {"buckets_per_step": len([e for e in timeline if windows[0][0] <= e[0] <= windows[-1][1]]) / n,
             "switch_s_per_step": busy / n, "overlapped_fraction": inside / busy if busy else 0.0,
             "exposed_s_per_step": exposed / n, "backward_s_per_step": backward / n,
-            "lane_cpu_s_per_step": cpu / n, "codec_cpu_s_per_step": codec / n}
+            "lane_cpu_s_per_step": cpu / n, "codec_cpu_s_per_step": codec / n,
+            **({"last_bucket_agreement_s": tail[0] / n_tail, "last_bucket_switch_s": tail[1] / n_tail,
+                "after_last_bucket_s": tail[2] / n_tail} if n_tail else {})}
 
 
 def worker(kind: str, out: str, warmup: int, steps: int) -> None:
@@ -252,6 +264,10 @@ def breakdown(r: dict) -> str:
                 f"ms, switch {ov['switch_s_per_step'] * 1e3:.1f} ms/step, {100 * ov['overlapped_fraction']:.0f}% of it "
                 f"during backward, exposed {ov['exposed_s_per_step'] * 1e3:.1f} ms; lane CPU "
                 f"{ov['lane_cpu_s_per_step'] * 1e3:.1f} ms/step (codec {ov['codec_cpu_s_per_step'] * 1e3:.1f})")
+        if "last_bucket_agreement_s" in ov:
+            out += (f"\n    tail: last bucket's agreement {ov['last_bucket_agreement_s'] * 1e3:.2f} ms, its allreduce "
+                    f"{ov['last_bucket_switch_s'] * 1e3:.2f} ms, then {ov['after_last_bucket_s'] * 1e3:.2f} ms to the "
+                    "step's end")
     if w:
         out += (f"\n    {r['agreement_rounds_per_step']:.1f} rounds/step; worker per step: agreement wait "
                 f"{w['agreement_wait'] * 1e3:.1f} ms, switch {w['switch'] * 1e3:.1f} ms, Gloo {w['native'] * 1e3:.1f} "

@@ -115,21 +115,24 @@ class _Lane:
         self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, **config.client_kwargs())
         self._q: queue.SimpleQueue = queue.SimpleQueue()     # the hand-off to the lane: no Condition per item
         self._error: BaseException | None = None
-        # (submitted, started, finished, lane CPU s, codec CPU s) of the last allreduces, time.perf_counter():
-        # how much of the switch time ran while the caller still computed (DDP: backward), see timeline();
-        # the codec's encode+decode time only with ``client.record_timeline`` on, else 0
+        # (submitted, started, finished, lane CPU s, codec CPU s, decided) of the last allreduces,
+        # time.perf_counter(): how much of the switch time ran while the caller still computed (DDP: backward), see
+        # timeline(); the codec's encode+decode time only with ``client.record_timeline`` on, else 0; decided: when
+        # the agreement had decided (the switch's part is decided..finished)
         self.timeline: collections.deque = collections.deque(maxlen=4096)
         self._t = threading.Thread(target=self._run, name=f"ina-lane-r{rank}-j{job}", daemon=True)
         self._t.start()
 
     def submit(self, tensors: list[torch.Tensor], average: bool, result, key=None,
-               decide: Callable[[], bool] | None = None) -> torch.futures.Future:
+               decide: Callable[[], bool] | None = None, then: Callable[[], None] | None = None) -> torch.futures.Future:
         """Queue an allreduce of ``tensors``; ``key`` names them for codecs with error feedback (a
         residual per (key, i)); without one such codecs are stateless. ``decide()``, if given, runs on the
         lane first (the agreement, off the caller's thread): True if it did the allreduce another way
-        (Gloo), False to go through the switch; what it raises reaches the future, the lane stays usable."""
+        (Gloo), False to go through the switch; what it raises reaches the future, the lane stays usable.
+        ``then()``, if given, runs on the lane once the future is complete (housekeeping off the waiter's path;
+        what it raises is logged)."""
         fut, ready = staging.handoff(tensors)     # CUDA: a CUDA-aware future, events of the caller's streams
-        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter(), decide))
+        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter(), decide, then))
         return fut
 
     def _run(self) -> None:
@@ -137,34 +140,43 @@ class _Lane:
             item = self._q.get()
             if item is None:
                 return
-            tensors, average, result, fut, key, ready, submitted, decide = item
-            started, cpu = time.perf_counter(), time.thread_time()
-            try:
-                staging.wait_ready(ready)     # CUDA: the caller's streams wrote the tensors (Gloo or switch reads them)
-                if decide is not None and decide():
-                    fut.set_result(result)
-                    continue
-            except BaseException as e:  # noqa: BLE001 - a disagreement or a Gloo error: this allreduce only
-                fut.set_exception(e)
-                continue
-            if self._error is not None:
-                fut.set_exception(self._error)
-                continue
-            try:
-                codec_s = 0.0
-                with torch.no_grad():
-                    for i, t in enumerate(tensors):
-                        self.client.allreduce(t, codec=self.config.codec, average=average,
-                                              key=None if key is None else (key, i))
-                        tl = self.client.last_timeline if self.client.record_timeline else None
-                        codec_s += tl["encode_s"] + tl["decode_s"] if tl else 0.0
-                self.timeline.append((submitted, started, time.perf_counter(), time.thread_time() - cpu, codec_s))
+            self._one(*item[:-1])
+            if item[-1] is not None:
+                try:
+                    item[-1]()
+                except Exception as e:  # noqa: BLE001 - housekeeping: the allreduce itself is complete
+                    log.warning("[ina rank %d] after an allreduce of job %d: %s", self.rank, self.job, e)
+
+    def _one(self, tensors, average, result, fut, key, ready, submitted, decide) -> None:
+        """One queued allreduce: the agreement's decision, then the switch (or what ``decide`` did)."""
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            staging.wait_ready(ready)     # CUDA: the caller's streams wrote the tensors (Gloo or switch reads them)
+            if decide is not None and decide():
                 fut.set_result(result)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting rank
-                self._error = e
-                log.error("[ina rank %d] allreduce through switch %s:%d failed, job %d: %s", self.rank,
-                          *self.config.switch, self.job, e)
-                fut.set_exception(e)
+                return
+        except BaseException as e:  # noqa: BLE001 - a disagreement or a Gloo error: this allreduce only
+            fut.set_exception(e)
+            return
+        decided = time.perf_counter()
+        if self._error is not None:
+            fut.set_exception(self._error)
+            return
+        try:
+            codec_s = 0.0
+            with torch.no_grad():
+                for i, t in enumerate(tensors):
+                    self.client.allreduce(t, codec=self.config.codec, average=average,
+                                          key=None if key is None else (key, i))
+                    tl = self.client.last_timeline if self.client.record_timeline else None
+                    codec_s += tl["encode_s"] + tl["decode_s"] if tl else 0.0
+            self.timeline.append((submitted, started, time.perf_counter(), time.thread_time() - cpu, codec_s, decided))
+            fut.set_result(result)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting rank
+            self._error = e
+            log.error("[ina rank %d] allreduce through switch %s:%d failed, job %d: %s", self.rank,
+                      *self.config.switch, self.job, e)
+            fut.set_exception(e)
 
     def unusable(self) -> bool:
         return self._error is not None
@@ -259,7 +271,7 @@ class InaProcessGroup(dist.ProcessGroup):
         return d
 
     def timeline(self) -> list[tuple]:
-        """(submitted, started, finished, lane CPU s, codec CPU s) of the last switch allreduces
+        """(submitted, started, finished, lane CPU s, codec CPU s, decided) of the last switch allreduces
         (``time.perf_counter()``)."""
         return list(self._lane.timeline)
 
@@ -390,23 +402,29 @@ class InaHookState:
         if rank == 0:
             log.info("[ina rank 0] DDP comm hook: %d ranks, job %d, %s", size, job, self.config.describe())
 
-    def agree_later(self, tensors, what: str) -> Callable[[], str | None]:
+    def agree_later(self, tensors, what: str, last: bool = False) -> Callable[[], str | None]:
         """Start this rank's agreement row for an allreduce (Average) of ``tensors`` on the agreement group,
         without waiting; the returned function waits (bounded by INA_TIMEOUT) and returns what :func:`agree`
-        returns, or raises the same RuntimeError on every rank if the ranks disagree."""
+        returns, or raises the same RuntimeError on every rank if the ranks disagree. ``last``: the step's last
+        bucket (backward has nothing left to compute): the round's slot is claimed on this thread, now, not by the
+        rounds' writer thread. The returned function leaves the round's deletes to :meth:`tidy`."""
         mine = agreement.row(tensors, _AVG, self.lane.unusable())
         size, n = self.size, mine.numel()
         table = torch.zeros(size * n, dtype=torch.int64)   # a Sum of one row per rank: an all_gather
         table[self.rank * n:(self.rank + 1) * n] = mine
-        handle = self.rounds.start(table)
+        handle = self.rounds.start(table, here=last)
 
         def decided() -> str | None:
             try:
-                rows = agreement.Rounds.wait(handle, self.config.timeout)
+                rows = agreement.Rounds.wait(handle, self.config.timeout, tidy_later=True)
             except agreement.RoundError as e:    # names the round and the ranks missing; the next round works
                 raise RuntimeError(f"{what}: {e}") from None
             return judged(list(rows.reshape(size, -1)), what)
         return decided
+
+    def tidy(self) -> None:
+        """Delete the agreement rounds' keys every rank has read (the lane, after a bucket's allreduce)."""
+        self.rounds.tidy()
 
     def _broadcast(self, values: list[int]) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64)
@@ -422,7 +440,7 @@ class InaHookState:
         return d
 
     def timeline(self) -> list[tuple]:
-        """(submitted, started, finished, lane CPU s, codec CPU s) of the last switch allreduces
+        """(submitted, started, finished, lane CPU s, codec CPU s, decided) of the last switch allreduces
         (``time.perf_counter()``)."""
         return list(self.lane.timeline)
 
@@ -440,7 +458,7 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     Returns at once: the agreement round and the allreduce run on the lane while backward goes on."""
     buf, index = bucket.buffer(), bucket.index()
     what = f"[ina rank {state.rank}] DDP bucket {index}"
-    pending = state.agree_later([buf], what)
+    pending = state.agree_later([buf], what, last=bucket.is_last())
 
     def decide() -> bool:
         why = pending() or tensors_not_offloadable([buf])
@@ -453,7 +471,7 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
         return True
 
     if not state.per_parameter:     # the whole bucket, one allreduce, no residual (the key names it, unused)
-        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", decide=decide)
+        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", decide=decide, then=state.tidy)
     # the residual of an error-feedback codec belongs to the bucket's parameters: DDP rebuilds its buckets
     # after the first iteration, so the index alone may name other parameters (or another size) later;
     # the parameters' shapes name the layout the same way on every rank (the host aggregator checks).
@@ -463,7 +481,7 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     params = bucket.parameters()
     layout = ",".join("x".join(map(str, p.shape)) for p in params)
     parts = list(buf.split([p.numel() for p in params]))
-    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide)
+    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide, then=state.tidy)
 
 
 HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]
