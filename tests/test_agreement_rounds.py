@@ -234,3 +234,39 @@ def test_nonfinite_flags_find_nan_and_inf_per_group(dtype):
     groups.append([torch.tensor([], dtype=dtype)])
     assert agreement.nonfinite_flags(groups) == [False, True, True, True, False, False]
     assert [agreement.nonfinite(g) for g in groups] == [False, True, True, True, False, False]
+
+
+def test_starts_claimed_here_and_deletes_left_for_tidy_keep_the_rounds_paired():
+    """The DDP hook claims its last bucket's round on the starting thread (``here``) between starts the writer
+    thread claims, and leaves the deletes to ``tidy`` after the allreduce: the rounds still pair by number on
+    every rank, and after ``tidy`` the store holds only the rounds in flight."""
+    ranks = make_ranks(2)
+    rounds, errors = 30, []
+    sums: dict = {r: [] for r in range(2)}
+
+    def run(r: int, rounds_obj: agreement.Rounds):
+        try:
+            pending = []
+            for k in range(1, rounds + 1):
+                here = k % 3 == 0                     # every third start: claimed by this thread, now
+                pending.append(rounds_obj.start(vector(r, k), [f"b{k}"], here=here))
+                if here or len(pending) > r + 1:
+                    h = pending.pop(0)
+                    sums[r].append(agreement.Rounds.wait(h, TIMEOUT, tidy_later=True))
+                    rounds_obj.tidy()
+            sums[r].extend(agreement.Rounds.wait(h, TIMEOUT, tidy_later=True) for h in pending)
+            rounds_obj.tidy()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r, x)) for r, x in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * TIMEOUT)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    for r in range(2):
+        assert [s.tolist()[:3] for s in sums[r]] == [[2, 2000 * k + 1, 1] for k in range(1, rounds + 1)]
+    assert ranks[0].store.num_keys() <= 2 * (2 * 2 + 2)
+    for x in ranks:
+        x.close()
