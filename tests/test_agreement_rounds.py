@@ -30,6 +30,24 @@ def make_ranks(size: int) -> list[agreement.Rounds]:
     return [agreement.Rounds(s, r, size, TIMEOUT) for r, s in enumerate([store, *others])]
 
 
+def run_ranks(ranks: list[agreement.Rounds], run) -> None:
+    """``run(rank, rounds)`` on a thread per rank; every thread ends within the bound, without an error."""
+    errors: list = []
+
+    def guarded(r: int, x: agreement.Rounds) -> None:
+        try:
+            run(r, x)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r, x)) for r, x in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * TIMEOUT)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+
+
 def vector(rank: int, k: int) -> torch.Tensor:
     v = torch.zeros(agreement.LENGTH, dtype=torch.int64)
     v[0], v[1], v[2] = 1, 1000 * k + rank, rank * rank
@@ -38,28 +56,20 @@ def vector(rank: int, k: int) -> torch.Tensor:
 
 def test_rounds_pair_by_number_and_sum_every_rank():
     ranks = make_ranks(3)
-    rounds, errors = 40, []
+    rounds = 40
     sums: dict = {r: [] for r in range(3)}
 
     def run(r: int, rounds_obj: agreement.Rounds):
-        try:
-            # start several rounds before reading any (as buckets are sealed while the worker streams),
-            # each rank with its own lag between starts and reads
-            pending = []
-            for k in range(1, rounds + 1):
-                pending.append(rounds_obj.start(vector(r, k)))
-                if len(pending) > r + 1:
-                    sums[r].append(agreement.Rounds.wait(pending.pop(0), TIMEOUT))
-            sums[r].extend(agreement.Rounds.wait(h, TIMEOUT) for h in pending)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        # start several rounds before reading any (as buckets are sealed while the worker streams),
+        # each rank with its own lag between starts and reads
+        pending = []
+        for k in range(1, rounds + 1):
+            pending.append(rounds_obj.start(vector(r, k)))
+            if len(pending) > r + 1:
+                sums[r].append(agreement.Rounds.wait(pending.pop(0), TIMEOUT))
+        sums[r].extend(agreement.Rounds.wait(h, TIMEOUT) for h in pending)
 
-    threads = [threading.Thread(target=run, args=(r, x)) for r, x in enumerate(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(4 * TIMEOUT)
-    assert not errors and not any(t.is_alive() for t in threads)
+    run_ranks(ranks, run)
     for r in range(3):
         assert len(sums[r]) == rounds
         for k, total in enumerate(sums[r], start=1):
@@ -241,30 +251,21 @@ def test_starts_claimed_here_and_deletes_left_for_tidy_keep_the_rounds_paired():
     thread claims, and leaves the deletes to ``tidy`` after the allreduce: the rounds still pair by number on
     every rank, and after ``tidy`` the store holds only the rounds in flight."""
     ranks = make_ranks(2)
-    rounds, errors = 30, []
+    rounds = 30
     sums: dict = {r: [] for r in range(2)}
 
     def run(r: int, rounds_obj: agreement.Rounds):
-        try:
-            pending = []
-            for k in range(1, rounds + 1):
-                here = k % 3 == 0                     # every third start: claimed by this thread, now
-                pending.append(rounds_obj.start(vector(r, k), [f"b{k}"], here=here))
-                if here or len(pending) > r + 1:
-                    h = pending.pop(0)
-                    sums[r].append(agreement.Rounds.wait(h, TIMEOUT, tidy_later=True))
-                    rounds_obj.tidy()
-            sums[r].extend(agreement.Rounds.wait(h, TIMEOUT, tidy_later=True) for h in pending)
-            rounds_obj.tidy()
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        pending = []
+        for k in range(1, rounds + 1):
+            here = k % 3 == 0                     # every third start: claimed by this thread, now
+            pending.append(rounds_obj.start(vector(r, k), [f"b{k}"], here=here))
+            if here or len(pending) > r + 1:
+                sums[r].append(agreement.Rounds.wait(pending.pop(0), TIMEOUT, tidy_later=True))
+                rounds_obj.tidy()
+        sums[r].extend(agreement.Rounds.wait(h, TIMEOUT, tidy_later=True) for h in pending)
+        rounds_obj.tidy()
 
-    threads = [threading.Thread(target=run, args=(r, x)) for r, x in enumerate(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(4 * TIMEOUT)
-    assert not errors and not any(t.is_alive() for t in threads), errors
+    run_ranks(ranks, run)
     for r in range(2):
         assert [s.tolist()[:3] for s in sums[r]] == [[2, 2000 * k + 1, 1] for k in range(1, rounds + 1)]
     assert ranks[0].store.num_keys() <= 2 * (2 * 2 + 2)
