@@ -110,27 +110,41 @@ class FirstWindow:
 
     Two forms, as the encoders: for codecs with ``encodes_rows`` the first ``slots`` chunks are
     encoded straight into their rows of the stream's packet ring (``ring``: its first rows; chunk j
-    of a stream is in row j for j below the window), for the others block 0 (``slots`` chunks) is
-    encoded as :class:`BlockEncoder` would. Not for codecs with error feedback (encoding updates
-    their residual) nor for sparse streams (which encode the whole tensor first)."""
+    of a stream is in row j for j below the window), a piece of about PIECE_ELEMENTS at a time, until
+    ``arrived()`` says the maxima are back (the last rank's round trip can be shorter than the
+    window's encoding: the rest is encoded when it is sent, as without a guess); ``ready`` chunks, a
+    prefix, are then in their rows. For the others block 0 (``slots`` chunks) is encoded as
+    :class:`BlockEncoder` would, whole. Not for codecs with error feedback (encoding updates their
+    residual) nor for sparse streams (which encode the whole tensor first)."""
+
+    PIECE_ELEMENTS = 65536       # elements encoded between two looks for the maxima (about 35 us for nc)
 
     def __init__(self, c, x32: np.ndarray, guess, elements: int, slots: int, ring: np.ndarray | None = None,
                  timeline=None):
         self.c, self.x32, self.guess, self.E, self.ring, self.tl = c, x32, guess, elements, ring, timeline
         self.chunks = min(slots, max(1, math.ceil(x32.size / elements)))
         self.codes: np.ndarray | None = None
+        self.ready = 0              # ring form: chunks 0 .. ready - 1 are encoded in their rows
         self.encoded = False
 
-    def encode(self) -> None:
-        """Encode the window under the guess (a failure leaves it to the encode after the negotiation,
-        which raises if the agreed context fails too)."""
+    def encode(self, arrived=None) -> None:
+        """Encode the window under the guess, the ring form in pieces until ``arrived()`` (None: all of it).
+        A failure leaves it to the encode after the negotiation, which raises if the agreed context
+        fails too."""
         try:
             if self.ring is not None:
-                chunks = np.arange(self.chunks)
-                RowEncoder(self.c, self.x32, self.guess, self.E, self.tl).load(self.ring, None, chunks, chunks)
+                enc = RowEncoder(self.c, self.x32, self.guess, self.E, self.tl)
+                step = max(1, self.PIECE_ELEMENTS // self.E)
+                while self.ready < self.chunks:
+                    chunks = np.arange(self.ready, min(self.chunks, self.ready + step))
+                    enc.load(self.ring, None, chunks, chunks)
+                    self.ready = int(chunks[-1]) + 1
+                    if arrived is not None and arrived():
+                        break
             else:
                 self.codes = encode_block_fn(self.c, self.x32, self.guess, {}, self.E, self.chunks, self.tl)(0)
         except ValueError:
+            self.ready, self.codes = 0, None
             return
         self.encoded = True
         if self.tl:
@@ -213,7 +227,8 @@ class PacketRings:
             h = self.headers[key] = h[0]
         return h
 
-    def stream(self, rows: int, job: int, rank: int, codec_id: int, ptype: int, elements: int, sparse=None) -> np.ndarray:
+    def stream(self, rows: int, job: int, rank: int, codec_id: int, ptype: int, elements: int,
+               sparse=None) -> np.ndarray:
         """The packet ring of a stream of ``ptype`` packets with ``elements`` elements (sparse: with trailers)."""
         return self.get(rows, packet_size(ptype, elements, bool(sparse)), self.header(job, rank, codec_id, ptype),
                         sparse)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import select
 import time
 from dataclasses import dataclass
 
@@ -193,7 +194,7 @@ class Client(Worker):
             # one payload-less packet per value: the switch's max register returns the max over workers;
             # the first data window is encoded meanwhile, under this worker's own proposals
             maxima = self._stream(proposals.size, PayloadType.NONE, c.wire_id, proposals,
-                                  meanwhile=first.encode if first else None)
+                                  meanwhile=functools.partial(first.encode, self._packet_waiting) if first else None)
             if tl:
                 tl.mark("negotiated")
             ctx = self._context(maxima, seed)
@@ -252,6 +253,10 @@ class Client(Worker):
                                      c.wire_id, c.uplink_type(guess), self.elements)
         return chunk_encoding.FirstWindow(c, x32, guess, self.elements, self.slots, ring, self._timeline)
 
+    def _packet_waiting(self) -> bool:
+        """Whether a packet waits in the data socket (while negotiating: the maxima, most likely)."""
+        return bool(select.select([self.sock], [], [], 0)[0])
+
     def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False,
                 first: chunk_encoding.FirstWindow | None = None) -> np.ndarray:
         """Encode, stream and decode, pipelined: chunks are encoded into their packets as they are sent
@@ -281,7 +286,7 @@ class Client(Worker):
 
         streams = None
         if c.encodes_rows and not kw and not sparse:
-            encoder = chunk_encoding.RowEncoder(c, x32, ctx, E, tl, ready=first.chunks if first else 0)
+            encoder = chunk_encoding.RowEncoder(c, x32, ctx, E, tl, ready=first.ready if first else 0)
         else:
             encode_block = chunk_encoding.encode_block_fn(c, x32, ctx, kw, E, block, tl)
             encoder = chunk_encoding.BlockEncoder(encode_block, block, first.codes if first else None)

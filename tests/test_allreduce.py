@@ -371,17 +371,21 @@ def test_stage_times_add_up_to_the_busy_time_and_the_timeline_is_ordered(switch)
 # ------------------------------------------------------------------------------------------------
 # the first window, encoded while the exponent negotiation is out
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("codec", ["nc", "bfp32"])
+@pytest.mark.parametrize("codec,cut", [("nc", None), ("nc", 1), ("bfp32", None)],
+                         ids=["nc", "nc-maxima-back-after-one-piece", "bfp32"])
 @pytest.mark.parametrize("held", [True, False], ids=["guess-held", "guess-wrong"])
-def test_first_window_encoded_while_negotiating_gives_the_agreed_codes(codec, held):
+def test_first_window_encoded_while_negotiating_gives_the_agreed_codes(codec, cut, held, monkeypatch):
     """A stream's packets carry the same bytes with a first window encoded under the worker's guess as
     without one: the guess (its own exponent) is used only if it is the agreed exponent, and then
-    the window's rows are not encoded again; a wrong guess is encoded again under the agreed one."""
+    the window's encoded rows are not encoded again; a wrong guess is encoded again under the agreed
+    one. ``cut``: the maxima come back after that many pieces (the rest of the window is encoded
+    when it is sent)."""
     from ina import compression
     from ina.chunk_encoding import BlockEncoder, FirstWindow, RowEncoder, encode_block_fn
     from ina.compression.base import ScaleContext
     from ina.wire import HEADER_SIZE, packet_size, payload_view
     c, E, S = compression.get(codec), 128, 4
+    monkeypatch.setattr(FirstWindow, "PIECE_ELEMENTS", 2 * E)                         # pieces of 2 chunks
     x = np.random.default_rng(5).standard_normal(10 * E + 50).astype(np.float32)     # 11 chunks, window 4
     own = c.scale_exponent(x)
     guess = ScaleContext(own, 4, 64, seed=9, elements=E)
@@ -394,13 +398,15 @@ def test_first_window_encoded_while_negotiating_gives_the_agreed_codes(codec, he
         fw = FirstWindow(c, x, guess, E, S, ring[:S] if c.encodes_rows else None) if with_first else None
         use = False
         if fw:
-            fw.encode()
+            looks = []
+            fw.encode(None if cut is None else lambda: looks.append(1) or len(looks) >= cut)
+            assert fw.ready == (S if cut is None else 2 * cut) if c.encodes_rows else fw.ready == 0
             use = fw.take(agreed)
             assert use == held
             if use and c.encodes_rows:
                 ring[0, -1] ^= 0xFF      # a mark: the window's rows are sent as they are, not encoded again
         if c.encodes_rows:
-            enc = RowEncoder(c, x, agreed, E, ready=fw.chunks if use else 0)
+            enc = RowEncoder(c, x, agreed, E, ready=fw.ready if use else 0)
         else:
             enc = BlockEncoder(encode_block_fn(c, x, agreed, {}, E, S), S, fw.codes if use else None)
         out = []
