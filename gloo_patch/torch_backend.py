@@ -144,7 +144,7 @@ class _Lane:
         if not here:
             self._q.put((*item, then))
             return fut
-        self._one(*item, here=True)    # the lane is idle: nothing else uses the client until this returns
+        self._one(*item)    # the lane is idle: nothing else uses the client until this returns (one submitter)
         if then is not None:
             self._q.put(then)
         return fut
@@ -166,10 +166,8 @@ class _Lane:
                 except Exception as e:  # noqa: BLE001 - housekeeping: the allreduce itself is complete
                     log.warning("[ina rank %d] after an allreduce of job %d: %s", self.rank, self.job, e)
 
-    def _one(self, tensors, average, result, fut, key, ready, submitted, decide, here: bool = False) -> None:
-        """One queued allreduce: the agreement's decision, then the switch (or what ``decide`` did). Errors go to
-        the future; ``here`` (on the submitting thread): an interrupt (KeyboardInterrupt, SystemExit) is raised
-        there too."""
+    def _one(self, tensors, average, result, fut, key, ready, submitted, decide) -> None:
+        """One queued allreduce: the agreement's decision, then the switch (or what ``decide`` did)."""
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             staging.wait_ready(ready)     # CUDA: the caller's streams wrote the tensors (Gloo or switch reads them)
@@ -178,8 +176,6 @@ class _Lane:
                 return
         except BaseException as e:  # noqa: BLE001 - a disagreement or a Gloo error: this allreduce only
             fut.set_exception(e)
-            if here and not isinstance(e, Exception):
-                raise
             return
         decided = time.perf_counter()
         if self._error is not None:
@@ -200,8 +196,6 @@ class _Lane:
             log.error("[ina rank %d] allreduce through switch %s:%d failed, job %d: %s", self.rank,
                       *self.config.switch, self.job, e)
             fut.set_exception(e)
-            if here and not isinstance(e, Exception):
-                raise
 
     def unusable(self) -> bool:
         return self._error is not None
