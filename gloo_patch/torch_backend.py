@@ -114,8 +114,6 @@ class _Lane:
         self.config, self.rank, self.size, self.job = config, rank, size, job
         self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, **config.client_kwargs())
         self._q: queue.SimpleQueue = queue.SimpleQueue()     # the hand-off to the lane: no Condition per item
-        self._queued = 0                  # allreduces submitted to the lane and not done yet (under _count)
-        self._count = threading.Lock()
         self._error: BaseException | None = None
         # (submitted, started, finished, lane CPU s, codec CPU s, decided) of the last allreduces,
         # time.perf_counter(): how much of the switch time ran while the caller still computed (DDP: backward), see
@@ -126,27 +124,15 @@ class _Lane:
         self._t.start()
 
     def submit(self, tensors: list[torch.Tensor], average: bool, result, key=None,
-               decide: Callable[[], bool] | None = None, then: Callable[[], None] | None = None,
-               here_if_idle: bool = False) -> torch.futures.Future:
+               decide: Callable[[], bool] | None = None, then: Callable[[], None] | None = None) -> torch.futures.Future:
         """Queue an allreduce of ``tensors``; ``key`` names them for codecs with error feedback (a
         residual per (key, i)); without one such codecs are stateless. ``decide()``, if given, runs on the
         lane first (the agreement, off the caller's thread): True if it did the allreduce another way
         (Gloo), False to go through the switch; what it raises reaches the future, the lane stays usable.
         ``then()``, if given, runs on the lane once the future is complete (housekeeping off the waiter's path;
-        what it raises is logged). ``here_if_idle``: if the lane has nothing queued, the allreduce runs on the
-        caller's thread now and the future returned is complete (for a caller that would only wait for it next:
-        DDP's last bucket; no hand-off to the lane and back on the step's tail). One thread submits."""
+        what it raises is logged)."""
         fut, ready = staging.handoff(tensors)     # CUDA: a CUDA-aware future, events of the caller's streams
-        item = (tensors, average, result, fut, key, ready, time.perf_counter(), decide)
-        with self._count:
-            here = here_if_idle and self._queued == 0
-            self._queued += not here
-        if not here:
-            self._q.put((*item, then))
-            return fut
-        self._one(*item)    # the lane is idle: nothing else uses the client until this returns (one submitter)
-        if then is not None:
-            self._q.put(then)
+        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter(), decide, then))
         return fut
 
     def _run(self) -> None:
@@ -154,15 +140,10 @@ class _Lane:
             item = self._q.get()
             if item is None:
                 return
-            then = item
-            if isinstance(item, tuple):
-                self._one(*item[:-1])
-                then = item[-1]
-                with self._count:
-                    self._queued -= 1
-            if then is not None:
+            self._one(*item[:-1])
+            if item[-1] is not None:
                 try:
-                    then()
+                    item[-1]()
                 except Exception as e:  # noqa: BLE001 - housekeeping: the allreduce itself is complete
                     log.warning("[ina rank %d] after an allreduce of job %d: %s", self.rank, self.job, e)
 
@@ -474,8 +455,7 @@ class InaHookState:
 
 def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes, NaN/Inf).
-    Returns at once: the agreement round and the allreduce run on the lane while backward goes on; the step's last
-    bucket, when the lane is idle, is done on this thread (backward has finished)."""
+    Returns at once: the agreement round and the allreduce run on the lane while backward goes on."""
     buf, index = bucket.buffer(), bucket.index()
     what = f"[ina rank {state.rank}] DDP bucket {index}"
     pending = state.agree_later([buf], what, last=bucket.is_last())
@@ -486,16 +466,12 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
             state.fallbacks.offloaded(1, buf.numel())
             return False
         state.fallbacks.fallback("DDP bucket", why, f"bucket {index}")
-        dist.all_reduce(buf, group=state.process_group)   # on the lane (or, last bucket, the hook's thread)
+        dist.all_reduce(buf, group=state.process_group)   # on the lane: the hook's thread issues no collective here
         buf.div_(state.size)
         return True
 
-    # the step's last bucket: backward has nothing left to compute, so if the lane is idle this thread does the
-    # allreduce itself, without the two thread hand-offs (to the lane, back to the waiting thread)
-    last = bucket.is_last()
     if not state.per_parameter:     # the whole bucket, one allreduce, no residual (the key names it, unused)
-        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", decide=decide, then=state.tidy,
-                                 here_if_idle=last)
+        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", decide=decide, then=state.tidy)
     # the residual of an error-feedback codec belongs to the bucket's parameters: DDP rebuilds its buckets
     # after the first iteration, so the index alone may name other parameters (or another size) later;
     # the parameters' shapes name the layout the same way on every rank (the host aggregator checks).
@@ -505,8 +481,7 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     params = bucket.parameters()
     layout = ",".join("x".join(map(str, p.shape)) for p in params)
     parts = list(buf.split([p.numel() for p in params]))
-    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide, then=state.tidy,
-                             here_if_idle=last)
+    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide, then=state.tidy)
 
 
 HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]
