@@ -143,6 +143,7 @@ class Client(Worker):
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
+        self.link_spacing: dict = {}        # (packet, result length): the last stream's result spacing (ina.transfer)
         self.run_queue = RunQueueDelay()    # the machine's wait for a core: the loss timers' floors
         self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet, results by %s", rank, job, host,

@@ -67,7 +67,10 @@ class Transfer:
         # without REPLAY in a multicast job): their replays then do not count against the group (ina.wire.Flag)
         self.resend_flags = int(Flag.RETRANSMIT)
         self.tail_copy = tail_copy_wanted(bool(sparse), bool(E), n_chunks, cl.tail_copy_from)
-        self.spacing = ArrivalSpacing()            # the results' arrival spacing, for coalescing and the timers
+        # the results' arrival spacing, for coalescing and the loss timers; until it settles, the timers use the
+        # last stream's of the same packet sizes (the link does not change from allreduce to allreduce)
+        self.link = (self.pkt_len, self.res_len)
+        self.spacing = ArrivalSpacing(cl.link_spacing.get(self.link, 0.0))
         self.tl = timeline if self.E else None     # marks of the data stream (not of the negotiation)
 
     def load(self, chunks: np.ndarray) -> np.ndarray:
@@ -124,15 +127,15 @@ class Transfer:
             cl.run_queue.turn(now)
             self.checked = False                  # set once retransmit_lost ran in this turn
             self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
-            if not k:
-                self.spacing.idle()
-            else:
+            if k:
                 self.receive(k, now)
             if self.n_done < n_chunks:
                 if not self.checked:
                     self.retransmit_lost(now)
                 if now - self.last_progress > cl.timeout:
                     raise AllreduceError(cl.stall_message(n_chunks, self.n_done, self.c0))
+        if (settled := self.spacing.settled()) is not None:
+            cl.link_spacing[self.link] = settled      # the next stream's timers start from it
         if self.overflow:
             raise AllreduceError(f"job {cl.job}: {self.overflow} chunk(s) came back with the OVERFLOW flag: a switch "
                                  "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
@@ -160,7 +163,7 @@ class Transfer:
         stats.duplicate_results += ok - fresh
         stats.stale_results += other
         self.overflow += overflow
-        self.spacing.sample(k, now, fresh > 0 and rtts[3])       # Karn: round trips only of chunks never resent
+        self.spacing.sample(k, now)
         if fresh:
             self.complete(fresh, n_rep, rtts, pending, n_new, top, now)
         stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, cl.coalesce)
@@ -226,7 +229,7 @@ class Transfer:
         if pending is None:   # (``pending``: computed since nothing was sent or completed)
             pending = self.ld.pending(self.low, self.max_sent, self.done)
         # a full receive burst: results may still wait in the socket (after a stall): no silence, no timeout yet
-        per_pkt = self.spacing.per_pkt
+        per_pkt = self.spacing.for_timers()
         if self.drained:
             pto, rto, max_rto = cl.probe_timeout(per_pkt), cl.current_rto((self.n_sent - self.n_done) * per_pkt), \
                 cl.max_rto

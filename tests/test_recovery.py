@@ -328,15 +328,15 @@ def test_a_first_gap_that_was_the_process_pausing_does_not_make_a_fast_link_paus
     20 us spacing and never pauses; a link whose results do trickle (0.5 ms apart) gets its pauses."""
     fast, slow = ArrivalSpacing(), ArrivalSpacing()
     now = 0.0
-    fast.sample(8, now, False)
+    fast.sample(8, now)
     now += 0.010
-    fast.sample(40, now, False)
+    fast.sample(40, now)
     for _ in range(10):
         now += 8 * 2e-5
-        fast.sample(8, now, False)
+        fast.sample(8, now)
         assert fast.pause(8, 64, 0.004) == 0.0
     for i in range(6):
-        slow.sample(2, i * 1e-3, False)
+        slow.sample(2, i * 1e-3)
     assert slow.per_pkt == pytest.approx(5e-4)
     assert slow.pause(2, 64, 0.004) > 0
 
