@@ -21,7 +21,7 @@ from . import stream_kernels as SK
 from .coalescing import ArrivalSpacing
 from .errors import AllreduceError
 from .recovery import LossDetector, tail_copies, tail_copy_wanted
-from .wire import HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, Flag, PayloadType, header_view, payload_view
+from .wire import HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, Flag, PayloadType, header_view, payload_view, slot_of_chunk
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -53,8 +53,8 @@ class Transfer:
         self.rtt_scratch = np.zeros(burst)
         # the chunks a burst's results free (dense streams): positions, ring rows, witness (SK.take_burst)
         self.nxt = (np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool))
-        ld = self.ld = LossDetector(n_chunks)
-        self.ld_arrays = (ld.tries, ld.sent_at, ld.seq, ld.witness, ld.later)
+        ld = self.ld = LossDetector(n_chunks, self.lanes())
+        self.ld_arrays = (ld.tries, ld.sent_at, ld.seq, ld.witness, ld.lane, ld.later)
         self.ring = (self.pkts, 0 if sparse else self.S, n_chunks, self.R, c0, cl.chunk_modulus, self.exps_in,
                      count, E)
         self.overflow = 0
@@ -72,6 +72,14 @@ class Transfer:
         self.link = (self.pkt_len, self.res_len)
         self.spacing = ArrivalSpacing(cl.link_spacing.get(self.link, 0.0))
         self.tl = timeline if self.E else None     # marks of the data stream (not of the negotiation)
+
+    def lanes(self) -> np.ndarray | None:
+        """The switch shard of each chunk of the stream (Client.send_packets: pool index % shards), None with one."""
+        cl = self.cl
+        if cl.shards == 1:
+            return None
+        cids = (self.c0 + np.arange(self.n_chunks)) % cl.chunk_modulus
+        return (slot_of_chunk(cids, self.S) & 0x7FFF) % cl.shards
 
     def load(self, chunks: np.ndarray) -> np.ndarray:
         """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
