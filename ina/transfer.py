@@ -135,7 +135,9 @@ class Transfer:
             cl.run_queue.turn(now)
             self.checked = False                  # set once retransmit_lost ran in this turn
             self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
-            if k:
+            if not k:
+                self.spacing.idle()
+            else:
                 self.receive(k, now)
             if self.n_done < n_chunks:
                 if not self.checked:
@@ -171,7 +173,7 @@ class Transfer:
         stats.duplicate_results += ok - fresh
         stats.stale_results += other
         self.overflow += overflow
-        self.spacing.sample(k, now)
+        self.spacing.sample(k, now, fresh > 0 and rtts[3])       # rtts[3]: a result of a resent chunk
         if fresh:
             self.complete(fresh, n_rep, rtts, pending, n_new, top, now)
         stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, cl.coalesce)

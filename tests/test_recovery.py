@@ -399,8 +399,8 @@ def _slow_link_stream(prior: float, n: int = 208, window: int = 64, lose_first_s
             now = arrivals[0][0]
             got = [c for t, c in arrivals if t <= now]
             arrivals = [(t, c) for t, c in arrivals if t > now]
-            spacing.sample(len(got), now)
             fresh = sorted({c for c in got if not done[c]})
+            spacing.sample(len(got), now, bool(ld.tries[fresh].any()))
             if fresh:
                 done[fresh] = True
                 last = now
@@ -408,6 +408,7 @@ def _slow_link_stream(prior: float, n: int = 208, window: int = 64, lose_first_s
                 send([c + window for c in fresh if c + window < n], now)
         else:
             now += wait
+            spacing.idle()
         pending = ld.pending(0, n - 1, done)
         _, probe, late = ld.lost(pending, now, None, 1.0, 1.0, Client.probe_timeout(cl, spacing.for_timers()))
         assert late.size == 0
