@@ -120,6 +120,7 @@ class Client(Worker):
         self.register_bits = int(cfg["register_bits"])
         ports = [int(p) for p in cfg.get("ports", [port])]
         self.multicast = mcast.settle(self.sock, group, local_ip, cfg, ports)   # the switch sends results to the group
+        self.group_seen = False   # the last stream (or this one) got results by the group: resends say GROUP_SEEN
         self.switch_addrs = np.zeros(len(ports), B.SOCKADDR_IN)     # one per switch shard (np.concatenate
         for i, p in enumerate(ports):                                # would drop the network byte order)
             self.switch_addrs[i] = B.sockaddr(host, p)[0]

@@ -63,9 +63,11 @@ class Transfer:
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
         self.max_sent = -1
-        # resends say RETRANSMIT, and GROUP_SEEN once a result came by the job's multicast group (a fresh result
-        # without REPLAY in a multicast job): their replays then do not count against the group (ina.wire.Flag)
-        self.resend_flags = int(Flag.RETRANSMIT)
+        # resends say RETRANSMIT, and GROUP_SEEN while results come by the job's multicast group (a fresh result
+        # without REPLAY, in this stream or the client's last one): their replays then do not count against the
+        # group (ina.wire.Flag). A stream whose results all came as replays clears it for the next.
+        self.group_results = 0
+        self.resend_flags = int(Flag.RETRANSMIT | (Flag.GROUP_SEEN if cl.group_seen else 0))
         self.tail_copy = tail_copy_wanted(bool(sparse), bool(E), n_chunks, cl.tail_copy_from)
         # the results' arrival spacing, for coalescing and the loss timers; until it settles, the timers use the
         # last stream's of the same packet sizes (the link does not change from allreduce to allreduce)
@@ -146,6 +148,7 @@ class Transfer:
                     raise AllreduceError(cl.stall_message(n_chunks, self.n_done, self.c0))
         if (settled := self.spacing.settled()) is not None:
             cl.link_spacing[self.link] = settled      # the next stream's timers start from it
+        cl.group_seen = cl.multicast and self.group_results > 0
         if self.overflow:
             raise AllreduceError(f"job {cl.job}: {self.overflow} chunk(s) came back with the OVERFLOW flag: a switch "
                                  "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
@@ -163,6 +166,7 @@ class Transfer:
                           self.nxt)
         stats.bytes_received += nbytes
         if fresh > n_rep and cl.multicast:
+            self.group_results += fresh - n_rep
             self.resend_flags = int(Flag.RETRANSMIT | Flag.GROUP_SEEN)
         if abort >= 0:
             why = lifetime.abort_reason(cl.ctl, cl.job, int(header_view(buf[abort:abort + 1])["rank"][0]))

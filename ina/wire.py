@@ -43,7 +43,7 @@ class Flag(enum.IntFlag):
     #                       sent the chunk long before and may have resent it: the switch replays none of their
     #                       first resends that crossed the round's result; docs/switch.md)
     GROUP_SEEN = 0x0080   # worker: a resend from a rank that got results by its job's multicast group in this
-    #                       stream: its replay does not say the group misses the rank (switch_model/multicast.py)
+    #                       stream or its previous one: its replay does not say the group misses the rank (switch_model/multicast.py)
 
 
 class PayloadType(enum.IntEnum):

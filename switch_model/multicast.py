@@ -22,15 +22,15 @@ allreduce of the job is many times slower, with nothing else to show for it. The
 job's group, and at least ``FALLBACK_SLOTS`` times the job's slots (a window of results is in flight
 before its replays come back, and the next chunks go out only after them: in the window where the group
 stops at least 3/4 of the results are replayed, then all), if one rank was sent replays of at least
-``FALLBACK_SHARE`` of them, the group does not reach that rank. Only replays of resends without the
-GROUP_SEEN flag count (``ina.wire.Flag``): a worker sets it on its resends once a result came to it by the
-group in the stream, so a healthy group on a slow link, where a rank resends while the result still
-queues in its download (``make demo``'s 10 Mbit/s rows: one rank was replayed 415 resends against 276
-results multicast, a false fallback without the flag), does not count against the group: from then on the job's results go as a
+``FALLBACK_SHARE`` of them, the group does not reach that rank: from then on the job's results go as a
 unicast copy per worker, with a warning in the log, the counter ``multicast_fallbacks`` and the job's
 ``multicast_fallback`` in the stats (the client needs nothing: its data socket takes unicast on the same
-port). Losses of results on the way down that are the links', not the group's, cost replays of a few
-per cent; a worker starved of CPU resends early and is replayed what it resent, in the runs here far
+port). Only replays of resends without the GROUP_SEEN flag count (``ina.wire.Flag``): a worker sets it on
+its resends while results come to it by the group (in the stream, or in its previous one: an allreduce's
+data stream follows its negotiation). On a slow link a rank may resend while the result still queues in
+its download; without the flag, ``make demo``'s 10 Mbit/s rows fell back on a healthy group (one rank was
+replayed 415 resends against 276 results multicast). Losses of results on the way down that are the
+links', not the group's, cost replays of a few per cent; a worker starved of CPU resends early and is replayed what it resent, in the runs here far
 less than 0.7 of a window. The rule is not applied while egress impairments are on (results then go as
 unicast copies anyway, and their loss is the impairment's). A job sharded over ``--cores N`` > 1 is not
 judged: the shards' results interleave on the way down, the workers resend on that reordering (8

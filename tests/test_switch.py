@@ -458,6 +458,55 @@ def test_new_round_in_the_burst_that_completed_its_set_waits_for_the_harvest():
         sw.sock.close()
 
 
+@pytest.mark.parametrize("group_seen", [False, True])
+def test_replays_count_against_a_multicast_group_only_without_group_seen(group_seen):
+    """A rank's resend of a completed round is replayed either way. Without GROUP_SEEN, the replay says the
+    job's multicast group may miss the rank: after a window of results that all needed one, the job falls
+    back to unicast copies. With it (the rank gets results by the group: it resent a result still queued in
+    its download), the replay does not count, and the job keeps its group."""
+    from switch_model.dataplane import C_REPLAYS
+    from switch_model.multicast import FALLBACK_MIN_RESULTS
+    from switch_model.pipeline import Switch, SwitchConfig
+    sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=8, elements=16))
+    sw.multicast.enabled = True
+    sw.multicast.interface = "127.0.0.1"           # as if the workers were reached through a multicast route
+    sw.multicast.choose = lambda job, addrs, groups, port: ("239.255.0.1", "a group")
+    try:
+        info = sw.install_job(11, 2, 8, 16, False, [("127.0.0.1", 9), ("127.0.0.1", 9)])
+        assert info.group_addr >= 0
+        sw.state.src[:] = source_key(0x7F000001, 9)                  # every packet from the joined address
+        model = ProtocolModel(JobSpec(11, 2, 8, 16))
+        flags = int(Flag.RETRANSMIT | (Flag.GROUP_SEEN if group_seen else 0))
+
+        def burst(pkts):
+            for i, p in enumerate(pkts):
+                sw.rx.buf[i, : len(p)] = np.frombuffer(p, np.uint8)
+                sw.rx.lens[i] = len(p)
+            sw.stage_parse(sw.rx.buf, sw.rx.lens, len(pkts))
+            sw.stage_aggregate(sw.rx.buf, len(pkts))
+            return sw.stage_harvest(sw.rx.buf, len(pkts))
+
+        values = np.arange(4)
+        rounds = FALLBACK_MIN_RESULTS + 8
+        for c in range(rounds):
+            grouped = sw.state.jobs[11]["group_addr"] >= 0
+            assert burst([model.pkt(0, c, values), model.pkt(1, c, values)]) == (1 if grouped else 2)  # multicast
+            resend = bytearray(model.pkt(0, c, values))
+            np.frombuffer(resend, HEADER_DTYPE, count=1)["flags"] = flags
+            assert burst([bytes(resend)]) == 1                                    # its replay
+        replays = int(sw.counters[C_REPLAYS])
+        assert replays == rounds
+        if group_seen:
+            assert not sw.fallbacks and sw.state.jobs[11]["group_addr"] >= 0
+        else:
+            (fb,) = sw.fallbacks
+            assert fb["job"] == 11 and fb["ranks"] == [0], fb
+            assert f"replay of {FALLBACK_MIN_RESULTS} of the last {FALLBACK_MIN_RESULTS} results" in fb["why"], fb
+            assert sw.state.jobs[11]["group_addr"] == -1
+    finally:
+        sw.sock.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # register overflow: saturate and flag, never wrap
 # ------------------------------------------------------------------------------------------------
