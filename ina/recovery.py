@@ -48,7 +48,9 @@ Four rules, in the order a lost chunk meets them:
    ``rtt_min`` is a negotiation packet's (40 us at 10 Mbit/s, where the token bucket passes a small
    packet at once) while an 8 kB result comes every 6.6 ms; the estimate takes every gap between
    results by its length (an idle one is longer than twice it), whatever the client did in the gap,
-   since a probe that fired in a gap resent the very chunk whose result ended it (ArrivalSpacing.sample). One chunk is resent per probe, the one resent least often so far, oldest first (as TCP's
+   since a probe that fired in a gap resent the very chunk whose result ended it (measured: 200-540
+   spurious probes per run of 425,000 elements, 2 workers at 10 Mbit/s, while the estimate skipped
+   such gaps). One chunk is resent per probe, the one resent least often so far, oldest first (as TCP's
    tail loss probe: its result restarts the flow, and any further lost chunk then meets rule 2 or
    another probe). The probe timer is the silence's, not a chunk's: it restarts with every result
    and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a

@@ -423,9 +423,9 @@ def test_a_slow_links_steady_results_fire_no_probe_and_a_tail_loss_is_still_prob
     far above the probe timeout's 1 ms floor and the fastest round trip the client knows (a negotiation
     packet's). The spacing estimate covers it once it has a sample: a client's first stream may probe in
     its first two silences (before the first result, and before the second: 2 probes each with the
-    backoff), none after, and the next stream starts from the spacing the first settled on (no probe). Without that, the probe
-    fired in every gap, resent the chunk whose result ended it, and the estimate never got a sample (200
-    to 540 spurious resends per sweep run). A lost tail (the last chunk: nothing after it shows the loss)
+    backoff), none after, and the next stream starts from the spacing the first settled on (no probe).
+    Without that, the probe fired in every gap, resent the chunk whose result ended it, and the estimate
+    never got a sample (200 to 540 spurious resends per sweep run; 784 probes in this model). A lost tail (the last chunk: nothing after it shows the loss)
     is still recovered by one probe, within a few spacings of when its result was due."""
     probes, last, settled = _slow_link_stream(prior=0.0)
     assert probes <= 4, probes
