@@ -36,8 +36,8 @@ MIN_SHAPED_BPS = 8e3
 
 #: record fields left in real seconds under dilation (not divided by K): the client's timeline, the
 #: switch's stage clock, CPU seconds and the configuration's wall time
-REAL_SECONDS_FIELDS = ("timeline_rank0", "switch_counters", "worker_cpu_per_allreduce", "wall", "rto", "max_rto",
-                       "worker_timeout")
+REAL_SECONDS_FIELDS = ("timeline_rank0", "timelines_all", "switch_counters", "worker_cpu_per_allreduce", "wall",
+                       "rto", "max_rto", "worker_timeout")
 
 
 class DilationError(ValueError):

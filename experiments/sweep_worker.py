@@ -145,7 +145,7 @@ class Worker:
                                        job=job, elements=min(ina_elements(codec, self.a.mtu, self.a.world),
                                                              self.a.max_elements),
                                        slots=self.a.slots, timeout=self.a.timeout, seed=1234, codecs=(codec,),
-                                       timeline=self.a.rank == 0)
+                                       timeline=True)
         return self.clients[key]
 
     def reducer(self, method: str, job: int, rto: float | None = None, shapes=None, max_rto: float | None = None,
@@ -197,7 +197,7 @@ class Worker:
         line = sys.stdin.readline().strip()
         if line != "go":
             raise RuntimeError(f"expected 'go' from the launcher, got {line!r}")
-        times, cpu = [], []
+        times, cpu, tls = [], [], []
         for _ in range(int(cmd["reps"])):
             x.copy_(ref)
             self.dist.barrier()
@@ -205,6 +205,8 @@ class Worker:
             red(x, key="bench")
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
+            if cl and cl.last_timeline:     # every rank's, with its start (perf_counter: one clock for all ranks)
+                tls.append(dict(cl.last_timeline, start=t0, rank=self.a.rank))
         self.dist.barrier()
         # correctness check: the sum over ranks, recomputed here from the same seeds
         want = torch.zeros(n)
@@ -216,6 +218,7 @@ class Worker:
             s1 = cl.stats.as_dict()
             res["client"] = {k: s1[k] - s0[k] for k in s1}
             res["timeline"] = cl.last_timeline
+            res["timelines"] = tls
         _out(res)
 
     # ----------------------------------------------------------------------------------------------

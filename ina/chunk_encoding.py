@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from . import stream_kernels as SK
-from .wire import HEADER_SIZE, VERSION, MsgType, header_view
+from .wire import HEADER_SIZE, VERSION, MsgType, header_view, packet_size
 
 
 def encode_block_fn(c, x32: np.ndarray, ctx, kw: dict, elements: int, block: int, timeline=None):
@@ -44,12 +44,20 @@ def encode_block_fn(c, x32: np.ndarray, ctx, kw: dict, elements: int, block: int
 
 
 class RowEncoder:
-    """Chunks encoded straight into their ring rows (``Codec.encode_rows``)."""
+    """Chunks encoded straight into their ring rows (``Codec.encode_rows``). ``ready``: chunks
+    0 .. ready - 1 are in their rows already (:class:`FirstWindow`) and are not encoded again."""
 
-    def __init__(self, c, x32: np.ndarray, ctx, elements: int, timeline=None):
+    def __init__(self, c, x32: np.ndarray, ctx, elements: int, timeline=None, ready: int = 0):
         self.c, self.x32, self.ctx, self.E, self.tl = c, x32, ctx, elements, timeline
+        self.ready = self.left = ready
 
     def load(self, pkts: np.ndarray, pv, rows: np.ndarray, chunks: np.ndarray) -> None:
+        if self.left:                      # each chunk is loaded once: skip the ready ones, then stop looking
+            new = chunks >= self.ready
+            self.left -= chunks.size - int(np.count_nonzero(new))
+            rows, chunks = rows[new], chunks[new]
+            if not chunks.size:
+                return
         t = time.perf_counter() if self.tl else 0.0
         self.c.encode_rows(self.x32, self.ctx, pkts, rows, chunks, HEADER_SIZE, self.E)
         if self.tl:
@@ -60,10 +68,12 @@ class BlockEncoder:
     """Blocks of ``block`` chunks encoded by ``encode_block(b)`` (see :func:`encode_block_fn`), each
     when its first chunk is loaded and kept until its last one is in the ring."""
 
-    def __init__(self, encode_block, block: int):
+    def __init__(self, encode_block, block: int, first: np.ndarray | None = None):
         self.encode_block, self.block = encode_block, block
         self.blocks: dict[int, np.ndarray] = {}
         self.left_in_block: dict[int, int] = {}
+        if first is not None:                   # block 0 encoded already (:class:`FirstWindow`)
+            self.blocks[0], self.left_in_block[0] = first, first.shape[0]
 
     def load(self, pkts: np.ndarray, pv, rows: np.ndarray, chunks: np.ndarray) -> None:
         bs = chunks // self.block
@@ -84,6 +94,68 @@ class BlockEncoder:
             self.left_in_block[b] -= here.size
             if self.left_in_block[b] == 0:          # every chunk of the block is in the ring
                 del self.blocks[b], self.left_in_block[b]
+
+
+class FirstWindow:
+    """The first window's codes, encoded while the exponent negotiation is out (:meth:`encode`, run by
+    the client between sending its proposals and receiving the maxima: an early rank waits there for the
+    start skew, the last one for the round trip, and the first data packets then go out the moment the
+    maxima are back).
+
+    Encoding needs the agreed context, which comes with the maxima; the worker guesses that its own
+    proposals are the maxima (``guess``: the context they give, with the allreduce's seed). When the
+    tensors' exponents agree, as gradients' usually do, every rank guesses right. :meth:`take` hands
+    the work over only if the agreed context is the guess, so the codes are the agreed context's, bit
+    for bit; otherwise the window is encoded again after the negotiation, as without a guess.
+
+    Two forms, as the encoders: for codecs with ``encodes_rows`` the first ``slots`` chunks are
+    encoded straight into their rows of the stream's packet ring (``ring``: its first rows; chunk j
+    of a stream is in row j for j below the window), a piece of about PIECE_ELEMENTS at a time, until
+    ``arrived()`` says the maxima are back (the last rank's round trip can be shorter than the
+    window's encoding: the rest is encoded when it is sent, as without a guess); ``ready`` chunks, a
+    prefix, are then in their rows. For the others block 0 (``slots`` chunks) is encoded as
+    :class:`BlockEncoder` would, whole. Not for codecs with error feedback (encoding updates their
+    residual) nor for sparse streams (which encode the whole tensor first)."""
+
+    PIECE_ELEMENTS = 65536       # elements encoded between two looks for the maxima (about 35 us for nc)
+
+    def __init__(self, c, x32: np.ndarray, guess, elements: int, slots: int, ring: np.ndarray | None = None,
+                 timeline=None):
+        self.c, self.x32, self.guess, self.E, self.ring, self.tl = c, x32, guess, elements, ring, timeline
+        self.chunks = min(slots, max(1, math.ceil(x32.size / elements)))
+        self.codes: np.ndarray | None = None
+        self.ready = 0              # ring form: chunks 0 .. ready - 1 are encoded in their rows
+        self.encoded = False
+
+    def encode(self, arrived=None) -> None:
+        """Encode the window under the guess, the ring form in pieces until ``arrived()`` (None: all of it).
+        A failure leaves it to the encode after the negotiation, which raises if the agreed context
+        fails too."""
+        try:
+            if self.ring is not None:
+                enc = RowEncoder(self.c, self.x32, self.guess, self.E, self.tl)
+                step = max(1, self.PIECE_ELEMENTS // self.E)
+                while self.ready < self.chunks:
+                    chunks = np.arange(self.ready, min(self.chunks, self.ready + step))
+                    enc.load(self.ring, None, chunks, chunks)
+                    self.ready = int(chunks[-1]) + 1
+                    if arrived is not None and arrived():
+                        break
+            else:
+                self.codes = encode_block_fn(self.c, self.x32, self.guess, {}, self.E, self.chunks, self.tl)(0)
+        except ValueError:
+            self.ready, self.codes = 0, None
+            return
+        self.encoded = True
+        if self.tl:
+            self.tl.mark("prepared")
+
+    def take(self, ctx) -> bool:
+        """Whether the window was encoded under ``ctx`` (the agreed context): the encoders may use it."""
+        held = self.encoded and ctx == self.guess
+        if self.tl:
+            self.tl.guess_held = held
+        return held
 
 
 class ChunkOutput:
@@ -154,6 +226,12 @@ class PacketRings:
             hv["codec"], hv["payload_type"] = codec_id, int(ptype)
             h = self.headers[key] = h[0]
         return h
+
+    def stream(self, rows: int, job: int, rank: int, codec_id: int, ptype: int, elements: int,
+               sparse=None) -> np.ndarray:
+        """The packet ring of a stream of ``ptype`` packets with ``elements`` elements (sparse: with trailers)."""
+        return self.get(rows, packet_size(ptype, elements, bool(sparse)), self.header(job, rank, codec_id, ptype),
+                        sparse)
 
     def get(self, rows: int, width: int, header: np.ndarray, sparse=None) -> np.ndarray:
         if sparse:

@@ -4,7 +4,11 @@ One allreduce is:
 
 1. **exponent negotiation**: one packet with no payload whose exponent field is this worker's
    scale exponent (plus one such packet per further value the codec needs agreed, e.g. MQGrad's
-   bits); the switch's max-exponent register returns the max over workers;
+   bits); the switch's max-exponent register returns the max over workers. While that round trip
+   is out, the first window of chunks is encoded under the worker's own proposals, a guess at the
+   maxima that holds when the workers' exponents agree (:class:`ina.chunk_encoding.FirstWindow`: used
+   only if the maxima are the guess, so the codes are the agreed ones bit for bit), and the first data
+   packets go out as soon as the maxima are back;
 2. **stream** fixed-length chunks: chunk c goes to pool index c % slots, shadow set (c // slots) % 2
    (ina.wire.slot_of_chunk; ids count modulo ina.wire.chunk_modulus(slots) and wrap to 0 there);
    the window equals the job's slots and is self-clocking (the result of chunk c frees its slot
@@ -23,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import select
 import time
 from dataclasses import dataclass
 
@@ -185,14 +190,17 @@ class Client(Worker):
             if bad.size:
                 raise ValueError(f"negotiated value(s) {bad.tolist()} of codec {codec!r} do not fit the 16-bit "
                                  "exponent field")
-            # one payload-less packet per value: the switch's max register returns the max over workers
-            maxima = self._stream(proposals.size, PayloadType.NONE, c.wire_id, proposals)
+            seed = c.next_seed()
+            first = None if kw or sparse else self._first_window(c, x32, self._context(proposals, seed))
+            # one payload-less packet per value: the switch's max register returns the max over workers;
+            # the first data window is encoded meanwhile, under this worker's own proposals
+            maxima = self._stream(proposals.size, PayloadType.NONE, c.wire_id, proposals,
+                                  meanwhile=functools.partial(first.encode, self._packet_waiting) if first else None)
             if tl:
                 tl.mark("negotiated")
-            ctx = ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=c.next_seed(),
-                               agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
+            ctx = self._context(maxima, seed)
             self.run_queue.sample()
-            out = self._reduce(c, x32, ctx, kw, sparse)
+            out = self._reduce(c, x32, ctx, kw, sparse, first if first and first.take(ctx) else None)
         except AllreduceError as e:
             self._break(str(e))
             raise
@@ -233,11 +241,30 @@ class Client(Worker):
         self.stats.elements += int(np.prod(np.shape(tensor)))
         return tensor
 
-    def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False) -> np.ndarray:
+    def _context(self, maxima: np.ndarray, seed: int) -> ScaleContext:
+        """The encoding context of the negotiated ``maxima`` (exponent, then the codec's further values)."""
+        return ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=seed,
+                            agreed=tuple(int(v) for v in maxima[1:]), elements=self.elements)
+
+    def _first_window(self, c, x32: np.ndarray, guess: ScaleContext) -> chunk_encoding.FirstWindow:
+        """The first data window, to be encoded under ``guess`` while the negotiation is out."""
+        ring = None
+        if c.encodes_rows:             # straight into the rows of the ring the data stream will use
+            ring = self.rings.stream(min(self.slots, math.ceil(x32.size / self.elements)), self.job, self.rank,
+                                     c.wire_id, c.uplink_type(guess), self.elements)
+        return chunk_encoding.FirstWindow(c, x32, guess, self.elements, self.slots, ring, self._timeline)
+
+    def _packet_waiting(self) -> bool:
+        """Whether a packet waits in the data socket (while negotiating: the maxima, most likely)."""
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+    def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False,
+                first: chunk_encoding.FirstWindow | None = None) -> np.ndarray:
         """Encode, stream and decode, pipelined: chunks are encoded into their packets as they are sent
         (:mod:`ina.chunk_encoding`: one by one for nc, else a block of ``slots`` chunks when its
         first is sent) and each burst of results is decoded as it arrives, so the codec's CPU time
-        overlaps the link time instead of adding to it."""
+        overlaps the link time instead of adding to it. ``first``: the first window, encoded under
+        ``ctx`` while negotiating."""
         n, E, S = x32.size, self.elements, self.slots
         n_chunks = max(1, math.ceil(n / E))
         block = n_chunks if kw else S                      # chunks per encoding block
@@ -260,10 +287,10 @@ class Client(Worker):
 
         streams = None
         if c.encodes_rows and not kw and not sparse:
-            encoder = chunk_encoding.RowEncoder(c, x32, ctx, E, tl)
+            encoder = chunk_encoding.RowEncoder(c, x32, ctx, E, tl, ready=first.ready if first else 0)
         else:
             encode_block = chunk_encoding.encode_block_fn(c, x32, ctx, kw, E, block, tl)
-            encoder = chunk_encoding.BlockEncoder(encode_block, block)
+            encoder = chunk_encoding.BlockEncoder(encode_block, block, first.codes if first else None)
         if sparse:        # every chunk's codes first: a worker announces its next non-zero chunk
             codes = np.concatenate([encode_block(b) for b in range(math.ceil(n_chunks / block))])
             zero = c.decode_sum(sparse_mod.zero_sums(res_type, E), ctx, raw=raw)    # an all-zero chunk's sum
@@ -284,7 +311,7 @@ class Client(Worker):
         return self._next_chunk
 
     def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
-                count: int = 0, encoder=None, decode=None, sparse=None):
+                count: int = 0, encoder=None, decode=None, sparse=None, meanwhile=None):
         """Send ``n_chunks`` chunks through the job's slots and collect their results.
 
         Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
@@ -294,12 +321,13 @@ class Client(Worker):
         live in a ring of 2 x slots rows: chunk c + 2S is sent only after c + S is done, which is
         sent only after c is done, so a row is never reused while its chunk is pending.
         ``sparse(c0)``, if given, makes the :class:`~ina.sparse.SparseStream` of a sparse data stream
-        (one round in flight per stream, so the ring's rule holds too).
+        (one round in flight per stream, so the ring's rule holds too). ``meanwhile()``, if given, runs
+        once the first window is out, before the first receive (:meth:`ina.transfer.Transfer.run`).
         """
         c0 = self._next_chunk
         self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
         return Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
-                        sparse(c0) if sparse else None, self._timeline).run()
+                        sparse(c0) if sparse else None, self._timeline).run(meanwhile)
 
     def rtt_sample(self, r: float) -> None:
         """A chunk's round trip ``r`` (seconds) updates srtt and rttvar (Jacobson/Karn)."""

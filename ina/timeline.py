@@ -2,23 +2,27 @@
 
 Marks, in seconds since the allreduce started (``time.perf_counter``):
 
+* ``prepared``     the first data window is encoded under this worker's guess at the maxima, while the
+                   negotiation is out (``guess_held``: whether the agreed maxima were the guess, so the
+                   encoding was used; :class:`ina.chunk_encoding.FirstWindow`);
 * ``negotiated``   the exponent negotiation's round trip is over (the switch's maxima are back);
-* ``first_send``   the first data packet went out (the first block was encoded before it);
+* ``first_send``   the first data packet went out (the first block was encoded before it, or while negotiating);
 * ``window_sent``  the first window of chunks (the job's slots) is out: from here on sends wait for results;
 * ``first_result`` the first result came back (one window's round trip after ``window_sent``);
 * ``last_send``    the last chunk went out for the first time;
 * ``last_result``  the last result came back;
 * ``done``         the sum is in the caller's tensor.
 
-Totals: ``encode_s`` and ``decode_s`` (codec CPU time, inside the stream), ``rx_bursts`` (receive
-calls that returned results) and ``results`` (fresh results), so results / rx_bursts is the
-client's mean receive burst.
+Totals: ``encode_s`` and ``decode_s`` (codec CPU time, inside the stream or while negotiating),
+``rx_bursts`` (receive calls that returned results) and ``results`` (fresh results), so results /
+rx_bursts is the client's mean receive burst. ``t0``: the start, in ``time.perf_counter`` seconds
+(CLOCK_MONOTONIC, one clock for every process: ranks' timelines can be put on one axis).
 """
 from __future__ import annotations
 
 import time
 
-MARKS = ("negotiated", "first_send", "window_sent", "first_result", "last_send", "last_result", "done")
+MARKS = ("prepared", "negotiated", "first_send", "window_sent", "first_result", "last_send", "last_result", "done")
 
 
 class Timeline:
@@ -27,6 +31,7 @@ class Timeline:
         self.marks: dict[str, float] = {}
         self.encode_s = self.decode_s = 0.0
         self.rx_bursts = self.results = 0
+        self.guess_held: bool | None = None     # None: no first window was encoded while negotiating
 
     def mark(self, name: str) -> None:
         """Record ``name`` the first time it happens (later calls keep the first time)."""
@@ -35,6 +40,6 @@ class Timeline:
 
     def to_dict(self) -> dict:
         d = {name: round(self.marks[name], 6) for name in MARKS if name in self.marks}
-        d.update(encode_s=round(self.encode_s, 6), decode_s=round(self.decode_s, 6), rx_bursts=self.rx_bursts,
-                 results=self.results)
+        d.update(t0=self.t0, encode_s=round(self.encode_s, 6), decode_s=round(self.decode_s, 6),
+                 rx_bursts=self.rx_bursts, results=self.results, guess_held=self.guess_held)
         return d

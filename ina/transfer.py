@@ -21,7 +21,7 @@ from . import stream_kernels as SK
 from .coalescing import ArrivalSpacing
 from .errors import AllreduceError
 from .recovery import LossDetector, tail_copies, tail_copy_wanted
-from .wire import HEADER_SIZE, PAYLOAD_WIDTH, TRAILER_SIZE, Flag, PayloadType, header_view, payload_view, slot_of_chunk
+from .wire import HEADER_SIZE, PAYLOAD_WIDTH, Flag, PayloadType, header_view, payload_view, slot_of_chunk
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -37,8 +37,7 @@ class Transfer:
         self.S = cl.slots
         self.pkt_len = HEADER_SIZE + PAYLOAD_WIDTH[ptype] * E
         self.R = min(n_chunks, 2 * self.S)
-        self.pkts = cl.rings.get(self.R, max(self.pkt_len, HEADER_SIZE) + (TRAILER_SIZE if sparse else 0),
-                                 cl.rings.header(cl.job, cl.rank, codec_id, ptype), sparse)
+        self.pkts = cl.rings.stream(self.R, cl.job, cl.rank, codec_id, ptype, E, sparse)
         self.hv = header_view(self.pkts)
         self.pv = payload_view(self.pkts, ptype, E) if E else None
         self.exps_in = np.asarray(exponent, np.int64).reshape(-1)     # one per chunk, or one for all
@@ -127,9 +126,13 @@ class Transfer:
             if self.n_sent == self.n_chunks:
                 self.tl.mark("last_send")
 
-    def run(self) -> np.ndarray:
+    def run(self, meanwhile=None) -> np.ndarray:
+        """Send the first window, run ``meanwhile()`` if given (work that needs none of the results:
+        the client encodes its first data window while the negotiation is out), then take results."""
         cl, n_chunks = self.cl, self.n_chunks
         self.send_new(np.arange(min(self.S, n_chunks)))
+        if meanwhile is not None:
+            meanwhile()
         now = self.last_progress = time.monotonic()
         while self.n_done < n_chunks:
             k = cl.receive()

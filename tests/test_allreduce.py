@@ -368,6 +368,95 @@ def test_stage_times_add_up_to_the_busy_time_and_the_timeline_is_ordered(switch)
         assert 0 < tl["encode_s"] + tl["decode_s"] < tl["done"], tl
 
 
+# ------------------------------------------------------------------------------------------------
+# the first window, encoded while the exponent negotiation is out
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec,cut", [("nc", None), ("nc", 1), ("bfp32", None)],
+                         ids=["nc", "nc-maxima-back-after-one-piece", "bfp32"])
+@pytest.mark.parametrize("held", [True, False], ids=["guess-held", "guess-wrong"])
+def test_first_window_encoded_while_negotiating_gives_the_agreed_codes(codec, cut, held, monkeypatch):
+    """A stream's packets carry the same bytes with a first window encoded under the worker's guess as
+    without one: the guess (its own exponent) is used only if it is the agreed exponent, and then
+    the window's encoded rows are not encoded again; a wrong guess is encoded again under the agreed
+    one. ``cut``: the maxima come back after that many pieces (the rest of the window is encoded
+    when it is sent)."""
+    from ina import compression
+    from ina.chunk_encoding import BlockEncoder, FirstWindow, RowEncoder, encode_block_fn
+    from ina.compression.base import ScaleContext
+    from ina.wire import HEADER_SIZE, packet_size, payload_view
+    c, E, S = compression.get(codec), 128, 4
+    monkeypatch.setattr(FirstWindow, "PIECE_ELEMENTS", 2 * E)                         # pieces of 2 chunks
+    x = np.random.default_rng(5).standard_normal(10 * E + 50).astype(np.float32)     # 11 chunks, window 4
+    own = c.scale_exponent(x)
+    guess = ScaleContext(own, 4, 64, seed=9, elements=E)
+    agreed = ScaleContext(own if held else own + 2, 4, 64, seed=9, elements=E)
+    ptype = c.uplink_type(agreed)
+    loads = [np.arange(S), np.array([5, 4]), np.array([6, 7, 8, 9]), np.array([10])]   # as results free slots
+
+    def stream(with_first):
+        ring = np.zeros((2 * S, packet_size(ptype, E)), np.uint8)
+        fw = FirstWindow(c, x, guess, E, S, ring[:S] if c.encodes_rows else None) if with_first else None
+        use = False
+        if fw:
+            looks = []
+            fw.encode(None if cut is None else lambda: looks.append(1) or len(looks) >= cut)
+            assert fw.ready == (S if cut is None else 2 * cut) if c.encodes_rows else fw.ready == 0
+            use = fw.take(agreed)
+            assert use == held
+            if use and c.encodes_rows:
+                ring[0, -1] ^= 0xFF      # a mark: the window's rows are sent as they are, not encoded again
+        if c.encodes_rows:
+            enc = RowEncoder(c, x, agreed, E, ready=fw.ready if use else 0)
+        else:
+            enc = BlockEncoder(encode_block_fn(c, x, agreed, {}, E, S), S, fw.codes if use else None)
+        out = []
+        for chunks in loads:
+            rows = chunks % (2 * S)
+            enc.load(ring, payload_view(ring, ptype, E), rows, chunks)
+            out.append(ring[rows, HEADER_SIZE:].copy())
+        return out
+
+    want, got = stream(False), stream(True)
+    if held and c.encodes_rows:
+        assert got[0][0, -1] == want[0][0, -1] ^ 0xFF
+        got[0][0, -1] ^= 0xFF
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w, g)
+
+
+def test_first_window_guess_held_and_wrong_end_to_end(switch):
+    """Through the switch: ranks whose exponents agree use the window encoded while negotiating, a rank
+    with a smaller exponent encodes it again; bfp32 stays bit-identical to the reference either way and
+    every rank reads the same nc sums."""
+    from sw_harness import client_threads
+    rng = np.random.default_rng(8)
+    base = [rng.standard_normal(3000).astype(np.float32) for _ in range(2)]
+    cases = {"agree": [base[0] * 0.9, base[1]], "rank0-smaller": [base[0] / 8, base[1]]}
+
+    def body(r, cl):
+        out = {}
+        for name, xs in cases.items():
+            for codec in ("bfp32", "nc"):
+                y = xs[r].copy()
+                cl.allreduce(y, codec=codec)
+                out[name, codec] = (y, cl.last_timeline["guess_held"])
+        return out
+
+    res = client_threads(switch.port, 2, 240, body, elements=128, slots=8, timeout=20.0, timeline=True, seed=4)
+    for name, xs in cases.items():
+        assert max(np.frexp(np.abs(x).max())[1] for x in xs) == np.frexp(np.abs(xs[1]).max())[1]
+        agree = np.frexp(np.abs(xs[0]).max())[1] == np.frexp(np.abs(xs[1]).max())[1]
+        assert agree == (name == "agree")
+        for codec in ("bfp32", "nc"):
+            held = [res[r][name, codec][1] for r in range(2)]
+            assert held == [agree, True], (name, codec, held)
+            assert np.array_equal(bits(res[0][name, codec][0]), bits(res[1][name, codec][0]))
+        np.testing.assert_array_equal(bits(res[0][name, "bfp32"][0]), bits(bfp_reference(xs)))
+        exact = xs[0].astype(np.float64) + xs[1]
+        rel = np.linalg.norm(res[0][name, "nc"][0] - exact) / np.linalg.norm(exact)
+        assert rel < 0.5, (name, rel)      # an estimate of the sum, not noise
+
+
 def test_a_stale_result_of_a_chunk_not_yet_sent_is_not_taken(tmp_path):
     """A worker's data socket may bind a fixed port (the job's multicast group port), so packets of an
     earlier run of the same job can land on a new run's socket. A RESULT for a chunk this allreduce has
