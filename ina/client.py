@@ -45,7 +45,7 @@ from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
 from .transfer import Transfer
-from .wire import PayloadType, chunk_modulus, header_view, max_packet_size
+from .wire import PayloadType, chunk_modulus, header_view, max_packet_size, shard_of_slot
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -371,10 +371,10 @@ class Client(Worker):
         return self.rx.recv_within(self._rx_wait, RX_WAIT)
 
     def send_packets(self, pkts, rows, pkt_len):
-        """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
+        """Send ring rows, each to the switch shard that serves its slot (ina.wire.shard_of_slot)."""
         shard = 0
         if self.shards > 1:
-            shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
+            shard = shard_of_slot(header_view(pkts)["slot"][rows].astype(np.int64), self.shards)
             if self.tx.gso:                      # each shard's packets in a row: one GSO message each
                 order = np.argsort(shard, kind="stable")
                 rows, shard = np.asarray(rows)[order], shard[order]

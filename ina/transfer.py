@@ -21,7 +21,8 @@ from . import stream_kernels as SK
 from .coalescing import ArrivalSpacing
 from .errors import AllreduceError
 from .recovery import LossDetector, tail_copies, tail_copy_wanted
-from .wire import HEADER_SIZE, PAYLOAD_WIDTH, Flag, PayloadType, header_view, payload_view, slot_of_chunk
+from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, Flag, PayloadType, header_view, payload_view, shard_of_slot,
+                   slot_of_chunk)
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -75,12 +76,12 @@ class Transfer:
         self.tl = timeline if self.E else None     # marks of the data stream (not of the negotiation)
 
     def lanes(self) -> np.ndarray | None:
-        """The switch shard of each chunk of the stream (Client.send_packets: pool index % shards), None with one."""
+        """The switch shard of each chunk of the stream (ina.wire.shard_of_slot), None with one."""
         cl = self.cl
         if cl.shards == 1:
             return None
         cids = (self.c0 + np.arange(self.n_chunks)) % cl.chunk_modulus
-        return (slot_of_chunk(cids, self.S) & 0x7FFF) % cl.shards
+        return shard_of_slot(slot_of_chunk(cids, self.S), cl.shards)
 
     def load(self, chunks: np.ndarray) -> np.ndarray:
         """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
