@@ -45,7 +45,7 @@ from .errors import AllreduceError
 from .host_client import HostAggClient
 from .timeline import Timeline
 from .transfer import Transfer
-from .wire import PayloadType, chunk_modulus, header_view, max_packet_size
+from .wire import PayloadType, chunk_modulus, header_view, max_packet_size, shard_of_slot
 from .worker import Worker, WorkerStats
 
 log = logging.getLogger("ina.client")
@@ -149,6 +149,7 @@ class Client(Worker):
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
+        self.link_spacing: dict = {}        # (packet, result length): the last stream's result spacing (ina.transfer)
         self.run_queue = RunQueueDelay()    # the machine's wait for a core: the loss timers' floors
         self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet, results by %s", rank, job, host,
@@ -370,10 +371,10 @@ class Client(Worker):
         return self.rx.recv_within(self._rx_wait, RX_WAIT)
 
     def send_packets(self, pkts, rows, pkt_len):
-        """Send ring rows; pool index p (the slot field's low 15 bits) is served by shard p % shards."""
+        """Send ring rows, each to the switch shard that serves its slot (ina.wire.shard_of_slot)."""
         shard = 0
         if self.shards > 1:
-            shard = (header_view(pkts)["slot"][rows].astype(np.int64) & 0x7FFF) % self.shards
+            shard = shard_of_slot(header_view(pkts)["slot"][rows].astype(np.int64), self.shards)
             if self.tx.gso:                      # each shard's packets in a row: one GSO message each
                 order = np.argsort(shard, kind="stable")
                 rows, shard = np.asarray(rows)[order], shard[order]

@@ -3,8 +3,9 @@
 On a slow link results trickle in one by one and each loop turn of the client costs ~100 us of
 Python; with a full window still in flight, the client lets a few more results arrive before it
 turns again (on a fast link they arrive faster than a loop turn and batch by themselves). The pace
-is read from the results' arrival spacing; the retransmission timers use the same estimate for the
-serialisation time of the chunks in flight.
+is read from the results' arrival spacing; the loss timers use an estimate of it too (the tail
+probe's timeout, and the serialisation time of the chunks in flight for the retransmission
+timeout), kept apart: coalescing's errs short, the timers' must not (:class:`ArrivalSpacing`).
 """
 from __future__ import annotations
 
@@ -15,36 +16,94 @@ COALESCE_SPACING = 2e-4   # ... when results arrive further apart than this (a 8
 FIRST_SAMPLES = 4         # the estimate starts as the least of this many samples (no pause before)
 
 
-class ArrivalSpacing:
-    """``per_pkt``: the results' arrival spacing, an EWMA of seconds per packet (0 before any sample)."""
+class _Gaps:
+    """An EWMA of seconds per result over gaps between receive bursts (0 before any sample). It starts
+    as the least of its first FIRST_SAMPLES samples and then takes only gaps up to twice it: an idle
+    time (a loss's recovery, a peer recovering a loss of its own stalls the job's stream alike, the
+    process not scheduled) only ever lengthens a gap. ``restart``: FIRST_SAMPLES gaps in a row above
+    twice the estimate replace it by the least of them (the estimate was too low, not the gaps idle)."""
 
-    def __init__(self):
+    def __init__(self, restart: bool):
+        self.restart = restart
         self.last_rx: float | None = None
         self.per_pkt = 0.0
         self.samples = 0
+        self.above = 0            # gaps in a row above twice the estimate ...
+        self.above_min = 0.0      # ... and the least of them
 
-    def idle(self) -> None:
-        """An idle gap (peers, a loss) follows: it says nothing about the link."""
-        self.last_rx = None
-
-    def sample(self, k: int, now: float, recovered: bool) -> None:
-        """A burst of ``k`` results arrived at ``now``. Only the link's spacing counts: not a gap that ended
-        with a resent chunk's result (``recovered``: the wait for a loss's recovery), nor one more than
-        twice the estimate (an idle gap: a peer recovering a loss of its own stalls the job's stream alike,
-        or the process was not scheduled). Such gaps lifted the estimate above COALESCE_SPACING on
-        loopback, and every rank then paused for receive coalescing after each loss, the job with it.
-        Without an estimate there is nothing to tell such a gap by, so the estimate starts as the least
-        of the first FIRST_SAMPLES samples (an idle time only ever lengthens a gap): a stream whose first
-        gap was a pause of the process (10-40 ms on a loaded machine) paused for coalescing for up to
-        4 ms a turn, on loopback."""
-        if self.last_rx is not None and not recovered:
+    def sample(self, k: int, now: float, skip: bool) -> None:
+        if self.last_rx is not None and not skip:
             gap = (now - self.last_rx) / k
             if self.samples < FIRST_SAMPLES:
                 self.per_pkt = min(self.per_pkt, gap) if self.samples else gap
                 self.samples += 1
             elif gap <= 2 * self.per_pkt:
                 self.per_pkt = 0.8 * self.per_pkt + 0.2 * gap
+                self.above = 0
+            elif self.restart:
+                self.above_min = min(self.above_min, gap) if self.above else gap
+                self.above += 1
+                if self.above == FIRST_SAMPLES:
+                    self.per_pkt, self.above = self.above_min, 0
         self.last_rx = now
+
+
+class ArrivalSpacing:
+    """The results' arrival spacing, two estimates of seconds per result (:class:`_Gaps`):
+
+    * ``per_pkt``, receive coalescing's (:meth:`pause`): the link's pace, from gaps the client spent
+      receiving, none that a receive timed out in (:meth:`idle`) or that ended with a resent chunk's
+      result (``recovered``: the wait for a loss's recovery). A gap that was not the link's lifted it
+      above COALESCE_SPACING on loopback, and every rank then paused after each loss, the job with it;
+      it errs short. Its first sample could be a pause of the process (10-40 ms on a loaded machine):
+      loopback streams paused up to 4 ms a turn until it started as the least of its first samples.
+    * :meth:`for_timers`, the loss timers' (the tail probe's timeout, the serialisation of the chunks
+      in flight for the retransmission timeout): every gap by its length alone, whatever the client did
+      in it, and before it settles at least ``prior``, the one the client's previous stream of the same
+      packet sizes settled on (:meth:`settled`). Coalescing's estimate starved the timers on a slow
+      link, where a result comes every few ms (an 8 kB one every 6.6 ms at 10 Mbit/s): the receive
+      waits less (2 ms, or until the probe timer), and a probe that fired in the gap resent the chunk
+      whose result ended it; the estimate stayed 0, the probe timeout at its 1 ms floor, and every
+      result of a stream was probed for first (200-540 spurious resends per sweep run of 2 workers,
+      425,000 elements, 1.4-2.9x the link-bound time). A first sample can be short too (two results in
+      one burst: 2 ms a result where they came 6.6 ms apart), and every later gap then looked idle: this
+      estimate restarts after FIRST_SAMPLES gaps in a row above twice it (coalescing's does not: on a
+      loaded machine that lifted it at 1 Gbit/s, and the clients paused).
+    """
+
+    def __init__(self, prior: float = 0.0):
+        self.pace, self.timer = _Gaps(restart=False), _Gaps(restart=True)
+        self.prior = float(prior)
+        self._idle = False
+
+    @property
+    def per_pkt(self) -> float:
+        return self.pace.per_pkt
+
+    @property
+    def samples(self) -> int:
+        return self.pace.samples
+
+    def idle(self) -> None:
+        """A receive timed out: the gap it is part of may be idle (peers, a loss), not the link's pace."""
+        self._idle = True
+
+    def sample(self, k: int, now: float, recovered: bool = False) -> None:
+        """A burst of ``k`` results arrived at ``now``; ``recovered``: one was of a resent chunk."""
+        self.pace.sample(k, now, self._idle or recovered)
+        self.timer.sample(k, now, False)
+        self._idle = False
+
+    def settled(self) -> float | None:
+        """The timers' estimate once it has FIRST_SAMPLES samples (None before): the next stream's prior."""
+        return self.timer.per_pkt if self.timer.samples >= FIRST_SAMPLES else None
+
+    def for_timers(self) -> float:
+        """The spacing the loss timers use: the timers' estimate once settled, at least ``prior`` before
+        (a stream's first results would otherwise find none, and the probe timer fired after 1 ms between
+        two results 6.6 ms apart at 10 Mbit/s)."""
+        t = self.timer
+        return t.per_pkt if t.samples >= FIRST_SAMPLES else max(t.per_pkt, self.prior)
 
     def pause(self, k: int, in_flight: int, longest: float) -> float:
         """After a receive burst of ``k`` results with ``in_flight`` chunks out: sleep to let a few more

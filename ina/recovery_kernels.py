@@ -38,31 +38,42 @@ def pending_chunks(low, high, done, seq):
     return out[:m]
 
 
+LANE_SPAN = 1 << 40    # send numbers stay below it: (lane, send number) as one sortable key
+
+
 @njit(cache=True)
-def count_later(chunks, pending, seq, tries, wit, later):
+def count_later(chunks, pending, seq, tries, wit, lane, later):
     """Results of ``chunks`` arrived: each ``pending`` chunk's ``later`` grows by how many of them
-    were sent after it, counting only first sends (``tries == 0``, Karn) of witnesses (``wit``)."""
+    were sent after it in its own ``lane`` (the switch shard that serves the chunk: each shard
+    answers in order, but two shards' results interleave however their processes run), counting
+    only first sends (``tries == 0``, Karn) of witnesses (``wit``)."""
     arrived = np.empty(chunks.size, np.int64)
     m = 0
     for q in range(chunks.size):
         c = chunks[q]
         if tries[c] == 0 and wit[c]:
-            arrived[m] = seq[c]
+            arrived[m] = lane[c] * LANE_SPAN + seq[c]
             m += 1
     if m == 0 or pending.size == 0:
         return
     arrived = np.sort(arrived[:m])
     for q in range(pending.size):
         p = pending[q]
-        s = seq[p]
-        lo, hi = 0, m                      # the first arrival sent after p (searchsorted, side="right")
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if arrived[mid] <= s:
-                lo = mid + 1
-            else:
-                hi = mid
-        later[p] += m - lo
+        later[p] += _count_below(arrived, (lane[p] + 1) * LANE_SPAN) - _count_below(arrived, lane[p] * LANE_SPAN
+                                                                                      + seq[p] + 1)
+
+
+@njit(cache=True, inline="always")
+def _count_below(sorted_keys, key):
+    """How many of ``sorted_keys`` are below ``key`` (searchsorted, side="left")."""
+    lo, hi = 0, sorted_keys.size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sorted_keys[mid] < key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 # the rules' constants (ina.recovery describes the rules; these kernels apply them)

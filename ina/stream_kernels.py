@@ -140,7 +140,7 @@ def take_burst(buf, lens, k, scan, done, exps, idx, jj, replayed, ld_arrays, now
        header-only length or -1, sparse, check sparse) marks the fresh results done, takes their
        exponents and lists them in ``idx``, ``jj``, ``replayed`` (sorted by position);
     2. :func:`round_trips` of the fresh ones (``ld_arrays``: the loss detector's tries, sent_at, seq,
-       witness, later);
+       witness, lane, later);
     3. with fresh results, the loss detector's pending chunks in ``low .. max_sent`` and its count of
        later results (``recovery_kernels.pending_chunks``, ``count_later``: LossDetector.pending and
        delivered's compiled steps);
@@ -155,14 +155,14 @@ def take_burst(buf, lens, k, scan, done, exps, idx, jj, replayed, ld_arrays, now
     job, c0, modulus, hi, res_len, skip_len, sparse, check_sparse = scan
     fresh, ok, other, nbytes, abort, overflow, mismatch = scan_results(
         buf, lens, k, job, c0, modulus, hi, res_len, skip_len, sparse, check_sparse, done, exps, idx, jj, replayed)
-    tries, sent_at, seq, wit, later = ld_arrays
+    tries, sent_at, seq, wit, lane, later = ld_arrays
     n_rep = 0
     for q in range(fresh):
         n_rep += replayed[q]
     rtts = round_trips(jj[:fresh], tries, sent_at, now, rtt_scratch)
     pending = RK.pending_chunks(low, max_sent, done, seq) if fresh else np.empty(0, np.int64)
     if fresh:
-        RK.count_later(jj[:fresh], pending, seq, tries, wit, later)
+        RK.count_later(jj[:fresh], pending, seq, tries, wit, lane, later)
     pkts, slots, n_chunks, R, rc0, rmod, exps_in, count, elements = ring
     new_chunks, new_rows, new_wit = nxt
     n_new = 0

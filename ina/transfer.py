@@ -21,7 +21,8 @@ from . import stream_kernels as SK
 from .coalescing import ArrivalSpacing
 from .errors import AllreduceError
 from .recovery import LossDetector, tail_copies, tail_copy_wanted
-from .wire import HEADER_SIZE, PAYLOAD_WIDTH, Flag, PayloadType, header_view, payload_view
+from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, Flag, PayloadType, header_view, payload_view, shard_of_slot,
+                   slot_of_chunk)
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -52,8 +53,8 @@ class Transfer:
         self.rtt_scratch = np.zeros(burst)
         # the chunks a burst's results free (dense streams): positions, ring rows, witness (SK.take_burst)
         self.nxt = (np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool))
-        ld = self.ld = LossDetector(n_chunks)
-        self.ld_arrays = (ld.tries, ld.sent_at, ld.seq, ld.witness, ld.later)
+        ld = self.ld = LossDetector(n_chunks, self.lanes())
+        self.ld_arrays = (ld.tries, ld.sent_at, ld.seq, ld.witness, ld.lane, ld.later)
         self.ring = (self.pkts, 0 if sparse else self.S, n_chunks, self.R, c0, cl.chunk_modulus, self.exps_in,
                      count, E)
         self.overflow = 0
@@ -68,8 +69,19 @@ class Transfer:
         self.group_results = 0
         self.resend_flags = int(Flag.RETRANSMIT | (Flag.GROUP_SEEN if cl.group_seen else 0))
         self.tail_copy = tail_copy_wanted(bool(sparse), bool(E), n_chunks, cl.tail_copy_from)
-        self.spacing = ArrivalSpacing()            # the results' arrival spacing, for coalescing and the timers
+        # the results' arrival spacing, for coalescing and the loss timers; until it settles, the timers use the
+        # last stream's of the same packet sizes (the link does not change from allreduce to allreduce)
+        self.link = (self.pkt_len, self.res_len)
+        self.spacing = ArrivalSpacing(cl.link_spacing.get(self.link, 0.0))
         self.tl = timeline if self.E else None     # marks of the data stream (not of the negotiation)
+
+    def lanes(self) -> np.ndarray | None:
+        """The switch shard of each chunk of the stream (ina.wire.shard_of_slot), None with one."""
+        cl = self.cl
+        if cl.shards == 1:
+            return None
+        cids = (self.c0 + np.arange(self.n_chunks)) % cl.chunk_modulus
+        return shard_of_slot(slot_of_chunk(cids, self.S), cl.shards)
 
     def load(self, chunks: np.ndarray) -> np.ndarray:
         """Write the packets of ``chunks`` (never loaded before) into their ring rows."""
@@ -138,6 +150,8 @@ class Transfer:
                     self.retransmit_lost(now)
                 if now - self.last_progress > cl.timeout:
                     raise AllreduceError(cl.stall_message(n_chunks, self.n_done, self.c0))
+        if (settled := self.spacing.settled()) is not None:
+            cl.link_spacing[self.link] = settled      # the next stream's timers start from it
         cl.group_seen = cl.multicast and self.group_results > 0
         if self.overflow:
             raise AllreduceError(f"job {cl.job}: {self.overflow} chunk(s) came back with the OVERFLOW flag: a switch "
@@ -233,7 +247,7 @@ class Transfer:
         if pending is None:   # (``pending``: computed since nothing was sent or completed)
             pending = self.ld.pending(self.low, self.max_sent, self.done)
         # a full receive burst: results may still wait in the socket (after a stall): no silence, no timeout yet
-        per_pkt = self.spacing.per_pkt
+        per_pkt = self.spacing.for_timers()
         if self.drained:
             pto, rto, max_rto = cl.probe_timeout(per_pkt), cl.current_rto((self.n_sent - self.n_done) * per_pkt), \
                 cl.max_rto

@@ -88,6 +88,12 @@ def slot_of_chunk(chunk, pool_slots):
     return (chunk % pool_slots) | (((chunk // pool_slots) & 1) << 15)
 
 
+def shard_of_slot(slot, shards):
+    """The switch shard (``--cores``) that serves slot field ``slot``: pool index (the low 15 bits) % shards,
+    at UDP port ``port + shard`` (switch_model/shards.py; numpy arrays too)."""
+    return (slot & 0x7FFF) % shards
+
+
 def chunk_newer(chunk, than, modulus):
     """Whether chunk id ``chunk`` comes after ``than`` in serial-number arithmetic modulo ``modulus``:
     (chunk - than) mod M in 1 .. M/2 - 1."""

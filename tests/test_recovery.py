@@ -45,6 +45,23 @@ def test_duplicate_threshold_marks_the_gap_lost_and_nothing_else():
     assert fast.size == 0 and late.size == 0
 
 
+def test_a_sharded_switchs_interleaved_results_are_no_evidence_across_shards():
+    """Two switch shards (chunk c served by shard c % 2) answer in order each, but one process may run
+    ahead of the other: results of the other shard's later chunks say nothing of a chunk's loss; results
+    of its own shard's do."""
+    ld = LossDetector(12, lanes=np.arange(12) % 2)
+    ld.sent(np.arange(12), now=0.0)
+    pending = np.array([1, 3, 5, 7, 9, 11])
+    ld.delivered(np.array([0, 2, 4, 6, 8, 10]), pending, now=1e-4)     # shard 0 ran ahead
+    assert ld.later[pending].tolist() == [0] * 6
+    fast, _, _ = ld.lost(pending, now=0.05, srtt=1e-3, rto=1.0, max_rto=1.0)
+    assert fast.size == 0
+    ld.delivered(np.array([5, 7, 9]), np.array([1, 3, 11]), now=2e-4)  # shard 1's later chunks: 1 and 3 were lost
+    assert ld.later[[1, 3, 11]].tolist() == [3, 3, 0]
+    fast, _, _ = ld.lost(np.array([1, 3, 11]), now=2e-4, srtt=1e-3, rto=1.0, max_rto=1.0)
+    assert fast.tolist() == [1, 3]
+
+
 def test_a_chunk_resent_later_is_not_counted_against_by_older_results():
     ld = LossDetector(6)
     ld.sent(np.arange(6), now=0.0)
@@ -328,17 +345,96 @@ def test_a_first_gap_that_was_the_process_pausing_does_not_make_a_fast_link_paus
     20 us spacing and never pauses; a link whose results do trickle (0.5 ms apart) gets its pauses."""
     fast, slow = ArrivalSpacing(), ArrivalSpacing()
     now = 0.0
-    fast.sample(8, now, False)
+    fast.sample(8, now)
     now += 0.010
-    fast.sample(40, now, False)
+    fast.sample(40, now)
     for _ in range(10):
         now += 8 * 2e-5
-        fast.sample(8, now, False)
+        fast.sample(8, now)
         assert fast.pause(8, 64, 0.004) == 0.0
     for i in range(6):
-        slow.sample(2, i * 1e-3, False)
+        slow.sample(2, i * 1e-3)
     assert slow.per_pkt == pytest.approx(5e-4)
     assert slow.pause(2, 64, 0.004) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# a slow shaped link: a deep queue, results several ms apart
+# ------------------------------------------------------------------------------------------------
+SPACING = 6.6e-3          # an 8 kB packet's serialisation at 10 Mbit/s
+
+
+def _slow_link_stream(prior: float, n: int = 208, window: int = 64, lose_first_send_of: tuple = ()):
+    """One stream of ``n`` chunks over a 10 Mbit/s link as the client's loop meets it (ina.transfer's turn,
+    without sockets): every packet (first send or resend) joins the link's queue, and its result arrives
+    SPACING after the previous one's, 0.2 ms after leaving the queue; each fresh result frees chunk
+    c + ``window``; a receive waits at most 2 ms (RX_WAIT), or until a rule's deadline. The fastest round
+    trip the client knows is a negotiation packet's, 40 us (the token bucket passes a small packet at
+    once). ``prior``: the spacing a previous stream settled on. Returns (probes, the time of the last
+    result, the stream's settled spacing)."""
+    from types import SimpleNamespace
+
+    from ina.client import Client
+    from ina.scheduling import RunQueueDelay
+    cl = SimpleNamespace(min_rto=1e-3, rtt_min=4e-5, run_queue=RunQueueDelay(on=False))
+    ld, spacing, done = LossDetector(n), ArrivalSpacing(prior), np.zeros(n, bool)
+    queue_end, arrivals = 0.0, []              # when the link's queue empties; (time, chunk) of results on their way
+
+    def send(chunks, now, first=True):
+        nonlocal queue_end
+        for c in chunks:
+            queue_end = max(queue_end, now) + SPACING
+            if not (first and c in lose_first_send_of):
+                arrivals.append((queue_end + 2e-4, int(c)))
+        (ld.sent if first else lambda ch, t: ld.resent(ch, t, probed=True))(np.asarray(chunks, np.int64), now)
+
+    now, probes, last = 0.0, 0, 0.0
+    send(np.arange(window), now)
+    while not done.all():
+        pending = ld.pending(0, n - 1, done)
+        pto = Client.probe_timeout(cl, spacing.for_timers())
+        wait = min(2e-3, max(5e-5, ld.next_deadline(pending, None, 0.0, pto, 1.0) - now))
+        arrivals.sort()
+        if arrivals and arrivals[0][0] <= now + wait:
+            now = arrivals[0][0]
+            got = [c for t, c in arrivals if t <= now]
+            arrivals = [(t, c) for t, c in arrivals if t > now]
+            fresh = sorted({c for c in got if not done[c]})
+            spacing.sample(len(got), now, bool(ld.tries[fresh].any()))
+            if fresh:
+                done[fresh] = True
+                last = now
+                ld.delivered(np.array(fresh), ld.pending(0, n - 1, done), now)
+                send([c + window for c in fresh if c + window < n], now)
+        else:
+            now += wait
+            spacing.idle()
+        pending = ld.pending(0, n - 1, done)
+        _, probe, late = ld.lost(pending, now, None, 1.0, 1.0, Client.probe_timeout(cl, spacing.for_timers()))
+        assert late.size == 0
+        if probe.size:
+            probes += probe.size
+            send(probe, now, first=False)
+    return probes, last, spacing.settled()
+
+
+def test_a_slow_links_steady_results_fire_no_probe_and_a_tail_loss_is_still_probed_soon():
+    """On a 10 Mbit/s link the window waits in the link's queue and results come a spacing (6.6 ms) apart,
+    far above the probe timeout's 1 ms floor and the fastest round trip the client knows (a negotiation
+    packet's). The spacing estimate covers it once it has a sample: a client's first stream may probe in
+    its first two silences (before the first result, and before the second: 2 probes each with the
+    backoff), none after, and the next stream starts from the spacing the first settled on (no probe).
+    Without that, the probe fired in every gap, resent the chunk whose result ended it, and the estimate
+    never got a sample (200 to 540 spurious resends per sweep run; 784 probes in this model). A lost tail (the last chunk: nothing after it shows the loss)
+    is still recovered by one probe, within a few spacings of when its result was due."""
+    probes, last, settled = _slow_link_stream(prior=0.0)
+    assert probes <= 4, probes
+    assert settled == pytest.approx(SPACING, rel=0.05)
+    probes, healthy_last, _ = _slow_link_stream(prior=settled)
+    assert probes == 0
+    probes, last, _ = _slow_link_stream(prior=settled, lose_first_send_of=(207,))
+    assert probes == 1
+    assert last - healthy_last < 6 * SPACING, (last - healthy_last) / SPACING
 
 
 # ------------------------------------------------------------------------------------------------
