@@ -406,7 +406,8 @@ class InaHookState:
         """Start this rank's agreement row for an allreduce (Average) of ``tensors`` on the agreement group,
         without waiting; the returned function waits (bounded by INA_TIMEOUT) and returns what :func:`agree`
         returns, or raises the same RuntimeError on every rank if the ranks disagree. ``last``: the step's last
-        bucket (backward has nothing left to compute): the round's slot is claimed on this thread, now, not by the
+        bucket by index (DDP's ``is_last``; backward may still compute input gradients or parameters outside
+        DDP's buckets): the round's slot is claimed on this thread, now, not by the
         rounds' writer thread. The returned function leaves the round's deletes to :meth:`tidy`."""
         mine = agreement.row(tensors, _AVG, self.lane.unusable())
         size, n = self.size, mine.numel()

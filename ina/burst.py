@@ -21,6 +21,7 @@ import os
 import select
 import socket
 import logging
+import math
 import struct
 
 import numpy as np
@@ -130,6 +131,16 @@ def gro_enable(sock: socket.socket, on: bool = True) -> str | None:
         return f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
 
 
+def readable(fd: int, seconds: float) -> bool:
+    """Whether descriptor ``fd`` becomes readable within ``seconds`` (0: whether it is now). A select, whose
+    timer is precise to about 0.1 ms (poll's counts whole milliseconds); select takes descriptors below
+    FD_SETSIZE (1024) only, so a higher one (a process with many files open) waits in poll instead."""
+    if fd < 1024:
+        return bool(select.select([fd], [], [], seconds)[0])
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(math.ceil(seconds * 1e3)))
+
 class RxRing:
     """A preallocated pool of ``burst`` receive buffers of ``stride`` bytes and their msghdrs.
 
@@ -231,7 +242,7 @@ class RxRing:
         if seconds >= timeout:
             return self.recv(wait=True)
         n = self.recv(wait=False)             # first what is here (landed GRO messages not cut yet included)
-        if n or seconds <= 0 or not select.select([self.fd], [], [], seconds)[0]:
+        if n or seconds <= 0 or not readable(self.fd, seconds):
             return n
         return self.recv(wait=False)
 

@@ -143,7 +143,7 @@ class FirstWindow:
                         break
             else:
                 self.codes = encode_block_fn(self.c, self.x32, self.guess, {}, self.E, self.chunks, self.tl)(0)
-        except ValueError:
+        except Exception:  # noqa: BLE001 - a guess that fails is dropped: the agreed context's encode raises if it fails too
             self.ready, self.codes = 0, None
             return
         self.encoded = True

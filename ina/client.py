@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import select
 import time
 from dataclasses import dataclass
 
@@ -256,7 +255,7 @@ class Client(Worker):
 
     def _packet_waiting(self) -> bool:
         """Whether a packet waits in the data socket (while negotiating: the maxima, most likely)."""
-        return bool(select.select([self.sock], [], [], 0)[0])
+        return B.readable(self.rx.fd, 0)
 
     def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False,
                 first: chunk_encoding.FirstWindow | None = None) -> np.ndarray:

@@ -30,8 +30,18 @@ class _Gaps:
         self.samples = 0
         self.above = 0            # gaps in a row above twice the estimate ...
         self.above_min = 0.0      # ... and the least of them
+        self.first_rx: float | None = None
+        self.after_first = 0      # results since the first burst
+
+    def mean(self) -> float:
+        """Seconds per result over every result since the first burst (stalls included, amortised)."""
+        return (self.last_rx - self.first_rx) / self.after_first if self.after_first else 0.0
 
     def sample(self, k: int, now: float, skip: bool) -> None:
+        if self.first_rx is None:
+            self.first_rx = now
+        else:
+            self.after_first += k
         if self.last_rx is not None and not skip:
             gap = (now - self.last_rx) / k
             if self.samples < FIRST_SAMPLES:
@@ -95,8 +105,11 @@ class ArrivalSpacing:
         self._idle = False
 
     def settled(self) -> float | None:
-        """The timers' estimate once it has FIRST_SAMPLES samples (None before): the next stream's prior."""
-        return self.timer.per_pkt if self.timer.samples >= FIRST_SAMPLES else None
+        """The timers' estimate once it has FIRST_SAMPLES samples (None before), at most the stream's mean
+        spacing: the next stream's prior. (A stall across a stream's last bursts restarts the estimate at
+        the stall's gaps; the mean over the whole stream amortises it, while on a slow link the two agree.)"""
+        t = self.timer
+        return min(t.per_pkt, t.mean()) if t.samples >= FIRST_SAMPLES else None
 
     def for_timers(self) -> float:
         """The spacing the loss timers use: the timers' estimate once settled, at least ``prior`` before

@@ -1,5 +1,6 @@
 """Burst I/O on real UDP sockets: sendmmsg with UDP GSO (and its fallback), recvmmsg."""
 import os
+import socket
 import sys
 
 import numpy as np
@@ -381,7 +382,7 @@ def test_a_receive_burst_frees_the_next_chunks_with_their_headers_in_one_pass(c0
     nxt = (np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool))
     scan = (job, c0, mod, S, 20 + E, -1, False, True)
     (fresh, ok, other, nbytes, abort, overflow, mismatch, n_rep, rtts, pending, n_new, top, low) = SK.take_burst(
-        buf, lens, 6, scan, done, exps, idx, jj, rep, (tries, sent_at, seq, wit, later), 1.0, np.zeros(burst), 0,
+        buf, lens, 6, scan, done, exps, idx, jj, rep, (tries, sent_at, seq, wit, np.zeros(n, np.int64), later), 1.0, np.zeros(burst), 0,
         S - 1, (pkts, S, n, 2 * S, c0, mod, exps_in, 75, E), nxt)
     assert (fresh, ok, other, abort, n_rep) == (3, 4, 2, -1, 1)
     assert jj[:3].tolist() == [1, 2, 3] and idx[:3].tolist() == [1, 2, 0] and rep[:3].tolist() == [True, False, False]
@@ -397,3 +398,30 @@ def test_a_receive_burst_frees_the_next_chunks_with_their_headers_in_one_pass(c0
     assert ph_flags[5] == int(Flag.LATE) and not ph_flags[[6, 7]].any()
     ph["flags"][5] = 0
     assert np.array_equal(pkts, ref)
+
+
+def test_a_wait_for_results_works_on_a_descriptor_above_select_s_limit():
+    """A process with many files open (data loaders, a framework's sockets) gets socket descriptors above
+    1024, where select refuses to wait (ValueError): the client's receive wait must still work there."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1600:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1600), hard))
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    high = None
+    try:
+        rx.bind(("127.0.0.1", 0))
+        high = socket.socket(fileno=os.dup2(rx.fileno(), 1500))
+        ring = B.RxRing(high, burst=4, stride=256, gro=False)
+        assert ring.fd >= 1024
+        assert ring.recv_within(0.001, 1.0) == 0                   # nothing came: no ValueError from select
+        tx.sendto(b"x" * 40, rx.getsockname())
+        assert B.readable(ring.fd, 1.0)
+        assert ring.recv_within(0.5, 1.0) == 1 and ring.lens[0] == 40
+    finally:
+        for s in (rx, tx, high):
+            if s is not None:
+                s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -437,6 +437,28 @@ def test_a_slow_links_steady_results_fire_no_probe_and_a_tail_loss_is_still_prob
     assert last - healthy_last < 6 * SPACING, (last - healthy_last) / SPACING
 
 
+def test_a_stall_at_a_streams_end_does_not_carry_into_the_next_streams_timers():
+    """The timers' estimate restarts at the gaps of FIRST_SAMPLES slow bursts in a row; when those were the
+    process not being scheduled at a fast stream's end (2 ms each, after 200 bursts 20 us apart), the
+    spacing the next stream starts from is still the link's, not the stall's: a small stream (a few
+    results, never settled) would otherwise probe only after 4 x 2 ms of silence."""
+    from ina.coalescing import FIRST_SAMPLES
+    sp, now = ArrivalSpacing(), 0.0
+    for _ in range(200):
+        now += 2e-5
+        sp.sample(1, now)
+    for _ in range(FIRST_SAMPLES):
+        now += 2e-3
+        sp.sample(1, now)
+    assert sp.for_timers() >= 2e-3                     # the stream itself takes the stall as its pace ...
+    assert sp.settled() < 1e-4, sp.settled()           # ... but does not hand it on
+    slow, now = ArrivalSpacing(), 0.0
+    for _ in range(20):
+        now += SPACING
+        slow.sample(1, now)
+    assert slow.settled() == pytest.approx(SPACING)    # a slow link's spacing is handed on as it is
+
+
 # ------------------------------------------------------------------------------------------------
 # tail copies: the last chunk of a stream (a negotiation packet is one) goes out twice, its result too
 # ------------------------------------------------------------------------------------------------
