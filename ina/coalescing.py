@@ -74,8 +74,8 @@ class ArrivalSpacing:
       link, where a result comes every few ms (an 8 kB one every 6.6 ms at 10 Mbit/s): the receive
       waits less (2 ms, or until the probe timer), and a probe that fired in the gap resent the chunk
       whose result ended it; the estimate stayed 0, the probe timeout at its 1 ms floor, and every
-      result of a stream was probed for first (200-540 spurious resends per sweep run of 2 workers,
-      425,000 elements, 1.4-2.9x the link-bound time). A first sample can be short too (two results in
+      result of a stream was probed for first (docs/performance.md, "Spurious resends on slow links and
+      with a sharded switch"). A first sample can be short too (two results in
       one burst: 2 ms a result where they came 6.6 ms apart), and every later gap then looked idle: this
       estimate restarts after FIRST_SAMPLES gaps in a row above twice it (coalescing's does not: on a
       loaded machine that lifted it at 1 Gbit/s, and the clients paused).

@@ -45,12 +45,12 @@ Four rules, in the order a lost chunk meets them:
    the time between results while they flow (``ina.coalescing.ArrivalSpacing``; until a stream's own
    estimate settles, the one the client's previous stream of the same packet sizes settled on): a
    silence that long means the results are not coming. On a slow link ``spacing`` is what counts:
-   ``rtt_min`` is a negotiation packet's (40 us at 10 Mbit/s, where the token bucket passes a small
+   ``rtt_min`` can be a negotiation packet's (40 us at 10 Mbit/s, where the token bucket passes a small
    packet at once) while an 8 kB result comes every 6.6 ms; the estimate takes every gap between
    results by its length (an idle one is longer than twice it), whatever the client did in the gap,
-   since a probe that fired in a gap resent the very chunk whose result ended it (measured: 200-540
-   spurious probes per run of 425,000 elements, 2 workers at 10 Mbit/s, while the estimate skipped
-   such gaps). One chunk is resent per probe, the one resent least often so far, oldest first (as TCP's
+   since a probe that fired in a gap resent the very chunk whose result ended it (while the estimate
+   skipped such gaps, every result of a stream was probed for first: docs/performance.md, "Spurious
+   resends on slow links and with a sharded switch"). One chunk is resent per probe, the one resent least often so far, oldest first (as TCP's
    tail loss probe: its result restarts the flow, and any further lost chunk then meets rule 2 or
    another probe). The probe timer is the silence's, not a chunk's: it restarts with every result
    and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a
