@@ -90,8 +90,9 @@ def slot_of_chunk(chunk, pool_slots):
 
 def shard_of_slot(slot, shards):
     """The switch shard (``--cores``) that serves slot field ``slot``: pool index (the low 15 bits) % shards,
-    at UDP port ``port + shard`` (switch_model/shards.py; numpy arrays too)."""
-    return (slot & 0x7FFF) % shards
+    at UDP port ``port + shard`` (switch_model/shards.py; numpy arrays too). The client sends by it, the
+    switch's parse drops a packet of another shard by it."""
+    return (slot & POOL_INDEX_MASK) % shards
 
 
 def chunk_newer(chunk, than, modulus):

@@ -34,8 +34,8 @@ import numba
 import numpy as np
 from numba import njit
 
-from ina.wire import (HEADER_SIZE, MAX_WORKERS, OFFSET, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType, slot_of_chunk,
-                      sparse_next_ok)
+from ina.wire import (HEADER_SIZE, MAX_WORKERS, OFFSET, TRAILER_SIZE, VERSION, Flag, MsgType, PayloadType, shard_of_slot,
+                      slot_of_chunk, sparse_next_ok)
 
 # --- header offsets, from the one declaration in ina/wire.py ---------------------------------------
 O_VERSION = OFFSET["version"]
@@ -236,6 +236,7 @@ def payload_width(ptype):
 
 
 _slot_of_chunk = njit(inline="always")(slot_of_chunk)   # ina.wire's rules of chunk ids, shared with clients
+_shard_of_slot = njit(inline="always")(shard_of_slot)   # ina.wire's rule of the shard serving a slot (the client sends by it)
 _sparse_next_ok = njit(inline="always")(sparse_next_ok)     # ina.wire's rule of sparse rounds
 
 
@@ -273,7 +274,7 @@ def _check_header(jobs, peers, src, buf, lens, i):
         return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0
     if c >= job.chunk_modulus or _slot_of_chunk(c, job.pool_slots) != s:
         return Verdict.SLOT_CHUNK_MISMATCH, 0, 0, 0
-    if pool % job.shards != job.shard:
+    if _shard_of_slot(s, job.shards) != job.shard:
         return Verdict.SLOT_OUT_OF_RANGE, 0, 0, 0             # a pool index of another shard
     if sparse and not _sparse_next_ok(c, rd32(buf, i, ln - TRL), job.pool_slots, job.chunk_modulus):
         return Verdict.BAD_NEXT, 0, 0, 0
