@@ -30,14 +30,14 @@ its resends while results come to it by the group (in the stream, or in its prev
 data stream follows its negotiation). On a slow link a rank may resend while the result still queues in
 its download; without the flag, ``make demo``'s 10 Mbit/s rows fell back on a healthy group (one rank was
 replayed 415 resends against 276 results multicast). Losses of results on the way down that are the
-links', not the group's, cost replays of a few per cent; a worker starved of CPU resends early and is replayed what it resent, in the runs here far
-less than 0.7 of a window. The rule is not applied while egress impairments are on (results then go as
+links', not the group's, cost replays of a few per cent; a worker starved of CPU resends early and is
+replayed what it resent, in the runs here far less than 0.7 of a window. The rule is not applied while egress impairments are on (results then go as
 unicast copies anyway, and their loss is the impairment's). A job sharded over ``--cores N`` > 1 is not
-judged: the shards' results interleave on the way down, the workers resend on that reordering (8
-workers, 1 Gbit/s: 1400-2200 resends per 5 allreduces against 0-7 with one shard), and one rank was
-replayed 69 of 133 and 98 of 136 results of a healthy group, which this rule cannot tell from a group
-that does not arrive. (The worker could: a result whose first copy is a replay did not come by the
-group; not built.)
+judged: the shards' results interleave on the way down, and while the workers' loss rules compared
+chunks across shards they resent on that reordering (8 workers, 1 Gbit/s: 1400-2200 resends per 5
+allreduces against 0-7 with one shard) and one rank was replayed 69 of 133 and 98 of 136 results of a
+healthy group. The rules now compare chunks of one shard (``ina.recovery.LossDetector``'s lanes) and
+resends flagged GROUP_SEEN do not count; whether sharded jobs can be judged again is not measured.
 """
 from __future__ import annotations
 
