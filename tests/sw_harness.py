@@ -152,6 +152,20 @@ class SwitchProc(SwitchService):
         return rc
 
 
+def run_stages(sw, pkts) -> int:
+    """``pkts`` (bytes or uint8 arrays) as one burst in the receive ring of an in-process switch
+    (switch_model.pipeline.Switch), through its parse, aggregate and harvest stages, as its poll loop runs
+    them: the number of transmissions harvest planned (``sw.state.tx[:m]``)."""
+    buf, lens = sw.rx.buf, sw.rx.lens
+    for i, p in enumerate(pkts):
+        p = np.frombuffer(p, np.uint8) if isinstance(p, (bytes, bytearray)) else p
+        buf[i, :p.size] = p
+        lens[i] = p.size
+    sw.stage_parse(buf, lens, len(pkts))
+    sw.stage_aggregate(buf, len(pkts))
+    return sw.stage_harvest(buf, len(pkts))
+
+
 # ------------------------------------------------------------------------------------------------
 # workers
 # ------------------------------------------------------------------------------------------------

@@ -9,12 +9,18 @@ overflows and bursts where some elements overflow and the others must come out e
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
-from ina.wire import Flag, MsgType, PayloadType, pack, unpack
-from switch_model.dataplane import source_key
-from switch_model.pipeline import Switch, SwitchConfig
+sys.path.insert(0, os.path.dirname(__file__))
+from sw_harness import run_stages  # noqa: E402
+
+from ina.wire import Flag, MsgType, PayloadType, pack, unpack  # noqa: E402
+from switch_model.dataplane import source_key  # noqa: E402
+from switch_model.pipeline import Switch, SwitchConfig  # noqa: E402
 
 ELEMENTS = 64
 WORKERS = 3
@@ -61,16 +67,10 @@ def _packets(rng, ptype: int, bits: int, big: bool) -> tuple[list[np.ndarray], l
 
 
 def _run(sw: Switch, ptype: int, payloads: list[np.ndarray], chunk: int) -> None:
-    n = len(payloads)
-    for r, p in enumerate(payloads):
-        pkt = np.frombuffer(pack(msg_type=MsgType.DATA, job=5, rank=r, pool_index=chunk % 4, shadow=(chunk // 4) & 1,
-                                 payload_type=ptype, count=ELEMENTS, chunk=chunk, payload=p, elements=ELEMENTS),
-                            np.uint8)
-        sw.rx.buf[r, :pkt.size] = pkt
-        sw.rx.lens[r] = pkt.size
-    sw.stage_parse(sw.rx.buf, sw.rx.lens, n)
-    sw.stage_aggregate(sw.rx.buf, n)
-    assert sw.stage_harvest(sw.rx.buf, n) == WORKERS                  # one completed slot, multicast to every worker
+    pkts = [pack(msg_type=MsgType.DATA, job=5, rank=r, pool_index=chunk % 4, shadow=(chunk // 4) & 1,
+                 payload_type=ptype, count=ELEMENTS, chunk=chunk, payload=p, elements=ELEMENTS)
+            for r, p in enumerate(payloads)]
+    assert run_stages(sw, pkts) == WORKERS                  # one completed slot, a copy to every worker
 
 
 @pytest.mark.parametrize("bits", [64, 32])

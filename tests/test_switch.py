@@ -24,7 +24,7 @@ from numba import njit
 sys.path.insert(0, os.path.dirname(__file__))
 from sw_fuzz import PARSE_REASONS, PROTOCOL_REASONS, JobSpec, ProtocolModel, bad_packets, header  # noqa: E402
 from sw_harness import (PY, ROOT, SwitchProc, Workers, bfp_reference, control, expected_inputs,  # noqa: E402
-                        free_port, join_all, wait_until)
+                        free_port, join_all, run_stages, wait_until)
 
 from ina.burst import SOL_UDP, UDP_GRO  # noqa: E402
 from ina.client import AllreduceError, Client  # noqa: E402
@@ -436,13 +436,7 @@ def test_new_round_in_the_burst_that_completed_its_set_waits_for_the_harvest():
         c1 = model.last
 
         def burst(pkts):
-            for i, p in enumerate(pkts):
-                sw.rx.buf[i, : len(p)] = np.frombuffer(p, np.uint8)
-                sw.rx.lens[i] = len(p)
-            n = len(pkts)
-            sw.stage_parse(sw.rx.buf, sw.rx.lens, n)
-            sw.stage_aggregate(sw.rx.buf, n)
-            m = sw.stage_harvest(sw.rx.buf, n)
+            m = run_stages(sw, pkts)
             res = sw.state.results
             return [(int(hdr(res[r].tobytes())["chunk"]), res[r, HEADER_SIZE: HEADER_SIZE + 64].view(">i4").astype(np.int64))
                     for r in sw.state.tx["set_id"][:m]]
@@ -478,22 +472,15 @@ def test_replays_count_against_a_multicast_group_only_without_group_seen(group_s
         model = ProtocolModel(JobSpec(11, 2, 8, 16))
         flags = int(Flag.RETRANSMIT | (Flag.GROUP_SEEN if group_seen else 0))
 
-        def burst(pkts):
-            for i, p in enumerate(pkts):
-                sw.rx.buf[i, : len(p)] = np.frombuffer(p, np.uint8)
-                sw.rx.lens[i] = len(p)
-            sw.stage_parse(sw.rx.buf, sw.rx.lens, len(pkts))
-            sw.stage_aggregate(sw.rx.buf, len(pkts))
-            return sw.stage_harvest(sw.rx.buf, len(pkts))
-
         values = np.arange(4)
         rounds = FALLBACK_MIN_RESULTS + 8
         for c in range(rounds):
             grouped = sw.state.jobs[11]["group_addr"] >= 0
-            assert burst([model.pkt(0, c, values), model.pkt(1, c, values)]) == (1 if grouped else 2)  # multicast
+            sums = run_stages(sw, [model.pkt(0, c, values), model.pkt(1, c, values)])
+            assert sums == (1 if grouped else 2)                                  # to the group, or a copy each
             resend = bytearray(model.pkt(0, c, values))
             np.frombuffer(resend, HEADER_DTYPE, count=1)["flags"] = flags
-            assert burst([bytes(resend)]) == 1                                    # its replay
+            assert run_stages(sw, [resend]) == 1                                  # its replay
         replays = int(sw.counters[C_REPLAYS])
         assert replays == rounds
         if group_seen:
