@@ -2,9 +2,11 @@
 
 Marks, in seconds since the allreduce started (``time.perf_counter``):
 
-* ``prepared``     the first data window is encoded under this worker's guess at the maxima, while the
-                   negotiation is out (``guess_held``: whether the agreed maxima were the guess, so the
-                   encoding was used; :class:`ina.chunk_encoding.FirstWindow`);
+* ``prepared``     the first data window's encoding under this worker's guess at the maxima, while the
+                   negotiation is out, ended (the whole window, or the prefix encoded when the maxima came
+                   back; :class:`ina.chunk_encoding.FirstWindow`). ``guess_held``: whether that encoding was
+                   used (it was made and the agreed maxima were the guess); None: none was tried (codecs with
+                   error feedback, sparse streams);
 * ``negotiated``   the exponent negotiation's round trip is over (the switch's maxima are back);
 * ``first_send``   the first data packet went out (the first block was encoded before it, or while negotiating);
 * ``window_sent``  the first window of chunks (the job's slots) is out: from here on sends wait for results;
@@ -31,7 +33,7 @@ class Timeline:
         self.marks: dict[str, float] = {}
         self.encode_s = self.decode_s = 0.0
         self.rx_bursts = self.results = 0
-        self.guess_held: bool | None = None     # None: no first window was encoded while negotiating
+        self.guess_held: bool | None = None     # None: no first window was tried while negotiating
 
     def mark(self, name: str) -> None:
         """Record ``name`` the first time it happens (later calls keep the first time)."""
