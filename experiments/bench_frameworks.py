@@ -94,8 +94,8 @@ from the step's start to that point: forward and backward as they ran beside the
         mine = [e for e in timeline if lo <= e[0] <= hi]
         if not mine:
             continue
-        last = max(e[0] for e in mine)
-        end = max(mine, key=lambda e: e[0])
+        end = max(mine, key=lambda e: e[0])          # the last bucket submitted: backward's compute ended
+        last = end[0]
         if len(end) > 5:
             tail[0] += end[5] - end[0]
             tail[1] += end[2] - end[5]
