@@ -134,12 +134,14 @@ def gro_enable(sock: socket.socket, on: bool = True) -> str | None:
 def readable(fd: int, seconds: float) -> bool:
     """Whether descriptor ``fd`` becomes readable within ``seconds`` (0: whether it is now). A select, whose
     timer is precise to about 0.1 ms (poll's counts whole milliseconds); select takes descriptors below
-    FD_SETSIZE (1024) only, so a higher one (a process with many files open) waits in poll instead."""
+    FD_SETSIZE (1024) only, so a higher one (a process with many files open) waits in poll instead. The
+    project's one wait for a descriptor (ina.host_client too): select.select alone raises ValueError there."""
     if fd < 1024:
         return bool(select.select([fd], [], [], seconds)[0])
     p = select.poll()
     p.register(fd, select.POLLIN)
     return bool(p.poll(math.ceil(seconds * 1e3)))
+
 
 class RxRing:
     """A preallocated pool of ``burst`` receive buffers of ``stride`` bytes and their msghdrs.

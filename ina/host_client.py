@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from .burst import readable
 from .compression.base import to_numpy_f32
 from .errors import AllreduceError, ConnectionGone, FrameError
 from .host_wire import (HOST_AGG_LABEL, HOST_AGG_PORT_OFFSET, MAX_WORLD, Frame, FrameType, pack_encoded, recv_frame,
@@ -216,7 +216,7 @@ class HostAggClient(Worker):
 
     def _check_pushed(self) -> None:
         """An ERROR the aggregator pushed between rounds (job aborted) is raised before sending."""
-        while select.select([self.sock], [], [], 0)[0]:
+        while readable(self.sock.fileno(), 0):
             try:
                 f = self._read(self.grace)
             except (FrameError, ConnectionGone, OSError) as e:

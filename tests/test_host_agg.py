@@ -296,6 +296,32 @@ def test_switch_summable_codec_through_the_host_path_and_counters(service):
     assert after["errors"] == before["errors"]
 
 
+def test_a_rank_whose_socket_is_above_select_s_limit_still_reduces(service):
+    """A process with many files open (data loaders, a framework's sockets) gets descriptors above 1024,
+    where select refuses to look (ValueError): the client's check for an ERROR pushed between rounds must
+    still work there, or every host-aggregated allreduce of such a process fails."""
+    import os
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1600:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1600), hard))
+    c = None
+    try:
+        c = HostAggClient(service["addr"], rank=0, world_size=1, job=61, timeout=10.0)
+        high = socket.socket(fileno=os.dup2(c.sock.fileno(), 1500))
+        c.sock.close()
+        c.sock = high
+        x = inputs("3lc", 0, 0, 300)
+        c.allreduce(x, C.get("3lc", seed=300))
+        (want,), _, _ = reference("3lc", {}, 61, 1, 1, 300, None, lambda r: 300)
+        assert np.array_equal(x, want)
+    finally:
+        if c is not None:
+            c.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_announced_in_join_config_and_stats_cli(service):
     ch = ControlChannel("127.0.0.1", service["port"])
     try:
