@@ -438,7 +438,16 @@ def test_horovod_wrapper_starts_a_switch(horovod_ready, tmp_path):
 
 
 # ---- Horovod's own test suite ----------------------------------------------------------------------------
-SUITE = ROOT.parent / "shared" / "horovod-tests"
+def _horovod_suite() -> Path:
+    """Horovod's own tests: ``INA_HOROVOD_TESTS`` if set, else ``shared/horovod-tests`` beside the repo or
+    beside one of its parent directories (a git worktree of the repo may sit deeper than the repo)."""
+    if os.environ.get("INA_HOROVOD_TESTS"):
+        return Path(os.environ["INA_HOROVOD_TESTS"])
+    found = [d / "shared" / "horovod-tests" for d in ROOT.parents if (d / "shared" / "horovod-tests").is_dir()]
+    return found[0] if found else ROOT.parent / "shared" / "horovod-tests"
+
+
+SUITE = _horovod_suite()
 SUITE_TIMEOUT = 900
 # Tests whose tolerance is below bfp32's rounding (docs/frameworks.md lists the error measured): with the
 # INA backend on and bfp32 they fail only in their value check, everything else passes as with Gloo.
@@ -452,7 +461,8 @@ def test_horovod_own_suite_with_bfp32(switch, horovod_ready, tmp_path):
     test of the barrier (rank 1's wall time against rank 0's 5 s sleep) runs a second time: it passes if
     either run passed on that rank. About 2.5 min."""
     if not (SUITE / "test_torch.py").exists():
-        pytest.fail(f"Horovod's suite not found at {SUITE} (expected ../shared/horovod-tests beside the repo)")
+        pytest.fail(f"Horovod's suite not found at {SUITE} (expected shared/horovod-tests beside the repo "
+                    f"or one of its parents, or INA_HOROVOD_TESTS)")
     run([PY, "-m", "gloo_patch.rendezvous_fix", "-np", "2", "-H", "localhost:2", "--gloo", PY,
          str(TESTS / "_fw_hvd_suite.py"), str(SUITE), str(tmp_path)], ina_env(switch, "bfp32"),
         "horovodrun -np 2 test_torch.py with INA (bfp32)", timeout=SUITE_TIMEOUT)
