@@ -621,6 +621,12 @@ def test_ddp_contract(switch, tmp_path):
             "DDP bucket: NaN/Inf on some rank (Gloo propagates them)": 1}, hook
         assert torch.isfinite(ts[r]["hook.finite"]).all() and torch.isinf(ts[r]["hook.inf"]).all()
     assert torch.equal(ts[0]["hook.inf"], ts[1]["hook.inf"]) and torch.equal(ts[0]["hook.finite"], ts[1]["hook.finite"])
+    # find_unused_parameters: DDP's used-parameter map and the lane's Gloo fallbacks on groups of their own
+    unused = [c["hook_unused"] for c in res]
+    assert all(u["ok"] for u in unused), unused
+    assert all(u["result"]["fallback_calls"] >= 6 and u["result"]["offloaded_calls"] >= 6 for u in unused), unused
+    torch.testing.assert_close(ts[0]["hook_unused"], ts[1]["hook_unused"], rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(ts[0]["hook_unused"][0::2]).all() and not torch.isfinite(ts[0]["hook_unused"][1::2]).all()
     # the hook's agreement rounds: a round rank 1 never reaches fails on rank 0 naming rank 1; after it, DDP steps
     # go through the switch with the right average (weights: mean of 2 and 4 per element; bias: 2)
     rounds = [c["hook_rounds"] for c in res]
