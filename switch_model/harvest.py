@@ -140,6 +140,14 @@ def _write_result(dp, s, j):
     wr16(results, s, O_FLAGS, flags)
 
 
+@njit(inline="always")
+def counts_against_group(job, buf, i):
+    """Whether the replay that answers packet ``i`` of the burst ``buf`` counts against ``job``'s multicast
+    group (``dp.delivered`` of the rank's address, judged by multicast.py): the job has a group and the
+    resend does not say GROUP_SEEN (its rank got results by the group)."""
+    return job.group_addr >= 0 and (rd16(buf, i, O_FLAGS) & F_GROUP_SEEN) == 0
+
+
 @njit(cache=True)
 def harvest(dp, buf, n):
     """Write completed slots' result packets into their shadow-copy rows; plan the transmissions
@@ -172,8 +180,8 @@ def harvest(dp, buf, n):
                     m = _plan(tx, m, s, sets[s].result_len, job.addr_base + w)
         else:
             counters[C_REPLAYS] += 1
-            if job.group_addr >= 0 and (rd16(buf, i, O_FLAGS) & F_GROUP_SEEN) == 0:
-                delivered[job.addr_base + p.rank] += 1   # a replay of a result multicast: the group missed this rank?
+            if counts_against_group(job, buf, i):        # a replay of a result multicast: the group missed this rank?
+                delivered[job.addr_base + p.rank] += 1
             m = _plan(tx, m, s, -sets[s].result_len, job.addr_base + p.rank)
     _group_by_destination(tx, dp.tx_order, dp.tx_bins, m)
     return m

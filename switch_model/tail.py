@@ -17,6 +17,7 @@ from numba import njit
 from ina.wire import OFFSET, Flag
 
 from .dataplane import C_REPLAYS, Action
+from .harvest import counts_against_group
 
 HARVEST, REPLAY = int(Action.HARVEST), int(Action.REPLAY)
 FLAGS_LO = OFFSET["flags"] + 1          # the flags field is big-endian: its bits 0-7 are in its second byte
@@ -71,7 +72,7 @@ def repeat_tail_results(dp, buf, n, m):
             if i >= 0:
                 used[i] = True
                 dropped += 1
-                if jobs[pkts[i].job].group_addr >= 0:     # harvest counted it as a replay of a multicast
+                if counts_against_group(jobs[pkts[i].job], buf, i):    # harvest counted it against the group
                     dp.delivered[t.addr] -= 1
                 continue
         tx[out] = t

@@ -452,14 +452,9 @@ def test_new_round_in_the_burst_that_completed_its_set_waits_for_the_harvest():
         sw.sock.close()
 
 
-@pytest.mark.parametrize("group_seen", [False, True])
-def test_replays_count_against_a_multicast_group_only_without_group_seen(group_seen):
-    """A rank's resend of a completed round is replayed either way. Without GROUP_SEEN, the replay says the
-    job's multicast group may miss the rank: after a window of results that all needed one, the job falls
-    back to unicast copies. With it (the rank gets results by the group: it resent a result still queued in
-    its download), the replay does not count, and the job keeps its group."""
-    from switch_model.dataplane import C_REPLAYS
-    from switch_model.multicast import FALLBACK_MIN_RESULTS
+def _multicast_job_switch():
+    """An in-process switch with job 11 (2 workers, 8 slots of 16 elements) whose results go to a multicast
+    group, and the protocol model of its packets."""
     from switch_model.pipeline import Switch, SwitchConfig
     sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=8, elements=16))
     sw.multicast.enabled = True
@@ -469,7 +464,28 @@ def test_replays_count_against_a_multicast_group_only_without_group_seen(group_s
         info = sw.install_job(11, 2, 8, 16, False, [("127.0.0.1", 9), ("127.0.0.1", 9)])
         assert info.group_addr >= 0
         sw.state.src[:] = source_key(0x7F000001, 9)                  # every packet from the joined address
-        model = ProtocolModel(JobSpec(11, 2, 8, 16))
+    except BaseException:
+        sw.sock.close()
+        raise
+    return sw, info, ProtocolModel(JobSpec(11, 2, 8, 16))
+
+
+def _with_flags(pkt: bytes, flags: int) -> bytes:
+    out = bytearray(pkt)
+    np.frombuffer(out, HEADER_DTYPE, count=1)["flags"] = flags
+    return bytes(out)
+
+
+@pytest.mark.parametrize("group_seen", [False, True])
+def test_replays_count_against_a_multicast_group_only_without_group_seen(group_seen):
+    """A rank's resend of a completed round is replayed either way. Without GROUP_SEEN, the replay says the
+    job's multicast group may miss the rank: after a window of results that all needed one, the job falls
+    back to unicast copies. With it (the rank gets results by the group: it resent a result still queued in
+    its download), the replay does not count, and the job keeps its group."""
+    from switch_model.dataplane import C_REPLAYS
+    from switch_model.multicast import FALLBACK_MIN_RESULTS
+    sw, _, model = _multicast_job_switch()
+    try:
         flags = int(Flag.RETRANSMIT | (Flag.GROUP_SEEN if group_seen else 0))
 
         values = np.arange(4)
@@ -478,9 +494,7 @@ def test_replays_count_against_a_multicast_group_only_without_group_seen(group_s
             grouped = sw.state.jobs[11]["group_addr"] >= 0
             sums = run_stages(sw, [model.pkt(0, c, values), model.pkt(1, c, values)])
             assert sums == (1 if grouped else 2)                                  # to the group, or a copy each
-            resend = bytearray(model.pkt(0, c, values))
-            np.frombuffer(resend, HEADER_DTYPE, count=1)["flags"] = flags
-            assert run_stages(sw, [resend]) == 1                                  # its replay
+            assert run_stages(sw, [_with_flags(model.pkt(0, c, values), flags)]) == 1   # its replay
         replays = int(sw.counters[C_REPLAYS])
         assert replays == rounds
         if group_seen:
@@ -490,6 +504,25 @@ def test_replays_count_against_a_multicast_group_only_without_group_seen(group_s
             assert fb["job"] == 11 and fb["ranks"] == [0], fb
             assert f"replay of {FALLBACK_MIN_RESULTS} of the last {FALLBACK_MIN_RESULTS} results" in fb["why"], fb
             assert sw.state.jobs[11]["group_addr"] == -1
+    finally:
+        sw.sock.close()
+
+
+@pytest.mark.parametrize("flags", [Flag.TAIL, Flag.TAIL | Flag.GROUP_SEEN], ids=["tail", "tail-group-seen"])
+def test_a_second_tail_copy_is_neither_replayed_nor_counted_against_the_group(flags):
+    """A worker sends its stream's last chunk twice (TAIL, ina.recovery); a copy that arrives after the round
+    completed is not replayed (tail.py takes back harvest's replay), and what harvest counted against the
+    job's multicast group for it is taken back by the same rule, whatever flags the copy carries: the rank's
+    count never goes below what its real replays made it."""
+    sw, info, model = _multicast_job_switch()
+    try:
+        values = np.arange(4)
+        addr = info.addr_base + 0
+        before = int(sw.state.delivered[addr])
+        tail = [_with_flags(model.pkt(r, 0, values), int(flags)) for r in range(2)]
+        assert run_stages(sw, tail) == 2                            # the round completes: multicast twice ...
+        assert run_stages(sw, [tail[0]]) == 0                       # ... rank 0's second copy: no replay
+        assert int(sw.state.delivered[addr]) == before
     finally:
         sw.sock.close()
 
