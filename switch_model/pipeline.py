@@ -182,8 +182,6 @@ class Switch:
             self.stage_aggregate(buf, n_in)
             t4 = now()
             m = self.stage_harvest(buf, n_in)
-            if m:
-                m = self._repeat_tail_results(buf, n_in, m)
             t5, cpu5 = now(), time.thread_time_ns()
             self.stage_tx(m)
             t6 = now()
@@ -242,9 +240,13 @@ class Switch:
         self._aggregate(self.state, buf, n)
 
     def stage_harvest(self, buf, n: int) -> int:
+        """Harvest's plan of the burst, with the tail copies' rule applied (:meth:`_repeat_tail_results`),
+        then the multicast judge over the replays left in it: the number of planned transmissions."""
         r0 = self.counters[C_REPLAYS]
         m = self._harvest(self.state, buf, n)
-        self._replays = self.counters[C_REPLAYS] != r0
+        if m:
+            m = self._repeat_tail_results(buf, n, m)
+        self._replays = self.counters[C_REPLAYS] != r0     # (tail.py takes back the replays it leaves out)
         if self._replays and not self.egress.active:     # (egress impairments: copies, their loss is theirs)
             self._judge_multicast()
         return m
@@ -269,8 +271,6 @@ class Switch:
         m2, dropped = self._repeat_tail(self.state, buf, n, m)
         self.tail_repeats += m2 - m + dropped
         self.tail_duplicates += dropped
-        if dropped:
-            self._replays = bool((self._tx_lens[:m2] < 0).any())
         return m2
 
     def stage_tx(self, m: int) -> None:

@@ -154,9 +154,8 @@ class SwitchProc(SwitchService):
 
 def run_stages(sw, pkts) -> int:
     """``pkts`` (bytes or uint8 arrays) as one burst in the receive ring of an in-process switch
-    (switch_model.pipeline.Switch), through its parse, aggregate and harvest stages and the tail copies' rule
-    (switch_model.tail), as its poll loop runs them: the number of transmissions planned (``sw.state.tx[:m]``)."""
-    from switch_model.tail import repeat_tail_results
+    (switch_model.pipeline.Switch), through its parse, aggregate and harvest stages, as its poll loop runs
+    them: the number of transmissions planned (``sw.state.tx[:m]``)."""
     buf, lens, n = sw.rx.buf, sw.rx.lens, len(pkts)
     for i, p in enumerate(pkts):
         p = np.frombuffer(p, np.uint8) if isinstance(p, (bytes, bytearray)) else p
@@ -164,8 +163,7 @@ def run_stages(sw, pkts) -> int:
         lens[i] = p.size
     sw.stage_parse(buf, lens, n)
     sw.stage_aggregate(buf, n)
-    m = sw.stage_harvest(buf, n)
-    return repeat_tail_results(sw.state, buf, n, m)[0] if m else 0
+    return sw.stage_harvest(buf, n)
 
 
 # ------------------------------------------------------------------------------------------------

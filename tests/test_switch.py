@@ -527,6 +527,29 @@ def test_a_second_tail_copy_is_neither_replayed_nor_counted_against_the_group(fl
         sw.sock.close()
 
 
+def test_the_group_is_judged_on_replays_left_after_the_tail_copies_rule():
+    """A replay harvest plans for a second TAIL copy is taken back (tail.py), and so is its count against the
+    group: the multicast judge must see the count after that, not before. Rank 0 is replayed 22 of the
+    window's 32 results (below FALLBACK_SHARE); the burst completing the 32nd round by TAIL copies also holds
+    rank 0's second copy, which would make it 23 (above) if the judge ran before the take-back."""
+    from switch_model.multicast import FALLBACK_SHARE
+    sw, info, model = _multicast_job_switch()
+    try:
+        values, window = np.arange(4), 32
+        replayed = int(FALLBACK_SHARE * window)                 # 22: one below the share
+        assert replayed < FALLBACK_SHARE * window <= replayed + 1
+        for c in range(window - 1):
+            assert run_stages(sw, [model.pkt(0, c, values), model.pkt(1, c, values)]) == 1
+            if c < replayed:
+                assert run_stages(sw, [_with_flags(model.pkt(0, c, values), int(Flag.RETRANSMIT))]) == 1
+        tail = [_with_flags(model.pkt(r, window - 1, values), int(Flag.TAIL)) for r in (0, 1, 0)]
+        assert run_stages(sw, tail) == 2                        # multicast twice; no replay of the copy
+        assert int(sw.state.delivered[info.addr_base]) == replayed
+        assert not sw.fallbacks and sw.state.jobs[11]["group_addr"] >= 0, sw.fallbacks
+    finally:
+        sw.sock.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # register overflow: saturate and flag, never wrap
 # ------------------------------------------------------------------------------------------------
