@@ -155,6 +155,15 @@ class Multicast:
                 self._restart(block, delivered)
         return out
 
+    def copies(self, addr) -> int:
+        """How many transmissions :meth:`expand` makes of these (a group send: one per worker of its job)."""
+        n = np.size(addr)
+        if not self.installed:
+            return n
+        addr = np.asarray(addr)
+        mc = addr >= self.first
+        return n + int(self.workers[addr[mc] - self.first].sum()) - int(np.count_nonzero(mc))
+
     def expand(self, rows, lens, addr, origin: bool = False):
         """(rows, lens, addr, number of multicasts replaced): the transmissions with each multicast replaced
         by a unicast copy per worker of its job, grouped by destination (each worker's entries keep their

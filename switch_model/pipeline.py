@@ -315,12 +315,13 @@ class Switch:
         lost goes out as the one multicast it is; only one that lost a copy goes as its surviving copies.
         Sending every group send as copies made the impairment path itself cost the 100 Mbit/s runs about
         1.16x at 1.7 M elements (4 sends a result: the switch's send CPU 78 -> 172 ms an allreduce)."""
-        x_rows, x_lens, x_addr, groups, origin = self.multicast.expand(rows, lens, addr, origin=True)
-        keep = self.egress.survivors(len(x_rows))
+        keep = self.egress.survivors(self.multicast.copies(addr))
         if keep is None:                                # nothing lost: every transmission as it is
             return self._send(buf, rows, lens, addr)
+        x_rows, x_lens, x_addr, _, origin = self.multicast.expand(rows, lens, addr, origin=True)
         if origin is None:                              # no group send: the copies are the transmissions
-            return self._send(buf, x_rows[keep], x_lens[keep], x_addr[keep])
+            return self._send(buf, np.asarray(rows)[keep], np.broadcast_to(lens, keep.shape)[keep],
+                              np.broadcast_to(addr, keep.shape)[keep])
         addr = np.asarray(addr)
         broken = np.zeros(addr.size, bool)
         broken[origin[~keep]] = True                    # transmissions that lost a copy
