@@ -394,10 +394,11 @@ class InaHookState:
         # the agreement rounds run on a store of their own (``agreement.Rounds``, as Horovod's: a round that
         # cannot complete raises on the rank that waited, and the next rounds pair up again): the hook starts one
         # per bucket without waiting (backward goes on), the lane waits for it; Gloo fallbacks run on the lane,
-        # on ``process_group``. Rank 0 sends the job id and the store's address through the process group.
+        # on a group of their own (:func:`_fallback_group`). Rank 0 sends the job id and the store's address through the process group.
         job, self.rounds = agreement.open_rounds(rank, size, self.config.timeout, self.config.switch[0],
                                                  self.config.job or new_job_id(), self._broadcast)
         self.fallbacks = FallbackLog(f"[ina rank {rank}] DDP comm hook:", announce=rank == 0)
+        self.fallback_group = _fallback_group(self.process_group, rank)
         self.lane = _Lane(self.config, rank, size, job)
         if rank == 0:
             log.info("[ina rank 0] DDP comm hook: %d ranks, job %d, %s", size, job, self.config.describe())
@@ -454,6 +455,22 @@ class InaHookState:
         raise TypeError("InaHookState holds a live switch connection and cannot be pickled")
 
 
+def _fallback_group(process_group, rank: int):
+    """The Gloo group the hook's fallbacks run on. They run on the lane, while backward's thread may issue DDP's
+    own collectives on ``process_group`` (with ``find_unused_parameters``, the used-parameter map's allreduce
+    after the last bucket): Gloo pairs a group's collectives by the order each rank issued them, so two threads
+    sharing one group could pair one rank's bucket with the other's map. A group of its own keeps the orders
+    apart. ``new_group`` is collective over every process of the job: when ``process_group`` spans fewer (each
+    subgroup's ranks create their hook state on their own), the fallbacks share it, with a warning."""
+    if process_group.size() == dist.get_world_size():
+        return dist.new_group(backend="gloo")
+    if rank == 0:
+        log.warning("[ina rank 0] DDP comm hook: the process group spans %d of %d processes; Gloo fallbacks share "
+                    "it with DDP's own collectives (with find_unused_parameters they may interleave)",
+                    process_group.size(), dist.get_world_size())
+    return process_group
+
+
 def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: average the bucket's gradients through the switch (Gloo for non-offloadable dtypes, NaN/Inf).
     Returns at once: the agreement round and the allreduce run on the lane while backward goes on."""
@@ -467,7 +484,7 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
             state.fallbacks.offloaded(1, buf.numel())
             return False
         state.fallbacks.fallback("DDP bucket", why, f"bucket {index}")
-        dist.all_reduce(buf, group=state.process_group)   # on the lane: the hook's thread issues no collective here
+        dist.all_reduce(buf, group=state.fallback_group)   # on the lane, on a group of its own (_fallback_group)
         buf.div_(state.size)
         return True
 

@@ -84,6 +84,40 @@ def hook():
 case("hook", hook)
 
 
+# the DDP hook with find_unused_parameters: DDP allreduces its used-parameter map from backward's thread while the
+# lane runs Gloo fallbacks (Inf on rank 1 every other step): the two never pair up wrongly, every step's gradients
+# are the same on both ranks
+class Unused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def hook_unused():
+    gloo = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = DDP(Unused(), process_group=gloo, find_unused_parameters=True, bucket_cap_mb=0.01)
+    state = InaHookState(process_group=gloo)
+    model.register_comm_hook(state, ina_allreduce_hook)
+    grads = []
+    for step in range(12):
+        model.zero_grad()
+        x = torch.ones(2, 64) * (r + 1) * (float("inf") if step % 2 and r == 1 else 1.0)
+        model(x).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in (model.module.a.weight, model.module.b.weight,
+                                                           model.module.a.bias, model.module.b.bias)]))
+    tensors["hook_unused"] = torch.stack(grads)
+    st = state.stats()
+    state.close()
+    return st
+
+
+case("hook_unused", hook_unused)
+
+
 # the DDP hook's agreement rounds after a round that cannot complete: rank 0 agrees on a bucket rank 1 never sends
 # (an error naming rank 1 within the hook's timeout); after it, DDP steps go through the switch with the right average
 def hook_rounds():

@@ -438,7 +438,16 @@ def test_horovod_wrapper_starts_a_switch(horovod_ready, tmp_path):
 
 
 # ---- Horovod's own test suite ----------------------------------------------------------------------------
-SUITE = ROOT.parent / "shared" / "horovod-tests"
+def _horovod_suite() -> Path:
+    """Horovod's own tests: ``INA_HOROVOD_TESTS`` if set, else ``shared/horovod-tests`` beside the repo or
+    beside one of its parent directories (a git worktree of the repo may sit deeper than the repo)."""
+    if os.environ.get("INA_HOROVOD_TESTS"):
+        return Path(os.environ["INA_HOROVOD_TESTS"])
+    found = [d / "shared" / "horovod-tests" for d in ROOT.parents if (d / "shared" / "horovod-tests").is_dir()]
+    return found[0] if found else ROOT.parent / "shared" / "horovod-tests"
+
+
+SUITE = _horovod_suite()
 SUITE_TIMEOUT = 900
 # Tests whose tolerance is below bfp32's rounding (docs/frameworks.md lists the error measured): with the
 # INA backend on and bfp32 they fail only in their value check, everything else passes as with Gloo.
@@ -452,7 +461,8 @@ def test_horovod_own_suite_with_bfp32(switch, horovod_ready, tmp_path):
     test of the barrier (rank 1's wall time against rank 0's 5 s sleep) runs a second time: it passes if
     either run passed on that rank. About 2.5 min."""
     if not (SUITE / "test_torch.py").exists():
-        pytest.fail(f"Horovod's suite not found at {SUITE} (expected ../shared/horovod-tests beside the repo)")
+        pytest.fail(f"Horovod's suite not found at {SUITE} (expected shared/horovod-tests beside the repo "
+                    f"or one of its parents, or INA_HOROVOD_TESTS)")
     run([PY, "-m", "gloo_patch.rendezvous_fix", "-np", "2", "-H", "localhost:2", "--gloo", PY,
          str(TESTS / "_fw_hvd_suite.py"), str(SUITE), str(tmp_path)], ina_env(switch, "bfp32"),
         "horovodrun -np 2 test_torch.py with INA (bfp32)", timeout=SUITE_TIMEOUT)
@@ -611,6 +621,12 @@ def test_ddp_contract(switch, tmp_path):
             "DDP bucket: NaN/Inf on some rank (Gloo propagates them)": 1}, hook
         assert torch.isfinite(ts[r]["hook.finite"]).all() and torch.isinf(ts[r]["hook.inf"]).all()
     assert torch.equal(ts[0]["hook.inf"], ts[1]["hook.inf"]) and torch.equal(ts[0]["hook.finite"], ts[1]["hook.finite"])
+    # find_unused_parameters: DDP's used-parameter map and the lane's Gloo fallbacks on groups of their own
+    unused = [c["hook_unused"] for c in res]
+    assert all(u["ok"] for u in unused), unused
+    assert all(u["result"]["fallback_calls"] >= 6 and u["result"]["offloaded_calls"] >= 6 for u in unused), unused
+    torch.testing.assert_close(ts[0]["hook_unused"], ts[1]["hook_unused"], rtol=0, atol=0, equal_nan=True)
+    assert torch.isfinite(ts[0]["hook_unused"][0::2]).all() and not torch.isfinite(ts[0]["hook_unused"][1::2]).all()
     # the hook's agreement rounds: a round rank 1 never reaches fails on rank 0 naming rank 1; after it, DDP steps
     # go through the switch with the right average (weights: mean of 2 and 4 per element; bias: 2)
     rounds = [c["hook_rounds"] for c in res]
