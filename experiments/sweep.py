@@ -351,8 +351,9 @@ def _delivery_label(args, st: dict) -> str:
         return "unicast copy per worker (--no-multicast)"
     label = "IP multicast to the job's group, replicated by the fabric's bridge"
     if any(st["losses"]) or args.switch_delay_ms:
-        label += ("; while the switch's egress impairments are on (loss, emulated delay) as a unicast copy per "
-                  "worker, each impaired on its own (each record's switch_counters: multicast_as_copies)")
+        label += ("; while the switch's egress impairments are on (loss, emulated delay) each worker's copy is "
+                  "impaired on its own: under loss alone a result that lost a copy goes as its surviving unicast "
+                  "copies, under delay or duplication every result (each record's switch_counters: multicast_as_copies)")
     return label
 
 

@@ -102,7 +102,7 @@ DROP_REASONS = tuple(v.name.lower() for v in Verdict)      # index = verdict; "o
 N_REASONS = len(DROP_REASONS)
 COUNTERS = DROP_REASONS + ("overflow", "harvested", "replays", "rx_packets", "rx_bytes", "tx_packets", "tx_bytes",
                            "aborts_sent", "multicast_results",     # results sent once, to their job's group
-                           "multicast_as_copies",   # group sends made a unicast copy per worker (egress impairments on)
+                           "multicast_as_copies",   # group sends made a unicast copy per worker (egress impairments: see pipeline)
                            "multicast_fallbacks")   # jobs sent unicast copies after their group failed (multicast.py)
 C = {name: i for i, name in enumerate(COUNTERS)}
 C_OVERFLOW, C_HARVESTED, C_REPLAYS, C_MULTICAST = C["overflow"], C["harvested"], C["replays"], C["multicast_results"]

@@ -259,6 +259,24 @@ class Impairment:
             return buf, rows[go], lens[go], tags[go]    # drops and duplicates: the same rows, no copy
         return self._assemble(buf, rows[go], lens[go], tags[go], due, limit, now)
 
+    @property
+    def loss_only(self) -> bool:
+        """Loss alone is configured and nothing is held: a packet is dropped or goes on now (:meth:`survivors`)."""
+        return self._on and self.config.loss_only and not self.held.n
+
+    def survivors(self, n: int) -> np.ndarray | None:
+        """Draw the fates of the next ``n`` packets, as :meth:`apply` would (the same stream of uniforms), when
+        :attr:`loss_only`: the mask of those that go on, None when all do; the dropped ones are counted. For a
+        caller that sends something other than the packets themselves when none is lost (the egress: a group
+        send in place of its per-worker copies)."""
+        u = self._draw(n) if n else None
+        if u is None:
+            return None
+        keep = u[:, 0] >= self.config.loss
+        k = int(np.count_nonzero(keep))
+        self.dropped += n - k
+        return None if k == n else keep
+
     def _drop(self, buf, rows, lens, tags, keep, limit: int, gather: bool) -> tuple | None:
         """Loss alone, nothing held: the survivors (``keep``) without a copy of them. ``gather``: the burst
         is rows 0..n-1 of ``buf``, whose gaps close in place (``close_gaps``), the result a view of its

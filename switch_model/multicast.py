@@ -155,16 +155,26 @@ class Multicast:
                 self._restart(block, delivered)
         return out
 
-    def expand(self, rows, lens, addr):
+    def copies(self, addr) -> int:
+        """How many transmissions :meth:`expand` makes of these (a group send: one per worker of its job)."""
+        n = np.size(addr)
+        if not self.installed:
+            return n
+        addr = np.asarray(addr)
+        mc = addr >= self.first
+        return n + int(self.workers[addr[mc] - self.first].sum()) - int(np.count_nonzero(mc))
+
+    def expand(self, rows, lens, addr, origin: bool = False):
         """(rows, lens, addr, number of multicasts replaced): the transmissions with each multicast replaced
         by a unicast copy per worker of its job, grouped by destination (each worker's entries keep their
-        order)."""
+        order). ``origin``: a fifth element, the index of each copy's transmission in ``rows`` (None when
+        nothing was replaced: then each is its own)."""
         if not self.installed:                          # (a Python int: no array work per burst)
-            return rows, lens, addr, 0
+            return (rows, lens, addr, 0, None) if origin else (rows, lens, addr, 0)
         addr = np.asarray(addr)
         mc = addr >= self.first
         if not mc.any():
-            return rows, lens, addr, 0
+            return (rows, lens, addr, 0, None) if origin else (rows, lens, addr, 0)
         blocks = addr[mc] - self.first
         counts = self.workers[blocks]
         reps = np.where(mc, 0, 1)
@@ -175,4 +185,5 @@ class Multicast:
         offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         addr2[pos] = np.repeat(blocks, counts) * MAX_WORKERS + offset
         order = np.argsort(addr2, kind="stable")
-        return rows2[order], lens2[order], addr2[order], int(blocks.size)
+        out = rows2[order], lens2[order], addr2[order], int(blocks.size)
+        return (*out, np.repeat(np.arange(addr.size), reps)[order]) if origin else out

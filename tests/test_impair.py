@@ -159,3 +159,19 @@ def test_a_real_switch_releases_held_packets_when_due_not_a_kernel_tick_later(tm
     assert exact == [40, 40]
     assert imp["released"] >= 2 * 2 * 40, imp          # a negotiation and a data packet per rank and allreduce
     assert imp["released_late"] < imp["released"] / 2, imp
+
+
+def test_survivors_draws_the_fates_apply_would():
+    """The egress keeps a group send whole when none of its per-worker copies is lost (``survivors``): the
+    same seeded stream of fates as ``apply`` on the copies themselves, so a run drops the same copies."""
+    cfg = ImpairmentConfig(loss=0.05, seed=9)
+    a, b = Impairment(cfg, width=WIDTH), Impairment(cfg, width=WIDTH)
+    whole = 0
+    for buf, rows, lens, tags in _bursts(200):
+        keep = a.survivors(BURST)
+        out = b.apply(buf, rows, lens, tags, 0.0, 1 << 30, gather=False)
+        expect = rows if keep is None else rows[keep]
+        assert np.array_equal(out[1], expect)
+        whole += keep is None
+    assert a.dropped == b.dropped > 0 and 0 < whole < 200
+    assert a.loss_only and not Impairment(ImpairmentConfig(loss=0.05, duplicate=0.01), width=WIDTH).loss_only

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import zlib
 import time
 from dataclasses import dataclass
@@ -205,6 +206,103 @@ def qdisc_stats(q) -> dict:
     if queue:
         out["drops"], out["backlog"], out["overlimits"] = queue["drops"], queue["backlog"], queue["overlimits"]
     return out
+
+
+class QdiscCounterReader:
+    """The counters of one link's root qdisc, read cheaply and often (tens of microseconds a read).
+
+    pyroute2 dumps every qdisc of the namespace and decodes each message attribute by attribute in
+    Python: 1-2 ms a read, longer than the time in which a 1 gbit link sends 100 frames. This
+    sends one ``RTM_GETQDISC`` for the root qdisc of ``ifindex`` on its own NETLINK_ROUTE socket
+    (opened in namespace ``netns``; None: the caller's) and picks the two statistics structures out
+    of the reply. :meth:`read` returns the same keys as :func:`qdisc_stats`.
+    """
+
+    _NLMSG = struct.Struct("=IHHII")       # nlmsghdr: len, type, flags, seq, pid
+    _TCMSG = struct.Struct("=BxxxiIII")    # tcmsg: family, ifindex, handle, parent, info
+    _NLA = struct.Struct("=HH")            # nlattr: len, type
+    RTM_NEWQDISC, RTM_GETQDISC, NLMSG_ERROR = 36, 38, 2
+    NLM_F_REQUEST_ECHO = 0x1 | 0x8         # the answer to a get is a notification: echo it to us
+    TCA_STATS2, TCA_STATS_BASIC, TCA_STATS_QUEUE = 7, 1, 3
+    TIMEOUT = 5.0                          # seconds the kernel may take to answer
+
+    def __init__(self, netns: str | None, ifindex: int):
+        self.ifindex = ifindex
+        self.seq = 0
+        if netns is None:
+            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+        else:
+            # a socket belongs to the namespace its creator was in: enter it for the socket() call
+            # only (setns of CLONE_NEWNET moves the calling thread alone) and come back
+            home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            target = os.open(nsexec.netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                nsexec.setns(target)
+                try:
+                    self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+                finally:
+                    nsexec.setns(home)
+            finally:
+                os.close(target)
+                os.close(home)
+        self.sock.bind((0, 0))
+        self.sock.settimeout(self.TIMEOUT)
+        self.buf = bytearray(1 << 16)
+
+    def read(self) -> dict:
+        self.seq += 1
+        req = self._NLMSG.pack(self._NLMSG.size + self._TCMSG.size, self.RTM_GETQDISC,
+                                self.NLM_F_REQUEST_ECHO, self.seq, 0) \
+            + self._TCMSG.pack(0, self.ifindex, 0, TC_H_ROOT, 0)
+        self.sock.send(req)
+        while True:
+            try:
+                n = self.sock.recv_into(self.buf)
+            except socket.timeout:
+                raise TopologyError(f"netlink: no answer within {self.TIMEOUT}s reading the root qdisc "
+                                    f"of ifindex {self.ifindex}") from None
+            off = 0
+            while off + self._NLMSG.size <= n:
+                length, kind, _, seq, _ = self._NLMSG.unpack_from(self.buf, off)
+                if length < self._NLMSG.size:
+                    raise TopologyError(f"netlink: malformed message of {length} bytes reading the "
+                                        f"qdisc of ifindex {self.ifindex}")
+                if seq == self.seq:
+                    if kind == self.NLMSG_ERROR:
+                        code = -struct.unpack_from("=i", self.buf, off + self._NLMSG.size)[0]
+                        raise OSError(code, f"netlink RTM_GETQDISC of the root qdisc of ifindex "
+                                            f"{self.ifindex}: {os.strerror(code)}")
+                    if kind == self.RTM_NEWQDISC:
+                        return self._stats(off + self._NLMSG.size + self._TCMSG.size, off + length)
+                off += (length + 3) & ~3
+
+    def _attrs(self, start: int, end: int):
+        while start + 4 <= end:
+            length, kind = self._NLA.unpack_from(self.buf, start)
+            if length < 4:
+                break
+            yield kind & 0x3FFF, start + 4, start + length
+            start += (length + 3) & ~3
+
+    def _stats(self, start: int, end: int) -> dict:
+        out = {"drops": 0, "backlog": 0, "bytes": 0, "packets": 0, "overlimits": 0}
+        for kind, a, b in self._attrs(start, end):
+            if kind == self.TCA_STATS2:
+                for sub, c, _ in self._attrs(a, b):
+                    if sub == self.TCA_STATS_BASIC:
+                        out["bytes"], out["packets"] = struct.unpack_from("=QI", self.buf, c)
+                    elif sub == self.TCA_STATS_QUEUE:
+                        _, out["backlog"], out["drops"], _, out["overlimits"] = struct.unpack_from("=5I", self.buf, c)
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def tbf_of(q) -> TbfParams | None:
