@@ -25,7 +25,9 @@ which on a loaded machine is the scheduler's, several ms, whatever the timeout) 
 telling a resending rank which contributions a round misses (every rank already resends at the same
 moment; it would save packets, not time).
 
-Four rules, in the order a lost chunk meets them:
+Four rules, in the order a lost chunk meets them ("chunks sent after it" are always chunks the same
+switch shard serves: each shard answers in order, two shards' results interleave however their
+processes run):
 
 1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived; at the
    stream's end, with every chunk sent and fewer than 4 outstanding in the chunk's switch shard, one

@@ -25,6 +25,9 @@ from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, Flag, PayloadType, header_view, p
                    slot_of_chunk)
 
 _NO_ROWS = np.zeros(0, np.int64)
+# a resend's flags: GROUP_SEEN while results reach this rank by the multicast group (the switch then does
+# not count the resend's replay against the group: switch_model.harvest.counts_against_group)
+_RESEND, _RESEND_GROUP_SEEN = int(Flag.RETRANSMIT), int(Flag.RETRANSMIT | Flag.GROUP_SEEN)
 
 
 class Transfer:
@@ -68,7 +71,7 @@ class Transfer:
         # without REPLAY, in this stream or the client's last one): their replays then do not count against the
         # group (ina.wire.Flag). A stream whose results all came as replays clears it for the next.
         self.group_results = 0
-        self.resend_flags = int(Flag.RETRANSMIT | (Flag.GROUP_SEEN if cl.group_seen else 0))
+        self.resend_flags = _RESEND_GROUP_SEEN if cl.group_seen else _RESEND
         self.tail_copy = tail_copy_wanted(bool(sparse), bool(E), n_chunks, cl.tail_copy_from)
         # the results' arrival spacing, for coalescing and the loss timers; until it settles, the timers use the
         # last stream's of the same packet sizes (the link does not change from allreduce to allreduce)
@@ -173,7 +176,7 @@ class Transfer:
         stats.bytes_received += nbytes
         if fresh > n_rep and cl.multicast:
             self.group_results += fresh - n_rep
-            self.resend_flags = int(Flag.RETRANSMIT | Flag.GROUP_SEEN)
+            self.resend_flags = _RESEND_GROUP_SEEN
         if abort >= 0:
             why = lifetime.abort_reason(cl.ctl, cl.job, int(header_view(buf[abort:abort + 1])["rank"][0]))
             raise AllreduceError(f"job {cl.job} was aborted by the switch: {why}; "
