@@ -28,8 +28,8 @@ moment; it would save packets, not time).
 Four rules, in the order a lost chunk meets them:
 
 1. **duplicate threshold**: results of ``DUPTHRESH`` (3) chunks sent after it arrived; at the
-   stream's end, with every chunk sent and fewer than 4 outstanding, one less than the outstanding
-   count (early retransmit, RFC 5827: a loss among the last chunks needs no probe);
+   stream's end, with every chunk sent and fewer than 4 outstanding in the chunk's switch shard, one
+   less than that count (early retransmit, RFC 5827: a loss among the last chunks needs no probe);
 2. **reordering window** (RACK-style): results of at least one chunk sent after it arrived, and it
    has been out for longer than ``1.25 x srtt + 2 x rttvar + REO_FLOOR``: a late chunk, not a
    reordered one.
@@ -175,7 +175,7 @@ class LossDetector:
         if not probe_due and now - self.last_arrival <= min(rto, max_rto) and not self.later[pending].any():
             return none, none, none       # no evidence, no silence: the common turn
         kind = self._kind[:pending.size]
-        if not RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.unsent,
+        if not RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.lane, self.unsent,
                             np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
                             probe_due, self.last_arrival, kind):
             return none, none, none

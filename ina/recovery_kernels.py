@@ -89,26 +89,29 @@ def reordering_window(srtt, rttvar):
 
 
 @njit(cache=True)
-def duplicate_threshold(pending, later, seq, unsent):
-    """DUPTHRESH, or less at the stream's end (early retransmit, RFC 5827): once every chunk went out
-    (``unsent`` 0) and fewer than DUPTHRESH + 1 are outstanding (the pending chunks and the results
-    that came after the oldest), one less than that many."""
+def duplicate_threshold(q, pending, later, seq, lane, unsent):
+    """Rule 1's count for ``pending[q]``: DUPTHRESH, or less at the stream's end (early retransmit,
+    RFC 5827): once every chunk went out (``unsent`` 0) and fewer than DUPTHRESH + 1 of its lane are
+    outstanding (the lane's pending chunks and the results that came after its oldest), one less than
+    that many. Per lane, as ``later`` counts (count_later): another shard's chunks are no evidence."""
     if unsent:
         return DUPTHRESH
-    oldest = pending[0]
-    for q in range(1, pending.size):
-        if seq[pending[q]] < seq[oldest]:
-            oldest = pending[q]
-    return max(1, min(DUPTHRESH, pending.size + later[oldest] - 1))
+    mine, oldest, outstanding = lane[pending[q]], -1, 0
+    for i in range(pending.size):
+        c = pending[i]
+        if lane[c] == mine:
+            outstanding += 1
+            if oldest < 0 or seq[c] < seq[oldest]:
+                oldest = c
+    return max(1, min(DUPTHRESH, outstanding + later[oldest] - 1))
 
 
 @njit(cache=True)
-def find_lost(pending, now, sent_at, seq, later, tries, unsent, srtt, rttvar, rto, max_rto, pto, probe_due,
+def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttvar, rto, max_rto, pto, probe_due,
               last_arrival, kind):
     """Rules 1 to 4 of ina.recovery over the ``pending`` chunks in one pass: ``kind[q]`` of
     ``pending[q]`` becomes NONE, FAST, PROBE or TIMEOUT. ``srtt``, ``pto``: NaN when unknown;
     ``probe_due``: the probe timer fired. Returns whether any chunk was found lost."""
-    thr = duplicate_threshold(pending, later, seq, unsent)
     window = reordering_window(srtt, rttvar) if srtt == srtt else np.nan
     silence = now - last_arrival
     found = False
@@ -117,7 +120,7 @@ def find_lost(pending, now, sent_at, seq, later, tries, unsent, srtt, rttvar, rt
         p = pending[q]
         age = now - sent_at[p]
         backoff = 2.0 ** tries[p]
-        fast = later[p] >= thr
+        fast = later[p] > 0 and later[p] >= duplicate_threshold(q, pending, later, seq, lane, unsent)
         if window == window:
             fast = fast or (later[p] > 0 and age > window)
             # a resent chunk's result may be late because a peer has yet to resend its own packet (every

@@ -62,6 +62,18 @@ def test_a_sharded_switchs_interleaved_results_are_no_evidence_across_shards():
     assert fast.tolist() == [1, 3]
 
 
+def test_early_retransmit_counts_the_outstanding_chunks_of_the_lost_chunks_shard():
+    """At a stream's end with two shards (chunk c served by shard c % 2): shard 0 has chunk 0 pending and
+    chunk 2's result back, 2 outstanding, so one later result of its own shard marks chunk 0 lost, whatever
+    shard 1 still has out; in one shard the same results are 4 outstanding, below the threshold."""
+    for lanes, lost in ((np.arange(4) % 2, [0]), (None, [])):
+        ld = LossDetector(4, lanes=lanes)
+        ld.sent(np.arange(4), now=0.0)
+        ld.delivered(np.array([2]), np.array([0, 1, 3]), now=1e-4)
+        fast, _, _ = ld.lost(np.array([0, 1, 3]), now=1e-4, srtt=None, rto=1.0, max_rto=1.0)
+        assert fast.tolist() == lost, lanes
+
+
 def test_a_chunk_resent_later_is_not_counted_against_by_older_results():
     ld = LossDetector(6)
     ld.sent(np.arange(6), now=0.0)
