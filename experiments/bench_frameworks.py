@@ -13,6 +13,9 @@ time (forward, backward, optimizer step with its allreduces) and its ratio to Gl
 With ``--rate`` every rank runs in its own network namespace (``ina.net.Topology``,
 ``gloo_patch.netns_rank``) behind a shaped link, the switch in host ``sw``: Gloo's traffic and the INA
 traffic both cross those links (emulated with tbf/htb; loopback has no shaping).
+``--interleave`` (DDP): the INA run alternates its steps with Gloo's allreduce (DDP's default, as a hook) in the
+same processes, pair by pair, so that the ratio is paired step by step; on a shared machine the ratio of two
+separate runs moves by tens of per cent with the load (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -78,6 +81,43 @@ def timed_steps(model, opt, x, y, warmup: int, steps: int, windows: list | None 
     return times
 
 
+def interleaving_hook(ina_hook, mode: dict):
+    """DDP's comm hook for ``--interleave``: ``ina_hook`` while ``mode["ina"]``, else Gloo's allreduce of the bucket
+    (DDP's default, as a hook) on the default group; every rank switches at the same step."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: PLC0415
+
+    group = dist.distributed_c10d._get_default_group()
+
+    def hook(state, bucket):
+        return ina_hook(state, bucket) if mode["ina"] else allreduce_hook(group, bucket)
+    return hook
+
+
+def interleaved_steps(model, opt, x, y, warmup: int, steps: int, mode: dict, windows: list, on_timed):
+    """``steps`` pairs of steps, one through the INA hook and one through Gloo (``mode``: the hook's switch, see
+    :func:`interleaving_hook`), their order alternating from pair to pair: (INA step times, Gloo step times),
+    pair by pair; ``windows`` gets the INA steps' (start, end)."""
+    ina, gloo = [], []
+    for i in range(warmup + steps):
+        if i == warmup:
+            on_timed()
+        for use_ina in (True, False) if i % 2 == 0 else (False, True):
+            mode["ina"] = use_ina
+            t = timed_steps(model, opt, x, y, 0, 1, windows if use_ina and i >= warmup else None)[0]
+            if i >= warmup:
+                (ina if use_ina else gloo).append(t)
+    return ina, gloo
+
+
+def interleaved_summary(ina: list[float], gloo: list[float]) -> dict:
+    """The INA step over the Gloo step of the same pair: median and quartiles over the pairs."""
+    r = sorted(a / b for a, b in zip(ina, gloo))
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else r * 3
+    return {"pairs": len(r), "ina_median_s": statistics.median(ina), "gloo_median_s": statistics.median(gloo),
+            "ratio_median": statistics.median(r), "ratio_q25": q[0], "ratio_q75": q[2]}
+
+
 def overlap(timeline, windows) -> dict:
     """How much of the switch time ran during backward. Per step: the buckets submitted in the step; the
     last submission is when backward's last gradient was ready (the end of its compute); the switch time
@@ -122,6 +162,8 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
 
     torch.set_num_threads(1)
     model = make_net()
+    # --interleave: DDP's steps alternate between the INA hook and Gloo's allreduce, pair by pair
+    interleave, mode = kind == "ddp-ina" and os.environ.get("BENCH_INTERLEAVE") == "1", {"ina": True}
     if kind == "horovod":
         import horovod.torch as hvd  # noqa: PLC0415
 
@@ -143,7 +185,8 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
             from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook  # noqa: PLC0415
             hook = InaHookState()
             hook.lane.client.record_timeline = True      # the codec's encode/decode time per bucket
-            model.register_comm_hook(hook, ina_allreduce_hook)
+            model.register_comm_hook(hook, interleaving_hook(ina_allreduce_hook, mode) if interleave
+                                     else ina_allreduce_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = batch(rank)
     windows: list = []
@@ -159,15 +202,21 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
         before["threads"] = thread_cpu.snapshot()
         if switch_pid:
             before["switch"] = thread_cpu.snapshot(int(switch_pid))
-    times = timed_steps(model, opt, x, y, warmup, steps, windows, on_timed)
+    if interleave:
+        times, gloo_times = interleaved_steps(model, opt, x, y, warmup, steps, mode, windows, on_timed)
+    else:
+        times, gloo_times = timed_steps(model, opt, x, y, warmup, steps, windows, on_timed), None
     # where the CPU went during the timed steps, per thread of this rank (and of the switch): run and wait for a core
-    threads = thread_cpu.per_step(thread_cpu.since(before["threads"]), steps, 1e-4)
+    run = 2 * steps if interleave else steps      # steps run (interleaved: both steps of each pair)
+    threads = thread_cpu.per_step(thread_cpu.since(before["threads"]), run, 1e-4)
     Path(out).with_name(f"threads-r{rank}.json").write_text(json.dumps(threads))
     if rank == 0:
         n_tensors = sum(1 for _ in model.parameters())
         n_params = sum(p.numel() for p in model.parameters())
         res = {"median_s": statistics.median(times), "mean_s": statistics.mean(times), "steps": steps,
                "tensors": n_tensors, "params": n_params}
+        if gloo_times is not None:
+            res["interleaved"] = interleaved_summary(times, gloo_times)
         if kind == "ddp-ina":
             res["overlap"] = overlap(hook.timeline(), windows)
             res["client"] = hook.stats()["client"]
@@ -178,7 +227,7 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
             if "timeline" in st:
                 res["overlap"] = overlap(st["timeline"], windows)
         if switch_pid:
-            res["switch_threads"] = thread_cpu.per_step(thread_cpu.since(before["switch"]), steps, 1e-4)
+            res["switch_threads"] = thread_cpu.per_step(thread_cpu.since(before["switch"]), run, 1e-4)
         Path(out).write_text(json.dumps(res))
     if kind != "horovod":
         ddp_shutdown(hook)
@@ -221,6 +270,8 @@ def run_config(kind: str, codec: str | None, switch: str | None, topo, a, switch
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if switch_pid is not None and codec is not None:     # rank 0 reads the switch's CPU over the timed steps
         env["BENCH_SWITCH_PID"] = str(switch_pid)
+    if getattr(a, "interleave", False) and kind == "ddp-ina":
+        env["BENCH_INTERLEAVE"] = "1"
     if codec is not None:   # "nc" or "nc@<bucket bytes>" (Horovod's INA_BUCKET_BYTES; 0: no overlap); "gloo@N": DDP, no INA
         codec, _, bucket = codec.partition("@")
         if codec != "gloo":
@@ -338,6 +389,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--interleave", action="store_true",
+                    help="DDP with INA: the steps alternate between the INA hook and Gloo's allreduce in one run "
+                         "(pairs of steps, the order alternating; row 'interleaved': the per-pair ratio's median and "
+                         "quartiles), a paired ratio on a loaded machine")
     ap.add_argument("--worker", choices=("horovod", "ddp", "ddp-ina"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -368,6 +423,10 @@ def main(argv=None) -> int:
                     ratio = r["median_s"] / base["median_s"]
                     results["runs"].append({"framework": fw, "codec": codec, **r, "ratio_to_gloo": ratio,
                                             "speedup_vs_gloo": 1 / ratio, "meets_target": meets(ratio, a.rate)})
+                    if not a.json and "interleaved" in r:
+                        iv = r["interleaved"]
+                        print(f"{fw:8s} {codec:6s} interleaved with Gloo: {iv['ratio_median']:.3f}x Gloo's step "
+                              f"(quartiles {iv['ratio_q25']:.3f}-{iv['ratio_q75']:.3f}, {iv['pairs']} pairs)", flush=True)
                     if not a.json:
                         print(f"{fw:8s} {codec:6s} {r['median_s'] * 1e3:7.1f} ms/step (load {os.getloadavg()[0]:.1f}) "
                               f"{ratio:.2f}x Gloo's time ({base['median_s'] * 1e3:.1f} ms; target {target(a.rate)}: "
