@@ -247,7 +247,7 @@ class Switch:
         if m:
             m = self._repeat_tail_results(buf, n, m)
         self._replays = self.counters[C_REPLAYS] != r0     # (tail.py takes back the replays it leaves out)
-        if self._replays and not self.egress.active:     # (egress impairments: copies, their loss is theirs)
+        if self._replays and not self.egress.active:     # (egress impairments: a lost copy is theirs)
             self._judge_multicast()
         return m
 
