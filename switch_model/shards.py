@@ -86,6 +86,16 @@ def _shard_main(cfg: SwitchConfig, shard: int, conn, log_level: str) -> None:
     sw.stop()
 
 
+SHARD_SEED_STEP = 1_000_003     # between the shards' impairment seeds (the ingress and egress seeds differ by 1)
+
+
+def shard_config(cfg: SwitchConfig, port: int, k: int) -> SwitchConfig:
+    """Shard k's configuration: port ``port + k``, and impairments drawn from seeds of its own (the same
+    seed in every shard would drop, copy and hold each shard's n-th packet alike)."""
+    return replace(cfg, port=port + k, ingress=replace(cfg.ingress, seed=cfg.ingress.seed + SHARD_SEED_STEP * k),
+                   egress=replace(cfg.egress, seed=cfg.egress.seed + SHARD_SEED_STEP * k))
+
+
 class ShardGroup:
     """Shard 0 (in this process) plus N-1 shard processes, behind the single-switch interface."""
 
@@ -103,7 +113,7 @@ class ShardGroup:
         ctx = mp.get_context("spawn")
         for k in range(1, cores):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_shard_main, args=(replace(cfg, port=self.port + k), k, child, log_level),
+            p = ctx.Process(target=_shard_main, args=(shard_config(cfg, self.port, k), k, child, log_level),
                             name=f"ina-switch-shard{k}", daemon=True)
             p.start()
             self._conns.append(parent)

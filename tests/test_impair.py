@@ -80,6 +80,19 @@ def test_the_same_seed_drops_the_same_packets_and_another_seed_others():
     assert [g[0] for g in a] != [g[0] for g in c]
 
 
+def test_each_switch_shard_draws_its_own_fates():
+    """A switch sharded over cores: each shard's impairments come from a seed of its own (the same seed
+    would drop each shard's n-th packet alike), and a shard's fates are the same from run to run."""
+    from switch_model.pipeline import SwitchConfig
+    from switch_model.shards import shard_config
+    cfg = SwitchConfig(ingress=ImpairmentConfig(loss=0.05, seed=4), egress=ImpairmentConfig(loss=0.05, seed=5))
+    shards = [cfg] + [shard_config(cfg, 9000, k) for k in (1, 2)]
+    for d in ("ingress", "egress"):
+        drops = [[g[0] for g in _run(getattr(c, d), 50)[1]] for c in shards]
+        assert len({tuple(x) for x in drops}) == 3, (d, drops)
+        assert drops[1] == [g[0] for g in _run(getattr(shard_config(cfg, 9000, 1), d), 50)[1]]
+
+
 @pytest.mark.parametrize("gather", [True, False])
 def test_loss_alone_delivers_the_survivors_intact_in_order(gather):
     """Loss alone takes the path without a copy (the ingress closes the gaps in the receive ring, the
