@@ -449,6 +449,9 @@ class InaHookState:
     def close(self) -> None:
         self.lane.close()
         self.rounds.close()
+        if self.fallback_group is not self.process_group:     # its Gloo threads and connections
+            dist.destroy_process_group(self.fallback_group)
+        self.fallback_group = None
 
     # DDP pickles hook state when it checkpoints; this state holds sockets and threads
     def __getstate__(self):
@@ -460,10 +463,15 @@ def _fallback_group(process_group, rank: int):
     own collectives on ``process_group`` (with ``find_unused_parameters``, the used-parameter map's allreduce
     after the last bucket): Gloo pairs a group's collectives by the order each rank issued them, so two threads
     sharing one group could pair one rank's bucket with the other's map. A group of its own keeps the orders
-    apart. ``new_group`` is collective over every process of the job: when ``process_group`` spans fewer (each
-    subgroup's ranks create their hook state on their own), the fallbacks share it, with a warning."""
+    apart. It waits as long as ``process_group`` would; :meth:`InaHookState.close` destroys it. ``new_group`` is
+    collective over every process of the job: when ``process_group`` spans fewer (each subgroup's ranks create
+    their hook state on their own), the fallbacks share it, with a warning."""
     if process_group.size() == dist.get_world_size():
-        return dist.new_group(backend="gloo")
+        try:      # the hook's process group's timeout (new_group's default is torch's 30 minutes)
+            timeout = process_group._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):
+            timeout = None
+        return dist.new_group(backend="gloo", timeout=timeout)
     if rank == 0:
         log.warning("[ina rank 0] DDP comm hook: the process group spans %d of %d processes; Gloo fallbacks share "
                     "it with DDP's own collectives (with find_unused_parameters they may interleave)",

@@ -77,6 +77,7 @@ def hook():
     model(x * (float("inf") if r == 1 else 1.0)).sum().backward()
     tensors["hook.finite"], tensors["hook.inf"] = finite, model.module.weight.grad.clone()
     st = state.stats()
+    del model                     # its reducer holds the group (ddp_exit)
     state.close()
     return st
 
@@ -111,6 +112,7 @@ def hook_unused():
                                                            model.module.a.bias, model.module.b.bias)]))
     tensors["hook_unused"] = torch.stack(grads)
     st = state.stats()
+    del model
     state.close()
     return st
 

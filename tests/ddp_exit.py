@@ -13,6 +13,7 @@ drops the last reference to the group, and two things keep the group alive:
 
 :func:`end` destroys the group and prints how many Gloo worker threads are left (the tests assert 0).
 """
+import gc
 import os
 
 import torch._dynamo  # noqa: F401 - before init_process_group, see above
@@ -36,5 +37,6 @@ def gloo_threads() -> int:
 def end() -> None:
     """Destroy every process group (each rank past its last collective: call after a barrier) and
     report the Gloo worker threads left."""
+    gc.collect()                  # DDP models and their groups in reference cycles (a reducer holds its group)
     dist.destroy_process_group()
     print(LEFT, gloo_threads(), flush=True)

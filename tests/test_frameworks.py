@@ -626,7 +626,8 @@ def test_ddp_contract(switch, tmp_path):
     assert all(u["ok"] for u in unused), unused
     assert all(u["result"]["fallback_calls"] >= 6 and u["result"]["offloaded_calls"] >= 6 for u in unused), unused
     torch.testing.assert_close(ts[0]["hook_unused"], ts[1]["hook_unused"], rtol=0, atol=0, equal_nan=True)
-    assert torch.isfinite(ts[0]["hook_unused"][0::2]).all() and not torch.isfinite(ts[0]["hook_unused"][1::2]).all()
+    steps = ts[0]["hook_unused"]
+    assert torch.isfinite(steps[0::2]).all() and (~torch.isfinite(steps[1::2])).any(dim=1).all(), steps
     # the hook's agreement rounds: a round rank 1 never reaches fails on rank 0 naming rank 1; after it, DDP steps
     # go through the switch with the right average (weights: mean of 2 and 4 per element; bias: 2)
     rounds = [c["hook_rounds"] for c in res]
