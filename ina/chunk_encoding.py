@@ -122,10 +122,15 @@ class FirstWindow:
     def __init__(self, c, x32: np.ndarray, guess, elements: int, slots: int, ring: np.ndarray | None = None,
                  timeline=None):
         self.c, self.x32, self.guess, self.E, self.ring, self.tl = c, x32, guess, elements, ring, timeline
-        self.chunks = min(slots, max(1, math.ceil(x32.size / elements)))
+        self.chunks = self.window_chunks(x32.size, elements, slots)
         self.codes: np.ndarray | None = None
         self.ready = 0              # ring form: chunks 0 .. ready - 1 are encoded in their rows
         self.encoded = False
+
+    @staticmethod
+    def window_chunks(n: int, elements: int, slots: int) -> int:
+        """How many chunks the first window of an ``n``-element stream has (the ring rows it needs)."""
+        return min(slots, max(1, math.ceil(n / elements)))
 
     def encode(self, arrived=None) -> None:
         """Encode the window under the guess, the ring form in pieces until ``arrived()`` (None: all of it).

@@ -249,8 +249,8 @@ class Client(Worker):
         """The first data window, to be encoded under ``guess`` while the negotiation is out."""
         ring = None
         if c.encodes_rows:             # straight into the rows of the ring the data stream will use
-            ring = self.rings.stream(min(self.slots, math.ceil(x32.size / self.elements)), self.job, self.rank,
-                                     c.wire_id, c.uplink_type(guess), self.elements)
+            ring = self.rings.stream(chunk_encoding.FirstWindow.window_chunks(x32.size, self.elements, self.slots),
+                                     self.job, self.rank, c.wire_id, c.uplink_type(guess), self.elements)
         return chunk_encoding.FirstWindow(c, x32, guess, self.elements, self.slots, ring, self._timeline)
 
     def _packet_waiting(self) -> bool:

@@ -66,7 +66,7 @@ class Transfer:
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
         self.max_sent = -1
-        self.timed = True             # its round trips are samples (not with run(meanwhile))
+        self.timed = True             # its round trips are srtt samples (not with run(meanwhile))
         # resends say RETRANSMIT, and GROUP_SEEN while results come by the job's multicast group (a fresh result
         # without REPLAY, in this stream or the client's last one): their replays then do not count against the
         # group (ina.wire.Flag). A stream whose results all came as replays clears it for the next.
@@ -210,12 +210,13 @@ class Transfer:
         if n_rep:                                 # resends the switch answered with a replay, by rule
             ld.count_replayed(jj[replayed], self.cl.stats)
         samples, fastest, median, _ = rtts        # Karn: no samples from retransmitted chunks
-        if samples and self.timed:
+        if samples:
             # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
-            # is at most that long (so the tail probe has a bound from the first allreduce on); none from
-            # a round whose wait ran other work first (``run(meanwhile)``: the encoding would count)
+            # is at most that long, so the tail probe has a bound from the first allreduce on; a round
+            # whose wait ran other work first (``run(meanwhile)``) counts that work too: still a bound,
+            # which the data stream's first results replace
             self.cl.rtt_min = min(self.cl.rtt_min, fastest)
-            if self.E:    # the median
+            if self.E and self.timed:    # the median
                 self.cl.rtt_sample(median)
         ld.arrived(now)                           # (its count of later results ran in SK.take_burst)
         self.n_done += fresh

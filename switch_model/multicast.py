@@ -11,8 +11,9 @@ whose shaping queue (the worker's download) sees each copy. A job's results go t
 * the switch reaches every worker through one local address, the socket's multicast interface;
 
 otherwise, and for the replay of one worker's lost result, each worker gets its own unicast copy. While
-egress impairments are on, a multicast is sent as unicast copies (each worker's copy is lost or delayed
-on its own, as on its own link).
+egress impairments are on, each worker's copy is impaired on its own, as on its own link: under loss
+alone a result none of whose copies is lost still goes as one multicast, one that lost a copy as its
+surviving unicast copies; with delay, duplication or reordering every result goes as unicast copies.
 
 **When the group's packets do not arrive.** A worker that joined may still never get the group's packets
 (a fabric without multicast routing, a firewall, a snooping bridge that lost the member, the host left
@@ -31,8 +32,8 @@ data stream follows its negotiation). On a slow link a rank may resend while the
 its download; without the flag, ``make demo``'s 10 Mbit/s rows fell back on a healthy group (one rank was
 replayed 415 resends against 276 results multicast). Losses of results on the way down that are the
 links', not the group's, cost replays of a few per cent; a worker starved of CPU resends early and is
-replayed what it resent, in the runs here far less than 0.7 of a window. The rule is not applied while egress impairments are on (results then go as
-unicast copies anyway, and their loss is the impairment's). A job sharded over ``--cores N`` > 1 is not
+replayed what it resent, in the runs here far less than 0.7 of a window. The rule is not applied while egress impairments are on (a result that lost a
+copy on the way down lost it to the impairment, not to the group). A job sharded over ``--cores N`` > 1 is not
 judged: the shards' results interleave on the way down, and while the workers' loss rules compared
 chunks across shards they resent on that reordering (8 workers, 1 Gbit/s: 1400-2200 resends per 5
 allreduces against 0-7 with one shard) and one rank was replayed 69 of 133 and 98 of 136 results of a

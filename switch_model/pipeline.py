@@ -247,7 +247,7 @@ class Switch:
         if m:
             m = self._repeat_tail_results(buf, n, m)
         self._replays = self.counters[C_REPLAYS] != r0     # (tail.py takes back the replays it leaves out)
-        if self._replays and not self.egress.active:     # (egress impairments: copies, their loss is theirs)
+        if self._replays and not self.egress.active:     # (egress impairments: a lost copy is theirs)
             self._judge_multicast()
         return m
 
@@ -327,9 +327,12 @@ class Switch:
         broken[origin[~keep]] = True                    # transmissions that lost a copy
         self.counters[C_MULTICAST_AS_COPIES] += int(np.count_nonzero(broken & (addr >= self.multicast.first)))
         whole, copies = ~broken, keep & broken[origin]
-        self._send(buf, np.concatenate([np.asarray(rows)[whole], x_rows[copies]]),
-                   np.concatenate([np.broadcast_to(lens, addr.shape)[whole], x_lens[copies]]),
-                   np.concatenate([addr[whole], x_addr[copies]]))
+        # in the burst's order: a worker's results must not overtake each other (three later results before
+        # a late one are a loss to the worker's duplicate threshold)
+        order = np.argsort(np.concatenate([np.flatnonzero(whole), origin[copies]]), kind="stable")
+        self._send(buf, np.concatenate([np.asarray(rows)[whole], x_rows[copies]])[order],
+                   np.concatenate([np.broadcast_to(lens, addr.shape)[whole], x_lens[copies]])[order],
+                   np.concatenate([addr[whole], x_addr[copies]])[order])
 
     def _send(self, buf, rows, lens, addr) -> None:
         if len(rows):

@@ -175,3 +175,43 @@ def test_survivors_draws_the_fates_apply_would():
         whole += keep is None
     assert a.dropped == b.dropped > 0 and 0 < whole < 200
     assert a.loss_only and not Impairment(ImpairmentConfig(loss=0.05, duplicate=0.01), width=WIDTH).loss_only
+
+
+def test_egress_loss_keeps_each_workers_results_in_the_bursts_order():
+    """Egress loss on a multicasting job: a result that lost a copy goes as its surviving unicast copies, the
+    others as one multicast each, and every worker still gets the burst's results in the burst's order (three
+    later results ahead of one are a loss to a worker's duplicate threshold). The switch's own stage, with its
+    kernel send recorded instead of made."""
+    import socket
+    import types
+
+    from switch_model.dataplane import C
+    from switch_model.multicast import Multicast
+    from switch_model.pipeline import Switch
+    from ina.wire import MAX_WORKERS
+
+    first = 4 * MAX_WORKERS                         # the group addresses' first index
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        mc = Multicast(s, False, first, 4)
+        mc.install(0, 4, 8, np.zeros(first + 4, np.int64))     # job 0: 4 workers, group `first`
+
+        class Recording:
+            _send_impaired, _send_lossy = Switch._send_impaired, Switch._send_lossy
+
+            def __init__(self):
+                self.multicast, self.egress = mc, Impairment(ImpairmentConfig(loss=0.05, seed=3), width=64)
+                self.counters, self.txq, self.sent = np.zeros(len(C), np.int64), types.SimpleNamespace(gso=True), []
+
+            def _send(self, buf, rows, lens, addr):
+                self.sent.append((np.asarray(rows).copy(), np.broadcast_to(addr, np.shape(rows)).copy()))
+
+        sw, broken = Recording(), 0
+        for _ in range(200):                        # bursts of 8 results to the group
+            sw.sent.clear()
+            sw._send_impaired(None, np.arange(8), np.full(8, 40), np.full(8, first))
+            (rows, addr), = sw.sent
+            r, _, a, _ = mc.expand(rows, np.full(rows.shape, 40), addr)
+            broken += bool((addr < first).any())
+            for w in np.unique(a):
+                assert np.all(np.diff(r[a == w]) > 0), (w, list(zip(rows.tolist(), addr.tolist())))
+    assert broken >= 20, f"only {broken} bursts lost a copy: the test shows nothing"

@@ -360,15 +360,19 @@ class QueueTrace:
         # about 40 full frames per interval: a per-interval rate is not dominated by one frame more or less
         self.interval = max(0.01, 40 * 1514 * 8 / bps)
         self.samples: list[tuple[float, float, int, int]] = []
+        self.error: Exception | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name=f"trace {self.where}", daemon=True)
 
     def run(self):
-        while not self.stop.is_set():
-            t0 = time.monotonic()
-            q = self.reader.read()
-            self.samples.append((t0, time.monotonic(), q["bytes"], q["backlog"]))
-            self.stop.wait(self.interval)   # the sampling period, not a synchronisation
+        try:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                q = self.reader.read()
+                self.samples.append((t0, time.monotonic(), q["bytes"], q["backlog"]))
+                self.stop.wait(self.interval)   # the sampling period, not a synchronisation
+        except Exception as e:  # noqa: BLE001 - raised by __exit__, not taken for a sender short of CPU
+            self.error = e
 
     def __enter__(self):
         self.thread.start()
@@ -379,6 +383,9 @@ class QueueTrace:
         self.thread.join(timeout=10)
         self.reader.close()
         assert not self.thread.is_alive(), f"the counter sampler of {self.where} did not stop within 10s"
+        if self.error is not None:
+            raise AssertionError(f"the counter sampler of {self.where} failed after {len(self.samples)} "
+                                 f"samples: {self.error}") from self.error
 
 
 def shaper_behaviour(trace: QueueTrace, bps: int, burst: int) -> dict:

@@ -671,3 +671,26 @@ def test_a_short_receive_wait_is_not_rounded_up_to_a_kernel_tick():
     assert got == 0
     quartile = sorted(took)[len(took) // 4]
     assert quartile < 0.003, f"a quarter of the 1 ms receives took {quartile * 1e3:.1f} ms or more: rounded up"
+
+
+def test_a_new_clients_first_data_stream_has_a_tail_probe(tmp_path, monkeypatch):
+    """A new client's first allreduce: its negotiation ran the first window's encoding while it waited
+    (``Transfer.run(meanwhile)``), so that round trip is no exact sample, but it bounds the fastest one:
+    the data stream that follows already has a tail probe, not only the retransmission timeout."""
+    from ina import Client
+    from ina.transfer import Transfer
+    at_start = []
+    run = Transfer.run
+
+    def recording(self, meanwhile=None):
+        at_start.append((meanwhile is not None, self.cl.probe_timeout(0.0)))
+        return run(self, meanwhile)
+    monkeypatch.setattr(Transfer, "run", recording)
+    sw = SwitchProc("--slots", "64", "--elements", "64", log_path=tmp_path / "switch.log")
+    try:
+        with Client(("127.0.0.1", sw.port), rank=0, world_size=1, job=211, elements=64, slots=8, timeout=20) as c:
+            c.allreduce(np.ones(3000, np.float32), codec="bfp32")
+    finally:
+        assert sw.terminate() == 0, sw.log()
+    assert [m for m, _ in at_start] == [True, False], at_start     # the negotiation (encoding meanwhile), the data
+    assert at_start[0][1] is None and at_start[1][1] is not None, at_start

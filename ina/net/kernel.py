@@ -17,6 +17,7 @@ import re
 import signal
 import socket
 import struct
+import threading
 import zlib
 import time
 from dataclasses import dataclass
@@ -227,27 +228,47 @@ class QdiscCounterReader:
     TIMEOUT = 5.0                          # seconds the kernel may take to answer
 
     def __init__(self, netns: str | None, ifindex: int):
+        if not isinstance(ifindex, int) or ifindex <= 0:
+            raise TopologyError(f"netlink: no such link to read the qdisc of (ifindex {ifindex!r} in "
+                                f"namespace {netns or 'of the caller'})")
         self.ifindex = ifindex
         self.seq = 0
-        if netns is None:
-            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
-        else:
-            # a socket belongs to the namespace its creator was in: enter it for the socket() call
-            # only (setns of CLONE_NEWNET moves the calling thread alone) and come back
-            home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            target = os.open(nsexec.netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                nsexec.setns(target)
-                try:
-                    self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
-                finally:
-                    nsexec.setns(home)
-            finally:
-                os.close(target)
-                os.close(home)
-        self.sock.bind((0, 0))
-        self.sock.settimeout(self.TIMEOUT)
+        self.sock = self._socket(netns)
+        try:
+            self.sock.bind((0, 0))
+            self.sock.settimeout(self.TIMEOUT)
+        except OSError:
+            self.sock.close()
+            raise
         self.buf = bytearray(1 << 16)
+
+    @staticmethod
+    def _socket(netns: str | None) -> socket.socket:
+        """A NETLINK_ROUTE socket of namespace ``netns`` (None: the caller's). A socket belongs to the
+        namespace its creator was in: a short-lived thread enters it (setns of CLONE_NEWNET moves the
+        calling thread alone), so the caller's thread never leaves its own."""
+        if netns is None:
+            return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+        out: list = []
+
+        def make():
+            try:
+                target = os.open(nsexec.netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    nsexec.setns(target)
+                finally:
+                    os.close(target)
+                out.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE))
+            except OSError as e:
+                out.append(e)
+        t = threading.Thread(target=make, name=f"netlink socket in {netns}", daemon=True)
+        t.start()
+        t.join(QdiscCounterReader.TIMEOUT)
+        if not out:
+            raise TopologyError(f"netlink: no socket in namespace {netns} within {QdiscCounterReader.TIMEOUT}s")
+        if isinstance(out[0], OSError):
+            raise TopologyError(f"netlink: cannot open a socket in namespace {netns}: {out[0]}") from out[0]
+        return out[0]
 
     def read(self) -> dict:
         self.seq += 1
