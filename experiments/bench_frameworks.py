@@ -149,12 +149,27 @@ from the step's start to that point: forward and backward as they ran beside the
         codec += sum(e[4] for e in mine)
         n += 1
     n = max(n, 1)
-    return {"buckets_per_step": len([e for e in timeline if windows[0][0] <= e[0] <= windows[-1][1]]) / n,
+    phases = _phases(timeline, windows)
+    return {**({"per_bucket_ms": phases} if phases else {}),
+            "buckets_per_step": len([e for e in timeline if windows[0][0] <= e[0] <= windows[-1][1]]) / n,
             "switch_s_per_step": busy / n, "overlapped_fraction": inside / busy if busy else 0.0,
             "exposed_s_per_step": exposed / n, "backward_s_per_step": backward / n,
             "lane_cpu_s_per_step": cpu / n, "codec_cpu_s_per_step": codec / n,
             **({"last_bucket_agreement_s": tail[0] / n_tail, "last_bucket_switch_s": tail[1] / n_tail,
                 "after_last_bucket_s": tail[2] / n_tail} if n_tail else {})}
+
+
+def _phases(timeline, windows) -> list:
+    """Per bucket (in submission order within a step): the median of its submitted, started (the lane took it),
+    decided (agreement done: the switch's part starts) and finished times, ms from the step's start."""
+    rows: dict = {}
+    for lo, hi in windows:
+        mine = sorted((e for e in timeline if lo <= e[0] <= hi and len(e) > 5), key=lambda e: e[0])
+        for i, e in enumerate(mine):
+            rows.setdefault(i, []).append([(e[0] - lo) * 1e3, (e[1] - lo) * 1e3, (e[5] - lo) * 1e3,
+                                           (e[2] - lo) * 1e3])
+    return [{k: round(statistics.median(r[j] for r in rs), 2)
+             for j, k in enumerate(("submitted", "started", "decided", "finished"))} for _, rs in sorted(rows.items())]
 
 
 def worker(kind: str, out: str, warmup: int, steps: int) -> None:
