@@ -66,7 +66,6 @@ class Transfer:
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
         self.max_sent = -1
-        self.timed = True             # its round trips are srtt samples (not with run(meanwhile))
         # resends say RETRANSMIT, and GROUP_SEEN while results come by the job's multicast group (a fresh result
         # without REPLAY, in this stream or the client's last one): their replays then do not count against the
         # group (ina.wire.Flag). A stream whose results all came as replays clears it for the next.
@@ -136,7 +135,6 @@ class Transfer:
         the client encodes its first data window while the negotiation is out), then take results."""
         cl, n_chunks = self.cl, self.n_chunks
         self.send_new(np.arange(min(self.S, n_chunks)))
-        self.timed = meanwhile is None
         if meanwhile is not None:
             meanwhile()
         now = self.last_progress = time.monotonic()
@@ -213,10 +211,10 @@ class Transfer:
         if samples:
             # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
             # is at most that long, so the tail probe has a bound from the first allreduce on; a round
-            # whose wait ran other work first (``run(meanwhile)``) counts that work too: still a bound,
-            # which the data stream's first results replace
+            # whose wait ran other work first (``run(meanwhile)``, negotiations only) counts that work
+            # too: still a bound, which the data stream's first results replace
             self.cl.rtt_min = min(self.cl.rtt_min, fastest)
-            if self.E and self.timed:    # the median
+            if self.E:    # the median
                 self.cl.rtt_sample(median)
         ld.arrived(now)                           # (its count of later results ran in SK.take_burst)
         self.n_done += fresh
