@@ -308,6 +308,31 @@ def test_spurious_retransmissions_stay_rare_without_reordering(tmp_path):
     _check_exact(out, ops, N)
 
 
+def test_the_stream_ends_duplicate_threshold_is_the_per_lane_rule_for_every_pending_chunk():
+    """Rule 1's count at a stream's end, computed for all pending chunks in one pass per lane, is the
+    rule applied chunk by chunk: min(DUPTHRESH, the lane's outstanding chunks + the results after its
+    oldest - 1), at least 1; DUPTHRESH while chunks are unsent (random streams, seeded)."""
+    from ina import recovery_kernels as RK
+
+    def by_chunk(p, pending, later, seq, lane):
+        mine = [c for c in pending if lane[c] == lane[p]]
+        oldest = min(mine, key=lambda c: seq[c])
+        return max(1, min(DUPTHRESH, len(mine) + later[oldest] - 1))
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        lane = rng.integers(0, int(rng.integers(1, 4)), n).astype(np.int64)
+        seq = (rng.permutation(n) + 1).astype(np.int64)
+        later = rng.integers(0, 3, n).astype(np.int64)
+        pending = np.sort(rng.choice(n, int(rng.integers(1, n + 1)), replace=False)).astype(np.int64)
+        out = np.zeros(n, np.int64)
+        RK.duplicate_thresholds(pending, later, seq, lane, 0, out)
+        assert out[:pending.size].tolist() == [by_chunk(p, pending, later, seq, lane) for p in pending]
+        RK.duplicate_thresholds(pending, later, seq, lane, 2, out)
+        assert (out[:pending.size] == DUPTHRESH).all()
+
+
 def test_early_retransmit_near_the_end_of_the_stream():
     """With every chunk sent and fewer than 4 outstanding, the threshold is one less than the
     outstanding count (RFC 5827); with more outstanding it stays DUPTHRESH."""
