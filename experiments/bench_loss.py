@@ -368,8 +368,11 @@ def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
                 row["code"] = side.label
                 if side is not sides[0]:      # this tree's time (and worker CPU) over the baseline's, round by round
                     for key, what in (("this_vs_baseline", "time"), ("this_vs_baseline_worker_cpu", "worker_cpu")):
-                        row[key] = float(np.median(np.array([b[what] for b in blocks[sides[0].label, name]])
-                                                   / np.array([b[what] for b in blocks[side.label, name]])))
+                        per_round = (np.array([b[what] for b in blocks[sides[0].label, name]])
+                                     / np.array([b[what] for b in blocks[side.label, name]]))
+                        row[key] = float(np.median(per_round))
+                        row[key + "_ci"] = list(median_interval(per_round)[:2])
+                        row[key + "_per_round"] = [round(float(r), 3) for r in per_round]
                 rows.append(row)
                 log(f"{side.label}: {elements} elements, {name}: {row['time_per_allreduce_s'] * 1e3:.2f} ms per "
                     f"allreduce ({row['vs_lossless']:.2f}x lossless, per round {row['vs_lossless_per_round']}), "
