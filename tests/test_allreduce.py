@@ -319,6 +319,34 @@ def test_sharded_switch_cores_2_is_bit_identical_and_uses_both_shards(tmp_path):
         assert sw.terminate() == 0, sw.log()
 
 
+def test_sharded_switch_rounds_nc_sums_as_one_switch_does(tmp_path):
+    """The switch's stochastic re-encoding of nc sums draws from (--seed, job, chunk id, element):
+    a round's chunk id is served by one shard only, so shards sharing --seed never share draws, and
+    --cores 2 gives bit for bit the sums of --cores 1 (no per-shard seed, which would break that)."""
+    from sw_harness import client_threads
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(40 * 128 + 7).astype(np.float32) for _ in range(2)]   # 41 chunks, both shards
+
+    def body(r, cl):
+        y = xs[r].copy()
+        cl.allreduce(y, codec="nc")
+        return y
+
+    out = {}
+    for cores in ("1", "2"):
+        sw = SwitchProc("--slots", "64", "--elements", "256", "--cores", cores, "--seed", "3",
+                        log_path=tmp_path / f"switch{cores}.log")
+        try:
+            out[cores] = client_threads(sw.port, 2, 78, body, elements=128, slots=8, timeout=20.0, seed=4)
+            assert all(sh["harvested"] > 0 for sh in sw.stats().get("per_shard", [{"harvested": 1}]))
+        finally:
+            assert sw.terminate() == 0, sw.log()
+    for r in range(2):
+        np.testing.assert_array_equal(bits(out["2"][r]), bits(out["1"][r]))
+    exact = xs[0].astype(np.float64) + xs[1]
+    assert np.linalg.norm(out["2"][0] - exact) / np.linalg.norm(exact) < 0.5      # an estimate of the sum
+
+
 # ------------------------------------------------------------------------------------------------
 # where the time goes: the switch's stage clock and the client's timeline
 # ------------------------------------------------------------------------------------------------
