@@ -471,10 +471,12 @@ def test_first_window_guess_held_and_wrong_end_to_end(switch):
     def body(r, cl):
         out = {}
         for name, xs in cases.items():
-            for codec in ("bfp32", "nc"):
+            for codec in ("bfp32", "nc", "thc"):
+                c = cl.codec(codec)
+                before = getattr(c, "coordinates", 0)
                 y = xs[r].copy()
                 cl.allreduce(y, codec=codec)
-                out[name, codec] = (y, cl.last_timeline["guess_held"])
+                out[name, codec] = (y, cl.last_timeline["guess_held"], getattr(c, "coordinates", 0) - before)
         return out
 
     res = client_threads(switch.port, 2, 240, body, elements=128, slots=8, timeout=20.0, timeline=True, seed=4)
@@ -490,6 +492,9 @@ def test_first_window_guess_held_and_wrong_end_to_end(switch):
         exact = xs[0].astype(np.float64) + xs[1]
         rel = np.linalg.norm(res[0][name, "nc"][0] - exact) / np.linalg.norm(exact)
         assert rel < 0.5, (name, rel)      # an estimate of the sum, not noise
+        # thc keeps residuals, so no window is encoded under a guess: its statistics count each
+        # coordinate of the 24 chunks of 128 once, a rank with a smaller exponent included
+        assert [res[r][name, "thc"][1:] for r in range(2)] == [(None, 24 * 128)] * 2, name
 
 
 def test_a_stale_result_of_a_chunk_not_yet_sent_is_not_taken(tmp_path):
