@@ -396,6 +396,12 @@ def _md_intro(meta, records=()) -> list[str]:
                        f"group failed** ({r['multicast_fallback']})." for r in records if r.get("multicast_fallback"))
              + (f" Workers' TCP (Gloo): {meta['tcp_cc']}." if meta.get("tcp_cc") else ""))
     L.append("")
+    slow = meta.get("too_slow")
+    if slow:
+        L.append(f"Not run: {len(slow['skipped'])} configuration(s) whose link-bound time exceeds --max-ring-time "
+                 f"{slow['max_ring_time']:g} s per allreduce: "
+                 + "; ".join(f"{k} ({v:.0f} s)" for k, v in slow["skipped"].items()) + ".")
+        L.append("")
     return L
 
 

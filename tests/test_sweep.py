@@ -88,6 +88,29 @@ def test_bad_method_is_named(tmp_path):
     assert p.returncode == 2 and "ina:nope" in p.stderr
 
 
+def test_configurations_over_max_ring_time_are_named_not_dropped(tmp_path):
+    """A configuration whose link-bound time exceeds --max-ring-time is left out by name (stderr, the
+    results' meta, the report), and a sweep with nothing left to run says so and fails instead of
+    claiming every configuration was already measured."""
+    from experiments.sweep import _plan, _settings, build_parser
+    from experiments.sweep_report import _md_intro
+    ap = build_parser()
+    args = ap.parse_args(["--rates", "10mbit", "--workers", "2", "--sizes", "vgg16,4096", "--methods", "gloo",
+                          "--acc-steps", "0", "--tp-sizes", "none"])
+    slow: dict = {}
+    plan = _plan(args, _settings(ap, args), set(), slow)
+    assert plan == [("allreduce", 2, "10mbit", 4096, "gloo")]
+    assert list(slow) == ["allreduce gloo n=2 10mbit 138,000,000 elements"] and 440 < slow[next(iter(slow))] < 443
+    intro = "\n".join(_md_intro({"too_slow": {"max_ring_time": 120.0, "skipped": slow}}))
+    assert "Not run: 1 configuration(s)" in intro and "allreduce gloo n=2 10mbit 138,000,000 elements (442 s)" in intro
+    p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(tmp_path), "--rates", "10mbit",
+                        "--workers", "2", "--sizes", "vgg16", "--methods", "gloo", "--acc-steps", "0",
+                        "--tp-sizes", "none", "--no-plots"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "138,000,000 elements (442 s)" in p.stderr and "nothing to run" in p.stderr
+    assert "already in" not in p.stderr
+
+
 @pytest.mark.timeout(300)
 def test_strong_baselines_and_thc_in_a_tiny_sweep(tmp_path):
     """The non-INA baselines a user could switch on (fp16 ring, PowerSGD) and THC run as sweep methods;
