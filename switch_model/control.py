@@ -164,6 +164,9 @@ class ControlPlane:
             for line in self._lines(h, peer, lambda: joined is not None):
                 try:
                     msg = json.loads(line)
+                    if not isinstance(msg, dict):
+                        raise ValueError(f"a request is a JSON object with an \"op\" field, got a JSON "
+                                         f"{type(msg).__name__}: {line[:80].decode(errors='replace').strip()}")
                     op = msg.get("op")
                     self._check_token(msg, op, peer)
                     if op == "join":

@@ -247,13 +247,22 @@ def test_control_plane_refuses_bad_requests_with_clear_errors(switch, msg, error
 
 
 def test_control_plane_rejects_malformed_json(switch):
+    """Malformed JSON, or JSON that is not a request object, gets an error reply naming it, and the
+    connection stays usable."""
     s = socket.create_connection(("127.0.0.1", switch.port), timeout=5)
     try:
+        f = s.makefile("rb")
         s.sendall(b"{not json\n")
-        reply = json.loads(s.makefile("rb").readline())
+        reply = json.loads(f.readline())
+        assert reply["ok"] is False and reply["error"]
+        for line, kind in ((b'["stats"]', "list"), (b'"stats"', "str"), (b"7", "int")):
+            s.sendall(line + b"\n")
+            reply = json.loads(f.readline())
+            assert reply["ok"] is False and f"JSON object with an \"op\" field, got a JSON {kind}" in reply["error"]
+        s.sendall(b'{"op": "stats"}\n')
+        assert json.loads(f.readline())["ok"] is True
     finally:
         s.close()
-    assert reply["ok"] is False and reply["error"]
 
 
 def test_sram_budget_refused_at_startup(tmp_path):
