@@ -265,6 +265,18 @@ def test_control_plane_rejects_malformed_json(switch):
         s.close()
 
 
+def test_startup_line_says_what_the_switch_does_to_packets(switch, tmp_path):
+    """The service's startup line (printed whatever the log level) names its impairments, per direction,
+    with their seeds, or says there are none."""
+    assert "; no impairments" in switch.log()
+    sw = SwitchProc("--slots", "8", "--elements", "64", "--seed", "5", "--ingress-loss", "0.01", "--egress-delay-ms",
+                    "2", "--egress-duplicate", "0.5", "--log-level", "WARNING", log_path=tmp_path / "sw.log")
+    try:
+        assert "impairments: ingress loss 0.01 (seed 5); egress duplicate 0.5, delay 2 ms (seed 6)" in sw.log(), sw.log()
+    finally:
+        assert sw.terminate() == 0
+
+
 def test_sram_budget_refused_at_startup(tmp_path):
     port = free_port()
     r = subprocess.run([PY, "-m", "switch_model", "serve", "--host", "127.0.0.1", "--port", str(port),
