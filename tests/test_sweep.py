@@ -159,10 +159,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _netns_of(pid: int) -> str | None:
+    """The name of the network namespace (under /var/run/netns) process ``pid`` is in."""
+    ino = os.stat(f"/proc/{pid}/ns/net").st_ino
+    return next((n for n in os.listdir("/var/run/netns") if os.stat(f"/var/run/netns/{n}").st_ino == ino), None)
+
+
 @pytest.mark.timeout(400)
-def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path):
-    """SIGINT while the workers of a dilated sweep (x10: their timeouts x10) run a long allreduce
-    configuration: the sweep exits by the interrupt and none of its worker processes keeps running."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path, signame):
+    """SIGINT (or SIGTERM, as from ``timeout`` or a batch scheduler) while the workers of a dilated sweep
+    (x10: their timeouts x10) run a long allreduce configuration: the sweep exits by the interrupt, none
+    of its worker processes keeps running, and its emulated links are removed."""
     import signal
 
     from sw_harness import wait_until
@@ -177,7 +185,8 @@ def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path):
                    240, "the sweep to start its allreduce configuration")
         assert p.poll() is None, err.read_text(errors="replace")[-3000:]
         workers = wait_until(lambda: _workers_of(p.pid), 60, "the sweep's worker processes")
-        p.send_signal(signal.SIGINT)
+        prefix = _netns_of(workers[0]).split("-")[1]          # inanet-<prefix>-w0
+        p.send_signal(getattr(signal, signame))
         rc = p.wait(timeout=120)
     finally:
         if p.poll() is None:
@@ -187,6 +196,7 @@ def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path):
     assert rc == -signal.SIGINT and "KeyboardInterrupt" in log, (rc, log[-3000:])
     # (a killed process may take a moment to be reaped)
     wait_until(lambda: not [w for w in workers if _alive(w)], 10, f"the sweep's workers {workers} to end")
+    assert not [n for n in os.listdir("/var/run/netns") if n.startswith(f"inanet-{prefix}-")], prefix
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
