@@ -232,6 +232,10 @@ def test_mismatched_job_parameters_are_refused(switch):
     ({"op": "join", "rank": 0, "world_size": 1, "udp_port": 1}, "missing field 'job'"),
     ({"op": "join", "job": 70000, "rank": 0, "world_size": 2, "udp_port": 1}, "job id 70000 out of range 0..65535"),
     ({"op": "frobnicate"}, "unknown op 'frobnicate' (join, leave, status, stats, impair)"),
+    ({"op": "join", "job": 32, "rank": 0, "world_size": 2, "udp_port": 1, "timeout": float("nan")},
+     "join timeout must be a number of seconds >= 0, got nan"),
+    ({"op": "join", "job": 32, "rank": 0, "world_size": 2, "udp_port": 1, "timeout": -1},
+     "join timeout must be a number of seconds >= 0, got -1"),
     ({"op": "leave"}, "leave without join"),
     ({"op": "impair", "ingress": {"loss": 1.5}}, "impairment loss=1.5 is not a probability"),
 ])
