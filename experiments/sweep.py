@@ -449,6 +449,7 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
     with Topology(workers=max(p[1] for p in plan), rate=first, mtu=args.mtu) as topo:
         meta["tcp_cc"] = tcp_congestion_control(topo, len(topo.workers), args.tcp_cc)
         sw = _start_switch(topo, out, args)
+        meta["switch_shards"] = sw.stats()["config"].get("shards", 1)     # what --switch-cores resolved to
         bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
         job = int(time.time()) % 1000 * 10
         cid = 0

@@ -386,7 +386,9 @@ def _md_intro(meta, records=()) -> list[str]:
     L.append(ideal)
     L.append("")
     L.append(f"Switch profile: {meta.get('profile', 'software')}"
-             + "".join(f"; {m} skipped ({why})" for m, why in (meta.get("profile_skipped") or {}).items()) + ". "
+             + "".join(f"; {m} skipped ({why})" for m, why in (meta.get("profile_skipped") or {}).items())
+             + (f"; {meta['switch_shards']} switch process(es) (--switch-cores {meta.get('switch_cores', 'auto')})"
+                if meta.get("switch_shards") else "") + ". "
              + ("Real time (not dilated)." if meta.get("dilation", 1) == 1 else
                 f"**Time-dilated** (--dilation {_kname(meta.get('dilation'))}): links shaped at target/K, delays and "
                 f"timeouts x K, times / K; CPU work (per-packet costs, codecs) is not dilated (docs/performance.md).")

@@ -67,6 +67,8 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     report = (out / "report.md").read_text()
     assert "Speedup over Gloo ring fp32" in report and "INA nc" in report and "](speedup_vs_bandwidth.png)" in report
     assert "INA results: IP multicast to the job's group" in report
+    assert data["meta"]["switch_shards"] >= 1
+    assert f"; {data['meta']['switch_shards']} switch process(es) (--switch-cores auto)" in report
 
     # resume: only the new method runs (a host-aggregated one), the completed configurations are kept
     p2 = sweep(out, "gloo,ina:nc,ina:3lc")
