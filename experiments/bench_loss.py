@@ -10,7 +10,14 @@ stay in one job; the settings take turns in ``--rounds`` rounds (each round runs
 change of the machine's load during the run reaches every setting alike. A setting's time is the
 median over the rounds of its block's time per allreduce (the slowest worker's mean over the
 block); its ratio is the median over the rounds of its block's time over the lossless block's of
-the same round (the spread of these ratios is reported too: a wide one means a noisy machine).
+the same round (the spread of these ratios is reported too: a wide one means a noisy machine), with a
+95% interval of that median (``vs_lossless_ci``, order statistics: no assumption about the noise) and the
+lossless blocks' own round-to-round spread. Many short rounds (20 by default, 10 allreduces of 20,000
+elements or one of 1.7 M per block) pair every block with a lossless one run moments apart.
+``expected_vs_clean`` is the overhead the allreduces that resent a chunk explain, measured inside each
+block (their share times their median excess over the block's allreduces without a resend): set
+against ``vs_lossless`` it tells a loss's cost from the machine's noise (NaN where every allreduce
+resends, as at 1.7 M elements).
 ``vs_lossless_best`` is the ratio of the fastest blocks (each setting's least disturbed block over the
 lossless setting's): on a loaded machine the better estimate of what a quiet one would show, since
 every round of a setting draws the same impairment sequence (re-seeded alike each round).
@@ -20,7 +27,7 @@ netem), applied in both directions (worker -> switch and switch -> worker) with 
 probability each, seeded (the same seed in every round). Every result is compared bit for bit with the lossless run's: a
 mismatch fails the benchmark. The client counters say how each loss was recovered: fast
 retransmissions (a later chunk's result arrived first), tail probes or timeouts; ``needed_resends``
-is what the switch's drop counts make necessary (a lost data packet: one resend per worker, none
+(``repeat_retransmissions``: resends of a chunk resent before) is what the switch's drop counts make necessary (a lost data packet: one resend per worker, none
 can tell whose packet it was; a lost result: one), so resends above it are spurious, or answer a
 reordered packet (held back 1 ms, five loopback round trips: a resend overtakes it, as TCP's would). ``tail_s`` is
 the mean time from a stream's last first-time send to its last result (where a tail loss shows).
