@@ -26,8 +26,9 @@ Loss, duplication and reordering are the switch's user-space impairments (this k
 netem), applied in both directions (worker -> switch and switch -> worker) with the given
 probability each, seeded (the same seed in every round). Every result is compared bit for bit with the lossless run's: a
 mismatch fails the benchmark. The client counters say how each loss was recovered: fast
-retransmissions (a later chunk's result arrived first), tail probes or timeouts; ``needed_resends``
-(``repeat_retransmissions``: resends of a chunk resent before) is what the switch's drop counts make necessary (a lost data packet: one resend per worker, none
+retransmissions (a later chunk's result arrived first), tail probes or timeouts, and how many of them
+resent a chunk resent before (``repeat_retransmissions``); ``needed_resends`` is what the switch's drop
+counts make necessary (a lost data packet: one resend per worker, none
 can tell whose packet it was; a lost result: one), so resends above it are spurious, or answer a
 reordered packet (held back 1 ms, five loopback round trips: a resend overtakes it, as TCP's would). ``tail_s`` is
 the mean time from a stream's last first-time send to its last result (where a tail loss shows).
