@@ -185,11 +185,12 @@ class Client(Worker):
         tl = self._timeline = Timeline() if self.record_timeline else None
         try:
             exponent = c.scale_exponent(x32, **kw)     # raises ValueError on NaN/Inf before anything is sent
-            proposals = np.array([exponent, *c.negotiated()], np.int64)
-            bad = proposals[(proposals < -32768) | (proposals > 32767)]
-            if bad.size:
-                raise ValueError(f"negotiated value(s) {bad.tolist()} of codec {codec!r} do not fit the 16-bit "
+            values = (exponent, *c.negotiated())
+            bad = [v for v in values if not -32768 <= v <= 32767]
+            if bad:
+                raise ValueError(f"negotiated value(s) {bad} of codec {codec!r} do not fit the 16-bit "
                                  "exponent field")
+            proposals = np.array(values, np.int64)
             seed = c.next_seed()
             first = None if kw or sparse else self._first_window(c, x32, self._context(proposals, seed))
             # one payload-less packet per value: the switch's max register returns the max over workers;
