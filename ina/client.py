@@ -383,7 +383,7 @@ class Client(Worker):
                     pkt_len = np.asarray(pkt_len)[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
-        self.stats.bytes_sent += int(np.sum(pkt_len)) if np.ndim(pkt_len) else int(pkt_len) * len(rows)
+        self.stats.bytes_sent += int(np.sum(pkt_len)) if isinstance(pkt_len, np.ndarray) else int(pkt_len) * len(rows)
 
     def stall_message(self, n_chunks, n_done, c0) -> str:
         """Why a stream made no progress for ``timeout`` seconds, as far as the switch can tell."""

@@ -106,14 +106,16 @@ def tail_copy_wanted(sparse: bool, payload: bool, n_chunks: int, tail_copy_from:
     return not sparse and (not payload or n_chunks >= tail_copy_from)
 
 
-def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats) -> np.ndarray:
+def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats,
+                top: int | None = None) -> np.ndarray:
     """The ring ``rows`` of ``chunks`` (first sends of a dense stream of ``n_chunks`` that
     :func:`tail_copy_wanted`), with a second copy of the stream's last chunk, flagged TAIL in ``headers``
     (ina.wire.header_view of the ring), counted in ``stats.tail_copies``. Nothing sent after the last
     chunk can show its loss (a negotiation round is one chunk): a copy makes its loss on the way to the switch take both (p^2), and the TAIL
     flag makes the switch multicast its result twice for the way back. The switch absorbs one copy (the
-    other meets the worker's bit set and is dropped: switch_model/tail.py)."""
-    if chunks.max() < n_chunks - 1:
+    other meets the worker's bit set and is dropped: switch_model/tail.py). ``top``: the largest of ``chunks``
+    when the caller knows it."""
+    if (chunks.max() if top is None else top) < n_chunks - 1:
         return rows
     last = chunks == n_chunks - 1
     tail = rows[last]
