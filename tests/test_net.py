@@ -197,6 +197,32 @@ def test_without_privileges_the_missing_capability_is_named():
     assert "nopriv" not in list_topologies()
 
 
+def test_counter_reader_closes_the_socket_a_late_namespace_thread_opens(monkeypatch):
+    """Entering the namespace overruns the bound: opening the reader fails naming the namespace, and
+    the socket the thread opens after that is closed, not leaked."""
+    import types
+    from ina.net import kernel
+    release, made = threading.Event(), []
+
+    def record(*args):
+        made.append(socket.socket(*args))
+        return made[-1]
+    monkeypatch.setattr(kernel.nsexec, "netns_path", lambda name: os.devnull)
+    monkeypatch.setattr(kernel.nsexec, "setns", lambda fd: release.wait(30))   # held until the caller gave up
+    monkeypatch.setattr(kernel, "socket", types.SimpleNamespace(
+        socket=record, AF_NETLINK=socket.AF_NETLINK, SOCK_RAW=socket.SOCK_RAW, NETLINK_ROUTE=socket.NETLINK_ROUTE,
+        timeout=socket.timeout))
+    monkeypatch.setattr(QdiscCounterReader, "TIMEOUT", 0.05)
+    with pytest.raises(TopologyError, match="no socket in namespace slow-ns within 0.05s"):
+        QdiscCounterReader._socket("slow-ns")
+    late = [t for t in threading.enumerate() if t.name == "netlink socket in slow-ns"]
+    release.set()
+    for t in late:
+        t.join(10)
+    assert len(late) == 1 and not late[0].is_alive()
+    assert len(made) == 1 and made[0].fileno() == -1, "the late socket was left open"
+
+
 # ---------------------------------------------------------------------------------------------
 # bring-up, reachability, teardown
 
