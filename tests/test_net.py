@@ -223,6 +223,30 @@ def test_counter_reader_closes_the_socket_a_late_namespace_thread_opens(monkeypa
     assert len(made) == 1 and made[0].fileno() == -1, "the late socket was left open"
 
 
+def test_threads_reading_counters_at_once_share_one_reader_per_namespace(monkeypatch):
+    """Two threads asking for a namespace's counter reader for the first time at once get the same
+    reader: only one is opened (a second would never be closed)."""
+    from ina.net import topology
+    topo = Topology(workers=1, prefix="inarace")
+    opened, got, second = [], [], []
+
+    class Reader:
+        def __init__(self, netns, idx):
+            opened.append(self)
+            if len(opened) == 1:     # while the first is being opened, a second thread asks for it
+                second.append(threading.Thread(target=lambda: got.append(topo._reader("ns", 1))))
+                second[0].start()
+                second[0].join(0.5)  # bounded: the fixed code makes it wait for this one
+
+        def close(self):
+            pass
+    monkeypatch.setattr(topology, "QdiscCounterReader", Reader)
+    got.append(topo._reader("ns", 1))
+    second[0].join(10)
+    assert len(opened) == 1, f"{len(opened)} readers opened for one namespace"
+    assert got[0] is got[1] is opened[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # bring-up, reachability, teardown
 

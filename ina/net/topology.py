@@ -27,6 +27,7 @@ import re
 import secrets
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -142,6 +143,7 @@ class Topology:
         self.workers: list[Host] = []
         self._handles: dict[str | None, IPRoute] = {}
         self._readers: dict[str, QdiscCounterReader] = {}     # counters(): one raw netlink socket per namespace
+        self._opening = threading.RLock()    # one netlink socket (handle, reader) per namespace, whatever the threads
         self._indices: dict[tuple[str, str], int] = {}
         self._procs: list[tuple[Host, subprocess.Popen]] = []
         self._is_up = False
@@ -188,10 +190,11 @@ class Topology:
         self.root_ip = str(self.subnet.broadcast_address - 1)
 
     def _h(self, netns: str | None) -> IPRoute:
-        ipr = self._handles.get(netns)
-        if ipr is None:
-            ipr = self._handles[netns] = open_rtnl(netns)
-        return ipr
+        with self._opening:
+            ipr = self._handles.get(netns)
+            if ipr is None:
+                ipr = self._handles[netns] = open_rtnl(netns)
+            return ipr
 
     def _index(self, netns: str, ifname: str) -> int | None:
         """ifindex of a link of this topology (cached: it does not change while the link exists)."""
@@ -205,26 +208,29 @@ class Topology:
 
     def _reader(self, netns: str, idx: int) -> QdiscCounterReader:
         """The counter reader of namespace ``netns`` (opened on link ``idx``; it reads any link there)."""
-        r = self._readers.get(netns)
-        if r is None:
-            r = self._readers[netns] = QdiscCounterReader(netns, idx)
-        return r
+        with self._opening:
+            r = self._readers.get(netns)
+            if r is None:
+                r = self._readers[netns] = QdiscCounterReader(netns, idx)
+            return r
 
     def _forget_links(self) -> None:
         """Drop what was looked up of the links (ifindices, counter readers): they may be rebuilt."""
-        self._indices.clear()
-        for r in self._readers.values():
-            r.close()
-        self._readers.clear()
+        with self._opening:
+            self._indices.clear()
+            for r in self._readers.values():
+                r.close()
+            self._readers.clear()
 
     def close_handles(self) -> None:
         """Close this object's netlink sockets (the topology stays up; they reopen when needed).
         Before exec'ing into a host, or when an attached topology is no longer used."""
-        self._forget_links()
-        for ipr in self._handles.values():
-            with contextlib.suppress(Exception):
-                ipr.close()
-        self._handles.clear()
+        with self._opening:
+            self._forget_links()
+            for ipr in self._handles.values():
+                with contextlib.suppress(Exception):
+                    ipr.close()
+            self._handles.clear()
 
     # ---- bring-up -----------------------------------------------------------------------------
     def __enter__(self) -> "Topology":
