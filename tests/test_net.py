@@ -293,6 +293,28 @@ def test_teardown_leaves_no_namespace_link_or_qdisc():
 
 
 @needs_root
+def test_attach_keeps_each_hosts_rate_after_a_per_host_set_rate():
+    """After one worker got a rate of its own, a handle attached to the topology knows each host's
+    rate: converging it keeps them, and the workers' single rate is refused naming each link's."""
+    with Topology(workers=2, rate="50mbit") as topo:
+        topo.set_rate("w1", "10mbit", direction="up")
+        before = topo.rates()
+        assert before["w1"] == (10_000_000, 50_000_000)
+        with pytest.raises(TopologyError, match=r"workers' upload rate differs per link \(w0 up 50mbit, w1 up 10mbit\)"):
+            topo.rate
+        other = Topology.attach(topo.prefix)
+        try:
+            with pytest.raises(TopologyError, match=r"\(w0 up 50mbit, w1 up 10mbit\)"):
+                other.rate
+            assert other.rate_down == 50_000_000 and other.switch_rate is None
+            assert "w1 up 10mbit / down 50mbit" in repr(other)
+            other.up()                       # converge: every host keeps its own rate
+            assert other.rates() == before
+        finally:
+            other.close_handles()
+
+
+@needs_root
 def test_builder_killed_after_bring_up_then_down_cleans_everything():
     prefix = "kill" + os.urandom(2).hex()
     b = subprocess.Popen([PY, BUILDER, prefix, "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
