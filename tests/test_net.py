@@ -156,6 +156,11 @@ def test_parse_rate_units_and_errors():
     with pytest.raises(RateError, match="32-bit"):
         parse_rate("40gbit")
     assert format_rate(parse_rate("100mbit")) == "100mbit"
+    # zero is refused alike however it is spelt (it read as unlimited as a string, as an error as a number)
+    for zero in (0, 0.0, "0", "0mbit"):
+        with pytest.raises(RateError, match=f"rate {zero!r}: zero is not a rate; for a link without shaping "
+                                            "write 'unlimited'"):
+            parse_rate(zero)
 
 
 def test_tbf_params_follow_the_rate():
