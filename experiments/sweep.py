@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "workload (default resnet110, divided by --scale; 'none': skip)")
     ap.add_argument("--tp-steps", type=int, help="timed SGD steps per throughput configuration (default 10; quick 3)")
     ap.add_argument("--max-ring-time", type=float, default=120.0,
-                    help="skip a configuration whose link-bound time exceeds this many seconds per allreduce")
+                    help="skip a configuration whose link-bound time exceeds this many seconds per allreduce "
+                         "(each one skipped is named on stderr and in the report)")
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--slots", type=int, default=64, help="INA window (slots per job)")
     ap.add_argument("--switch-cores", default="auto", help="the switch's --cores: shards (N, or auto: its rule)")
@@ -376,30 +377,34 @@ def _meta(args, argv, out: Path, st: dict) -> dict:
     return meta
 
 
-def _plan(args, st: dict, done: set) -> list[tuple]:
-    """(workload, workers, rate, elements, method) of every configuration still to run."""
+def _plan(args, st: dict, done: set, too_slow: dict | None = None) -> list[tuple]:
+    """(workload, workers, rate, elements, method) of every configuration still to run. ``too_slow``
+    gets each one left out because its link-bound time exceeds ``--max-ring-time`` (its description: that time)."""
     from .dilation import is_done
     plan = []
     methods = st["methods"]
+
+    def add(wl, n, rate, el, m):
+        if is_done(done, args, wl, m, n, rate, el):
+            return
+        it = ideal_time(m, n, el, rate)
+        if it is not None and it > args.max_ring_time:
+            if too_slow is not None:
+                too_slow[f"{wl} {m} n={n} {rate} {el:,} elements"] = it
+            return
+        plan.append((wl, n, rate, el, m))
+
     for n in st["workers"]:
         for rate in st["rates"]:
-            for sname, el in st["sizes"].items():
+            for el in st["sizes"].values():
                 for m in methods:
-                    it = ideal_time(m, n, el, rate)
-                    if is_done(done, args, "allreduce", m, n, rate, el):
-                        continue
-                    if it is not None and it > args.max_ring_time:
-                        continue
-                    plan.append(("allreduce", n, rate, el, m))
+                    add("allreduce", n, rate, el, m)
             for el in st["tp_sizes"].values():
                 for m in methods:
-                    it = ideal_time(m, n, el, rate)
-                    if not is_done(done, args, "throughput", m, n, rate, el) and not (it is not None and it > args.max_ring_time):
-                        plan.append(("throughput", n, rate, el, m))
+                    add("throughput", n, rate, el, m)
         if args.acc_steps and n == st["acc_workers"]:
             for m in methods:
-                if f"accuracy|{m}|{n}|{args.acc_rate}|" not in "\n".join(done) and not any(
-                        d.startswith(f"accuracy|{m}|{n}|{args.acc_rate}|") for d in done):
+                if not any(d.startswith(f"accuracy|{m}|{n}|{args.acc_rate}|") for d in done):
                     plan.append(("accuracy", n, args.acc_rate, 0, m))
     return plan
 
@@ -444,6 +449,7 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
     with Topology(workers=max(p[1] for p in plan), rate=first, mtu=args.mtu) as topo:
         meta["tcp_cc"] = tcp_congestion_control(topo, len(topo.workers), args.tcp_cc)
         sw = _start_switch(topo, out, args)
+        meta["switch_shards"] = sw.stats()["config"].get("shards", 1)     # what --switch-cores resolved to
         bar = tqdm(total=len(plan), desc="ina-sweep", unit="cfg", dynamic_ncols=True, file=sys.stderr)
         job = int(time.time()) % 1000 * 10
         cid = 0
@@ -500,11 +506,21 @@ def main(argv=None) -> int:
     records = [r for r in load_results(out) if r["workload"] != "throughput" or "step_times" in r]
     meta = _meta(args, argv, out, st)
     from .sweep_loss import done_at, lossless, plan_at, write_section
-    plans = {p: plan_at(_plan(args, st, done_at(records, p, key_of)), p) for p in st["losses"]}
+    too_slow: dict[str, float] = {}
+    plans = {p: plan_at(_plan(args, st, done_at(records, p, key_of), too_slow), p) for p in st["losses"]}
     plan = [c for pl in plans.values() for c in pl]
+    if too_slow:
+        meta["too_slow"] = {"max_ring_time": args.max_ring_time, "skipped": too_slow}
+        print(f"ina-sweep: skipping {len(too_slow)} configuration(s) whose link-bound time exceeds --max-ring-time "
+              f"{args.max_ring_time:g} s per allreduce: " + "; ".join(f"{k} ({v:.0f} s)" for k, v in too_slow.items()),
+              file=sys.stderr)
     t_start = time.monotonic()
     if plan:
         _run_plan(plans, args, st, out, records, meta, t_start)
+    elif too_slow and not records:
+        print("ina-sweep: nothing to run: every configuration is over --max-ring-time (raise it to run them)",
+              file=sys.stderr)
+        return 2
     else:
         print(f"ina-sweep: every configuration is already in {out / 'results.json'}; regenerating the report",
               file=sys.stderr)

@@ -22,22 +22,34 @@ class CtrlC:
     """Ctrl-C as a latch as well as an exception. CPython prints and drops an exception raised inside a
     weakref callback or ``__del__`` ("Exception ignored in ..."), so a KeyboardInterrupt landing there
     is lost and the sweep would run on to its last repetition. The handler raises as Python's own does
-    and also latches; every wait for the workers re-raises a latched interrupt within its 1 s poll."""
+    and also latches; every wait for the workers re-raises a latched interrupt within its 1 s poll.
+    SIGTERM (``timeout``, a batch scheduler, ``kill``) is taken as Ctrl-C: the sweep then stops its
+    workers and switch and removes its emulated links instead of dying with them up. A process forked
+    from the sweep (pyroute2 forks helpers into namespaces and ends them by SIGTERM) inherits the
+    handler: there the signal takes its default action, so a child never runs the sweep's code on."""
 
     hit = False
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    pid = 0                     # the process that installed the handler
 
     @classmethod
     def handler(cls, signum, frame):
+        if os.getpid() != cls.pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         cls.hit = True
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(*(() if signum == signal.SIGINT else (f"{signal.Signals(signum).name}: "
+                                                                      "stopping as on Ctrl-C",)))
 
     @classmethod
     def install(cls) -> None:
-        """Latch Ctrl-C from now on (once per process; from the main thread only: Python delivers
+        """Latch Ctrl-C and SIGTERM from now on (once per process; from the main thread only: Python delivers
         signals there). Every worker group installs it, so each command that waits for workers has it."""
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != cls.handler:
-            cls.hit = False
-            signal.signal(signal.SIGINT, cls.handler)
+            cls.hit, cls.pid = False, os.getpid()
+            for sig in cls.SIGNALS:
+                signal.signal(sig, cls.handler)
 
     @classmethod
     def check(cls) -> None:

@@ -386,7 +386,9 @@ def _md_intro(meta, records=()) -> list[str]:
     L.append(ideal)
     L.append("")
     L.append(f"Switch profile: {meta.get('profile', 'software')}"
-             + "".join(f"; {m} skipped ({why})" for m, why in (meta.get("profile_skipped") or {}).items()) + ". "
+             + "".join(f"; {m} skipped ({why})" for m, why in (meta.get("profile_skipped") or {}).items())
+             + (f"; {meta['switch_shards']} switch process(es) (--switch-cores {meta.get('switch_cores', 'auto')})"
+                if meta.get("switch_shards") else "") + ". "
              + ("Real time (not dilated)." if meta.get("dilation", 1) == 1 else
                 f"**Time-dilated** (--dilation {_kname(meta.get('dilation'))}): links shaped at target/K, delays and "
                 f"timeouts x K, times / K; CPU work (per-packet costs, codecs) is not dilated (docs/performance.md).")
@@ -396,6 +398,12 @@ def _md_intro(meta, records=()) -> list[str]:
                        f"group failed** ({r['multicast_fallback']})." for r in records if r.get("multicast_fallback"))
              + (f" Workers' TCP (Gloo): {meta['tcp_cc']}." if meta.get("tcp_cc") else ""))
     L.append("")
+    slow = meta.get("too_slow")
+    if slow:
+        L.append(f"Not run: {len(slow['skipped'])} configuration(s) whose link-bound time exceeds --max-ring-time "
+                 f"{slow['max_ring_time']:g} s per allreduce: "
+                 + "; ".join(f"{k} ({v:.0f} s)" for k, v in slow["skipped"].items()) + ".")
+        L.append("")
     return L
 
 

@@ -193,6 +193,17 @@ def _switch(args):
     return cfg, sw, sw
 
 
+def impairments_label(cfg) -> str:
+    """What the switch does to packets beyond aggregating them, as its startup line says it."""
+    parts = []
+    for where, c in (("ingress", cfg.ingress), ("egress", cfg.egress)):
+        if c.active:
+            what = ", ".join(f"{k.replace('_ms', '')} {getattr(c, k):g}{' ms' if k.endswith('_ms') else ''}"
+                             for k in ("loss", "duplicate", "reorder", "delay_ms") if getattr(c, k))
+            parts.append(f"{where} {what} (seed {c.seed})")
+    return "impairments: " + "; ".join(parts) if parts else "no impairments"
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a name or an address) is a loopback address: nothing beyond this machine reaches it."""
     try:
@@ -262,7 +273,7 @@ def _serve(args) -> int:
           + (f" in each of {args.cores} shards on udp ports {sw.port}..{sw.port + args.cores - 1}" if args.cores > 1
              else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}"
           + (f"; host aggregator (NOT switch-feasible) on tcp {cfg.host}:{hagg.port}" if hagg is not None else "")
-          + f"; profile {prof.describe()}", file=sys.stderr, flush=True)
+          + f"; profile {prof.describe()}; {impairments_label(cfg)}", file=sys.stderr, flush=True)
     cp = ControlPlane(group, args.host, host_agg=hagg, token=token, grace=args.disconnect_grace, profile=prof,
                       max_line=args.max_line, max_connections=args.max_connections, idle_s=args.idle_timeout,
                       max_join_wait=args.max_join_wait)

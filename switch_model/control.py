@@ -164,6 +164,9 @@ class ControlPlane:
             for line in self._lines(h, peer, lambda: joined is not None):
                 try:
                     msg = json.loads(line)
+                    if not isinstance(msg, dict):
+                        raise ValueError(f"a request is a JSON object with an \"op\" field, got a JSON "
+                                         f"{type(msg).__name__}: {line[:80].decode(errors='replace').strip()}")
                     op = msg.get("op")
                     self._check_token(msg, op, peer)
                     if op == "join":
@@ -209,7 +212,10 @@ class ControlPlane:
         addr = (host, int(msg["udp_port"]))
         spec = {"world_size": n, "slots": int(msg.get("slots", 64)), "elements": int(msg.get("elements", 1024)),
                 "raw": bool(msg.get("raw", False))}
-        timeout = min(float(msg.get("timeout", 30.0)), self.max_join_wait)
+        timeout = float(msg.get("timeout", 30.0))
+        if not timeout >= 0:           # NaN included: a wait for it never runs out
+            raise ValueError(f"join timeout must be a number of seconds >= 0, got {msg.get('timeout')!r}")
+        timeout = min(timeout, self.max_join_wait)
         if not 0 <= rank < n:
             raise ValueError(f"rank {rank} out of range for world_size {n}")
         # what the switch can never install is refused now, not after the whole rendezvous

@@ -91,7 +91,9 @@ SHARD_SEED_STEP = 1_000_003     # between the shards' impairment seeds (the ingr
 
 def shard_config(cfg: SwitchConfig, port: int, k: int) -> SwitchConfig:
     """Shard k's configuration: port ``port + k``, and impairments drawn from seeds of its own (the same
-    seed in every shard would drop, copy and hold each shard's n-th packet alike)."""
+    seed in every shard would drop, copy and hold each shard's n-th packet alike). The re-encoding seed
+    stays the same in every shard: its draws are keyed by (seed, job, chunk id, element), a round's
+    chunk id is served by one shard, and so the shards round as one switch would, bit for bit."""
     return replace(cfg, port=port + k, ingress=replace(cfg.ingress, seed=cfg.ingress.seed + SHARD_SEED_STEP * k),
                    egress=replace(cfg.egress, seed=cfg.egress.seed + SHARD_SEED_STEP * k))
 

@@ -319,6 +319,34 @@ def test_sharded_switch_cores_2_is_bit_identical_and_uses_both_shards(tmp_path):
         assert sw.terminate() == 0, sw.log()
 
 
+def test_sharded_switch_rounds_nc_sums_as_one_switch_does(tmp_path):
+    """The switch's stochastic re-encoding of nc sums draws from (--seed, job, chunk id, element):
+    a round's chunk id is served by one shard only, so shards sharing --seed never share draws, and
+    --cores 2 gives bit for bit the sums of --cores 1 (no per-shard seed, which would break that)."""
+    from sw_harness import client_threads
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(40 * 128 + 7).astype(np.float32) for _ in range(2)]   # 41 chunks, both shards
+
+    def body(r, cl):
+        y = xs[r].copy()
+        cl.allreduce(y, codec="nc")
+        return y
+
+    out = {}
+    for cores in ("1", "2"):
+        sw = SwitchProc("--slots", "64", "--elements", "256", "--cores", cores, "--seed", "3",
+                        log_path=tmp_path / f"switch{cores}.log")
+        try:
+            out[cores] = client_threads(sw.port, 2, 78, body, elements=128, slots=8, timeout=20.0, seed=4)
+            assert all(sh["harvested"] > 0 for sh in sw.stats().get("per_shard", [{"harvested": 1}]))
+        finally:
+            assert sw.terminate() == 0, sw.log()
+    for r in range(2):
+        np.testing.assert_array_equal(bits(out["2"][r]), bits(out["1"][r]))
+    exact = xs[0].astype(np.float64) + xs[1]
+    assert np.linalg.norm(out["2"][0] - exact) / np.linalg.norm(exact) < 0.5      # an estimate of the sum
+
+
 # ------------------------------------------------------------------------------------------------
 # where the time goes: the switch's stage clock and the client's timeline
 # ------------------------------------------------------------------------------------------------
@@ -443,10 +471,12 @@ def test_first_window_guess_held_and_wrong_end_to_end(switch):
     def body(r, cl):
         out = {}
         for name, xs in cases.items():
-            for codec in ("bfp32", "nc"):
+            for codec in ("bfp32", "nc", "thc"):
+                c = cl.codec(codec)
+                before = getattr(c, "coordinates", 0)
                 y = xs[r].copy()
                 cl.allreduce(y, codec=codec)
-                out[name, codec] = (y, cl.last_timeline["guess_held"])
+                out[name, codec] = (y, cl.last_timeline["guess_held"], getattr(c, "coordinates", 0) - before)
         return out
 
     res = client_threads(switch.port, 2, 240, body, elements=128, slots=8, timeout=20.0, timeline=True, seed=4)
@@ -462,6 +492,9 @@ def test_first_window_guess_held_and_wrong_end_to_end(switch):
         exact = xs[0].astype(np.float64) + xs[1]
         rel = np.linalg.norm(res[0][name, "nc"][0] - exact) / np.linalg.norm(exact)
         assert rel < 0.5, (name, rel)      # an estimate of the sum, not noise
+        # thc keeps residuals, so no window is encoded under a guess: its statistics count each
+        # coordinate of the 24 chunks of 128 once, a rank with a smaller exponent included
+        assert [res[r][name, "thc"][1:] for r in range(2)] == [(None, 24 * 128)] * 2, name
 
 
 def test_a_stale_result_of_a_chunk_not_yet_sent_is_not_taken(tmp_path):

@@ -29,7 +29,7 @@ from net_measure import read_line, transfer  # noqa: E402  (tests/net_measure.py
 
 from ina.net import (HOST_IFNAME, NetemUnavailable, RateError, Topology, TopologyError, format_rate,
                      list_topologies, missing_caps, parse_rate, probe_netem, tbf_params)
-from ina.net.kernel import QdiscCounterReader, link_index, open_rtnl, qdisc_stats, root_qdisc, tbf_of
+from ina.net.kernel import LinkCounters, QdiscCounterReader, link_index, open_rtnl, root_qdisc, tbf_of
 
 HERE = Path(__file__).resolve().parent
 TRAFFIC = str(HERE / "net_traffic.py")   # the socket endpoints that run inside the hosts
@@ -56,6 +56,31 @@ def netns_names() -> list[str]:
 def root_links() -> list[str]:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
+
+
+def qdisc_stats(q) -> dict:
+    """A root qdisc's counters as pyroute2 decodes them (the reference for the raw netlink reads)."""
+    st = q.get_attr("TCA_STATS2") if q is not None else None
+    out = {"drops": 0, "backlog": 0, "bytes": 0, "packets": 0, "overlimits": 0}
+    if st is None:
+        return out
+    basic = st.get_attr("TCA_STATS_BASIC")
+    queue = st.get_attr("TCA_STATS_QUEUE")
+    if basic:
+        out["bytes"], out["packets"] = basic["bytes"], basic["packets"]
+    if queue:
+        out["drops"], out["backlog"], out["overlimits"] = queue["drops"], queue["backlog"], queue["overlimits"]
+    return out
+
+
+def pyroute2_counters(topo, h) -> LinkCounters:
+    """``topo.counters()[h.name]`` as read through pyroute2 (a link get and two qdisc dumps)."""
+    with open_rtnl(h.netns) as hi, open_rtnl(topo.fabric_netns) as fi:
+        hidx, fidx = link_index(hi, h.ifname), link_index(fi, h.port)
+        s = hi.link("get", index=hidx)[0].get_attr("IFLA_STATS64")
+        upq, downq = qdisc_stats(root_qdisc(hi, hidx)), qdisc_stats(root_qdisc(fi, fidx))
+    return LinkCounters(host=h.name, **{k: s[k] for k in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")},
+                        **{f"{d}_{k}": q[k] for d, q in (("up", upq), ("down", downq)) for k in upq})
 
 
 def leftovers(prefix: str) -> list[str]:
@@ -298,9 +323,10 @@ def test_two_topologies_at_once_do_not_collide():
 
 
 @needs_root
-def test_qdisc_counter_reader_agrees_with_pyroute2():
-    """The cheap reader behind the shaping tests' sampler decodes the same counters as pyroute2, of
-    the queue it was opened for, from a socket in that queue's namespace."""
+def test_qdisc_counter_reader_and_counters_agree_with_pyroute2():
+    """The cheap reader behind the shaping tests' sampler and ``counters()`` decodes the same counters
+    as pyroute2, of the queue it was opened for, from a socket in that queue's namespace; so does
+    ``Topology.counters()``, of every host's link and both its queues."""
     ns_before = os.stat("/proc/thread-self/ns/net").st_ino
     # 8 kbit/s: 20 datagrams of 1472 B stay queued for half a minute, so the backlog is not empty
     with Topology(workers=1, rate="8kbit") as topo:
@@ -321,6 +347,19 @@ def test_qdisc_counter_reader_agrees_with_pyroute2():
         with pytest.raises(OSError, match="ifindex 9999"):
             with QdiscCounterReader(w0.netns, 9999) as fast:
                 fast.read()
+        # counters() reads the same way: it agrees with pyroute2's reads, link and both queues, of every host
+        for h in topo.hosts:
+            for _ in range(20):
+                a, slow, b = topo.counters(h)[h.name], pyroute2_counters(topo, h), topo.counters(h)[h.name]
+                if a == b:
+                    break
+            assert a == b == slow, (h.name, a, slow, b)
+        busy = topo.counters("w0")["w0"]
+        assert busy.tx_packets >= 1 and busy.up_backlog >= 15 * 1514 and busy.up_overlimits > 0, busy
+        # a link gone under a live topology: the error names the host and its link
+        subprocess.run(["ip", "-n", w0.netns, "link", "del", w0.ifname], check=True)
+        with pytest.raises(TopologyError, match=f"w0's link \\({w0.ifname} in {w0.netns}"):
+            topo.counters("w0")
 
 
 # ---------------------------------------------------------------------------------------------

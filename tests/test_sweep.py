@@ -67,6 +67,8 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     report = (out / "report.md").read_text()
     assert "Speedup over Gloo ring fp32" in report and "INA nc" in report and "](speedup_vs_bandwidth.png)" in report
     assert "INA results: IP multicast to the job's group" in report
+    assert data["meta"]["switch_shards"] >= 1
+    assert f"; {data['meta']['switch_shards']} switch process(es) (--switch-cores auto)" in report
 
     # resume: only the new method runs (a host-aggregated one), the completed configurations are kept
     p2 = sweep(out, "gloo,ina:nc,ina:3lc")
@@ -86,6 +88,29 @@ def test_bad_method_is_named(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(tmp_path), "--methods", "gloo,ina:nope"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "ina:nope" in p.stderr
+
+
+def test_configurations_over_max_ring_time_are_named_not_dropped(tmp_path):
+    """A configuration whose link-bound time exceeds --max-ring-time is left out by name (stderr, the
+    results' meta, the report), and a sweep with nothing left to run says so and fails instead of
+    claiming every configuration was already measured."""
+    from experiments.sweep import _plan, _settings, build_parser
+    from experiments.sweep_report import _md_intro
+    ap = build_parser()
+    args = ap.parse_args(["--rates", "10mbit", "--workers", "2", "--sizes", "vgg16,4096", "--methods", "gloo",
+                          "--acc-steps", "0", "--tp-sizes", "none"])
+    slow: dict = {}
+    plan = _plan(args, _settings(ap, args), set(), slow)
+    assert plan == [("allreduce", 2, "10mbit", 4096, "gloo")]
+    assert list(slow) == ["allreduce gloo n=2 10mbit 138,000,000 elements"] and 440 < slow[next(iter(slow))] < 443
+    intro = "\n".join(_md_intro({"too_slow": {"max_ring_time": 120.0, "skipped": slow}}))
+    assert "Not run: 1 configuration(s)" in intro and "allreduce gloo n=2 10mbit 138,000,000 elements (442 s)" in intro
+    p = subprocess.run([sys.executable, "-m", "experiments.sweep", "--out", str(tmp_path), "--rates", "10mbit",
+                        "--workers", "2", "--sizes", "vgg16", "--methods", "gloo", "--acc-steps", "0",
+                        "--tp-sizes", "none", "--no-plots"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "138,000,000 elements (442 s)" in p.stderr and "nothing to run" in p.stderr
+    assert "already in" not in p.stderr
 
 
 @pytest.mark.timeout(300)
@@ -136,10 +161,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _netns_of(pid: int) -> str | None:
+    """The name of the network namespace (under /var/run/netns) process ``pid`` is in."""
+    ino = os.stat(f"/proc/{pid}/ns/net").st_ino
+    return next((n for n in os.listdir("/var/run/netns") if os.stat(f"/var/run/netns/{n}").st_ino == ino), None)
+
+
 @pytest.mark.timeout(400)
-def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path):
-    """SIGINT while the workers of a dilated sweep (x10: their timeouts x10) run a long allreduce
-    configuration: the sweep exits by the interrupt and none of its worker processes keeps running."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path, signame):
+    """SIGINT (or SIGTERM, as from ``timeout`` or a batch scheduler) while the workers of a dilated sweep
+    (x10: their timeouts x10) run a long allreduce configuration: the sweep exits by the interrupt, none
+    of its worker processes keeps running, and its emulated links are removed."""
     import signal
 
     from sw_harness import wait_until
@@ -154,7 +187,8 @@ def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path):
                    240, "the sweep to start its allreduce configuration")
         assert p.poll() is None, err.read_text(errors="replace")[-3000:]
         workers = wait_until(lambda: _workers_of(p.pid), 60, "the sweep's worker processes")
-        p.send_signal(signal.SIGINT)
+        prefix = _netns_of(workers[0]).split("-")[1]          # inanet-<prefix>-w0
+        p.send_signal(getattr(signal, signame))
         rc = p.wait(timeout=120)
     finally:
         if p.poll() is None:
@@ -164,6 +198,7 @@ def test_ctrl_c_during_a_dilated_sweep_ends_its_workers(tmp_path):
     assert rc == -signal.SIGINT and "KeyboardInterrupt" in log, (rc, log[-3000:])
     # (a killed process may take a moment to be reaped)
     wait_until(lambda: not [w for w in workers if _alive(w)], 10, f"the sweep's workers {workers} to end")
+    assert not [n for n in os.listdir("/var/run/netns") if n.startswith(f"inanet-{prefix}-")], prefix
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

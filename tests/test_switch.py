@@ -232,6 +232,10 @@ def test_mismatched_job_parameters_are_refused(switch):
     ({"op": "join", "rank": 0, "world_size": 1, "udp_port": 1}, "missing field 'job'"),
     ({"op": "join", "job": 70000, "rank": 0, "world_size": 2, "udp_port": 1}, "job id 70000 out of range 0..65535"),
     ({"op": "frobnicate"}, "unknown op 'frobnicate' (join, leave, status, stats, impair)"),
+    ({"op": "join", "job": 32, "rank": 0, "world_size": 2, "udp_port": 1, "timeout": float("nan")},
+     "join timeout must be a number of seconds >= 0, got nan"),
+    ({"op": "join", "job": 32, "rank": 0, "world_size": 2, "udp_port": 1, "timeout": -1},
+     "join timeout must be a number of seconds >= 0, got -1"),
     ({"op": "leave"}, "leave without join"),
     ({"op": "impair", "ingress": {"loss": 1.5}}, "impairment loss=1.5 is not a probability"),
 ])
@@ -247,13 +251,34 @@ def test_control_plane_refuses_bad_requests_with_clear_errors(switch, msg, error
 
 
 def test_control_plane_rejects_malformed_json(switch):
+    """Malformed JSON, or JSON that is not a request object, gets an error reply naming it, and the
+    connection stays usable."""
     s = socket.create_connection(("127.0.0.1", switch.port), timeout=5)
     try:
+        f = s.makefile("rb")
         s.sendall(b"{not json\n")
-        reply = json.loads(s.makefile("rb").readline())
+        reply = json.loads(f.readline())
+        assert reply["ok"] is False and reply["error"]
+        for line, kind in ((b'["stats"]', "list"), (b'"stats"', "str"), (b"7", "int")):
+            s.sendall(line + b"\n")
+            reply = json.loads(f.readline())
+            assert reply["ok"] is False and f"JSON object with an \"op\" field, got a JSON {kind}" in reply["error"]
+        s.sendall(b'{"op": "stats"}\n')
+        assert json.loads(f.readline())["ok"] is True
     finally:
         s.close()
-    assert reply["ok"] is False and reply["error"]
+
+
+def test_startup_line_says_what_the_switch_does_to_packets(switch, tmp_path):
+    """The service's startup line (printed whatever the log level) names its impairments, per direction,
+    with their seeds, or says there are none."""
+    assert "; no impairments" in switch.log()
+    sw = SwitchProc("--slots", "8", "--elements", "64", "--seed", "5", "--ingress-loss", "0.01", "--egress-delay-ms",
+                    "2", "--egress-duplicate", "0.5", "--log-level", "WARNING", log_path=tmp_path / "sw.log")
+    try:
+        assert "impairments: ingress loss 0.01 (seed 5); egress duplicate 0.5, delay 2 ms (seed 6)" in sw.log(), sw.log()
+    finally:
+        assert sw.terminate() == 0
 
 
 def test_sram_budget_refused_at_startup(tmp_path):
