@@ -10,7 +10,14 @@ stay in one job; the settings take turns in ``--rounds`` rounds (each round runs
 change of the machine's load during the run reaches every setting alike. A setting's time is the
 median over the rounds of its block's time per allreduce (the slowest worker's mean over the
 block); its ratio is the median over the rounds of its block's time over the lossless block's of
-the same round (the spread of these ratios is reported too: a wide one means a noisy machine).
+the same round (the spread of these ratios is reported too: a wide one means a noisy machine), with a
+95% interval of that median (``vs_lossless_ci``, order statistics: no assumption about the noise) and the
+lossless blocks' own round-to-round spread. Many short rounds (20 by default, 10 allreduces of 20,000
+elements or one of 1.7 M per block) pair every block with a lossless one run moments apart.
+``expected_vs_clean`` is the overhead the allreduces that resent a chunk explain, measured inside each
+block (their share times their median excess over the block's allreduces without a resend): set
+against ``vs_lossless`` it tells a loss's cost from the machine's noise (NaN where every allreduce
+resends, as at 1.7 M elements).
 ``vs_lossless_best`` is the ratio of the fastest blocks (each setting's least disturbed block over the
 lossless setting's): on a loaded machine the better estimate of what a quiet one would show, since
 every round of a setting draws the same impairment sequence (re-seeded alike each round).
@@ -19,8 +26,9 @@ Loss, duplication and reordering are the switch's user-space impairments (this k
 netem), applied in both directions (worker -> switch and switch -> worker) with the given
 probability each, seeded (the same seed in every round). Every result is compared bit for bit with the lossless run's: a
 mismatch fails the benchmark. The client counters say how each loss was recovered: fast
-retransmissions (a later chunk's result arrived first), tail probes or timeouts; ``needed_resends``
-is what the switch's drop counts make necessary (a lost data packet: one resend per worker, none
+retransmissions (a later chunk's result arrived first), tail probes or timeouts, and how many of them
+resent a chunk resent before (``repeat_retransmissions``); ``needed_resends`` is what the switch's drop
+counts make necessary (a lost data packet: one resend per worker, none
 can tell whose packet it was; a lost result: one), so resends above it are spurious, or answer a
 reordered packet (held back 1 ms, five loopback round trips: a resend overtakes it, as TCP's would). ``tail_s`` is
 the mean time from a stream's last first-time send to its last result (where a tail loss shows).
@@ -61,6 +69,7 @@ SETTINGS = {                      # name: impairment of each direction
 }
 TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
 COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
+            "repeat_retransmissions",
             "fast_replayed", "probe_replayed", "timeout_replayed", "duplicate_results", "coalesce_pause_s",
             "tail_copies")
 
@@ -99,21 +108,23 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
     h = hashlib.sha256()
     y = x.copy()
     st0 = cl.stats.as_dict()
-    tails, turns = [], 0
-    dt = 0.0                  # the allreduces' time (not the copies and the digest's in between)
+    tails, turns, times, resent = [], 0, [], []
     cpu0 = time.process_time()
     for _ in range(reps):
         y[:] = x
+        r0 = cl.stats.retransmissions
         t0 = time.perf_counter()
         cl.allreduce(y, codec="bfp32")
-        dt += time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)      # the allreduce's time (not the copies and the digest's)
+        resent.append(cl.stats.retransmissions - r0)
         tl = cl.last_timeline or {}
         if "last_result" in tl and "last_send" in tl:
             tails.append(tl["last_result"] - tl["last_send"])
         turns += tl.get("rx_bursts", 0)
         h.update(y.tobytes())
     st = cl.stats.as_dict()
-    return {"time_per_allreduce_s": dt / reps, "digest": h.hexdigest(), "tail_s": float(np.mean(tails or [0.0])),
+    return {"time_per_allreduce_s": sum(times) / reps, "times_s": times, "resent": resent,
+            "digest": h.hexdigest(), "tail_s": float(np.mean(tails or [0.0])),
             "cpu_per_allreduce_s": (time.process_time() - cpu0) / reps, "turns_per_allreduce": turns / reps,
             **{k: st.get(k, 0) - st0.get(k, 0) for k in COUNTERS}}
 
@@ -240,11 +251,51 @@ class Side:
         if len(digests) != 1:
             raise RuntimeError(f"{self.label}: ranks disagree on the results ({len(digests)} different digests)")
         return {"time": max(g["time_per_allreduce_s"] for g in got),        # the slowest worker's
+                # per allreduce: the slowest rank's time, and whether any rank resent a chunk in it
+                "times": np.max([g["times_s"] for g in got], axis=0).tolist(),
+                "resent": np.any([g["resent"] for g in got], axis=0).tolist(),
                 "tail": float(np.mean([g["tail_s"] for g in got])), "digest": digests.pop(),
                 "worker_cpu": float(np.mean([g["cpu_per_allreduce_s"] for g in got])),
                 "turns": float(np.mean([g["turns_per_allreduce"] for g in got])),
                 "counters": {k: sum(g[k] for g in got) for k in COUNTERS},
                 "switch": {k: sw1[k] - sw0[k] for k in sw1}}
+
+
+def median_interval(x, confidence: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of the sample ``x`` (order statistics,
+    the sign test's binomial): (low, high, its actual coverage, at least ``confidence`` when the sample
+    allows; with fewer than 6 values the whole range, whose coverage is below 0.95)."""
+    from math import comb
+    v = np.sort(np.asarray(x, float))
+    n = v.size
+    cdf = np.cumsum([comb(n, i) for i in range(n + 1)]) / 2.0 ** n      # P(Binomial(n, 1/2) <= i)
+    # [v[k], v[n-1-k]] misses the median when at most k values lie below it, or above: probability 2 * cdf[k]
+    k = 0
+    while k + 1 <= n - 2 - k and 1 - 2 * cdf[k + 1] >= confidence:
+        k += 1
+    return float(v[k]), float(v[n - 1 - k]), float(1 - 2 * cdf[k])
+
+
+def resend_cost(blocks: list[dict]) -> dict:
+    """What the allreduces that resent a chunk cost, measured inside each block (the same round's
+    machine): the share of allreduces in which some rank resent, and the median over the blocks of
+    their median time minus the median time of the block's allreduces without a resend. Their product
+    over the clean allreduces' median time is the overhead the resends explain (``expected_vs_clean``):
+    compared with ``vs_lossless`` it tells a loss's cost from the machine's noise. NaN where no block
+    has both kinds (at 1.7 M elements and 0.1% loss every allreduce resends)."""
+    extra, clean, n_resent, n = [], [], 0, 0
+    for b in blocks:
+        t, r = np.asarray(b["times"]), np.asarray(b["resent"], bool)
+        n_resent, n = n_resent + int(r.sum()), n + r.size
+        if (~r).any():
+            clean.append(float(np.median(t[~r])))
+            if r.any():
+                extra.append(float(np.median(t[r])) - clean[-1])
+    share = n_resent / max(n, 1)
+    med_extra = float(np.median(extra)) if extra else float("nan")
+    med_clean = float(np.median(clean)) if clean else float("nan")
+    return {"share_with_resend": share, "extra_s_with_resend": med_extra,
+            "expected_vs_clean": 1 + share * med_extra / med_clean if extra else float("nan")}
 
 
 def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], ref: list[dict], reps: int,
@@ -259,6 +310,16 @@ def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], r
            "rounds": len(blocks), "allreduces": reps * len(blocks),
            "time_per_allreduce_s": float(np.median(times)), "mean_time_per_allreduce_s": float(times.mean()),
            "vs_lossless": float(np.median(ratios)), "vs_lossless_per_round": [round(float(r), 3) for r in ratios],
+           # where the median per-round ratio lies (distribution-free, ``median_interval``)
+           "vs_lossless_ci": list(median_interval(ratios)[:2]), "vs_lossless_ci_coverage": median_interval(ratios)[2],
+           # the lossless blocks' own spread: each round's lossless block over the median one
+           "lossless_spread_per_round": [round(float(b["time"]) / float(np.median([c["time"] for c in ref])), 3)
+                                         for b in ref],
+           # per round: (fast, probe, timeout) retransmissions, what the switch dropped (in, out)
+           "resends_per_round": [[b["counters"][k] for k in ("fast_retransmissions", "probe_retransmissions",
+                                                              "timeout_retransmissions")] for b in blocks],
+           "dropped_per_round": [[b["switch"]["ingress_dropped"], b["switch"]["egress_dropped"]] for b in blocks],
+           **resend_cost(blocks),
            # the least disturbed block of each (every round draws the same impairments: the same seed)
            "best_time_per_allreduce_s": float(times.min()),
            "vs_lossless_best": float(times.min() / min(b["time"] for b in ref)),
@@ -315,8 +376,11 @@ def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
                 row["code"] = side.label
                 if side is not sides[0]:      # this tree's time (and worker CPU) over the baseline's, round by round
                     for key, what in (("this_vs_baseline", "time"), ("this_vs_baseline_worker_cpu", "worker_cpu")):
-                        row[key] = float(np.median(np.array([b[what] for b in blocks[sides[0].label, name]])
-                                                   / np.array([b[what] for b in blocks[side.label, name]])))
+                        per_round = (np.array([b[what] for b in blocks[sides[0].label, name]])
+                                     / np.array([b[what] for b in blocks[side.label, name]]))
+                        row[key] = float(np.median(per_round))
+                        row[key + "_ci"] = list(median_interval(per_round)[:2])
+                        row[key + "_per_round"] = [round(float(r), 3) for r in per_round]
                 rows.append(row)
                 log(f"{side.label}: {elements} elements, {name}: {row['time_per_allreduce_s'] * 1e3:.2f} ms per "
                     f"allreduce ({row['vs_lossless']:.2f}x lossless, per round {row['vs_lossless_per_round']}), "
@@ -335,9 +399,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--sizes", type=int, nargs="+", default=[20_000, 1_700_000], help="elements per allreduce")
-    ap.add_argument("--reps", type=int, nargs="+", default=[40, 3],
+    ap.add_argument("--reps", type=int, nargs="+", default=[10, 1],
                     help="allreduces per setting and round, one number per size")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of interleaved blocks (the medians' sample)")
+    ap.add_argument("--rounds", type=int, default=20, help="rounds of interleaved blocks (the medians' sample: "
+                    "many short rounds pair each block with a lossless one run moments apart)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rate", default=None, help="emulated link rate per worker, e.g. 100mbit (root); "
                     "default: loopback")
@@ -372,13 +437,15 @@ def main(argv=None) -> int:
                                        "(median of the per-round ratios)",
                           "results": rows}, indent=2))
     else:
-        print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'spread':>11} {'best':>5} {'fast':>6} "
+        print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'95% CI':>11} {'spread':>11} "
+              f"{'expect':>6} {'best':>5} {'fast':>6} "
               f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "
               f"{'sCPU ms':>7} exact  this/baseline")
         for r in rows:
             lo, hi = min(r["vs_lossless_per_round"]), max(r["vs_lossless_per_round"])
             print(f"{r['code']:<8} {r['elements']:>9} {r['setting']:<32} {r['time_per_allreduce_s'] * 1e3:>8.2f} "
-                  f"{r['vs_lossless']:>10.2f} {lo:>5.2f}-{hi:<5.2f} {r['vs_lossless_best']:>5.2f} {r['fast_retransmissions']:>6} "
+                  f"{r['vs_lossless']:>10.2f} {r['vs_lossless_ci'][0]:>5.2f}-{r['vs_lossless_ci'][1]:<5.2f} "
+                  f"{lo:>5.2f}-{hi:<5.2f} {r['expected_vs_clean']:>6.2f} {r['vs_lossless_best']:>5.2f} {r['fast_retransmissions']:>6} "
                   f"{r['probe_retransmissions']:>6} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
                   f"{r['tail_s'] * 1e3:>7.2f} {r.get('vs_impairment_path', float('nan')):>6.2f} "
                   f"{r['turns_per_allreduce']:>6.1f} {r['worker_cpu_per_allreduce_s'] * 1e3:>7.2f} "

@@ -63,6 +63,7 @@ class ClientStats(WorkerStats):
     fast_retransmissions: int = 0     # resent because results of later chunks arrived first
     probe_retransmissions: int = 0    # resent after a silence of the probe timeout (tail losses)
     timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
+    repeat_retransmissions: int = 0   # of all these, resends of a chunk resent before in its stream (any rule)
     fast_replayed: int = 0            # resends by each rule that the switch answered with a replay (the round
     probe_replayed: int = 0           # had completed: a result lost on the way back was recovered); the others
     timeout_replayed: int = 0         # waited for this rank's lost data packet or a peer's (ina.recovery)

@@ -56,7 +56,15 @@ processes run):
    tail loss probe: its result restarts the flow, and any further lost chunk then meets rule 2 or
    another probe). The probe timer is the silence's, not a chunk's: it restarts with every result
    and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a
-   slow peer costs a handful of probes in all, not one per chunk and silence;
+   slow peer costs a handful of probes in all, not one per chunk and silence.
+   Only a silence with at most ``PROBE_MAX_PENDING`` (DUPTHRESH, 3) chunks pending is probed: with
+   more, a probe could help only if every one of them was lost (had one result come back, the
+   others' losses would show by rule 1), so the silence is a stall, a peer that has not sent yet or
+   a switch not scheduled, which no probe shortens (the switch only reads the resend). These were
+   most of the probes on slow links: at 100 Mbit/s, 20,000 elements, a probe of chunk 0 or of a
+   chunk mid-stream after 1-2 ms of silence, the probe timeout (two of a negotiation packet's round
+   trips plus four result spacings) being far below the chunks' own round trip through the
+   link's queue. A loss of every pending chunk (probability p^4 and less) waits for rule 4;
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
    ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
@@ -86,8 +94,9 @@ import numpy as np
 from . import recovery_kernels as RK
 from .wire import Flag
 
+PROBE_MAX_PENDING = DUPTHRESH = RK.DUPTHRESH      # rule 3 probes a silence with at most this many chunks pending
 TAIL_COPY_FROM = 16    # data streams of at least this many chunks send their last chunk twice (negotiation: always)
-DUPTHRESH, REO_FLOOR = RK.DUPTHRESH, RK.REO_FLOOR   # rule 1's count of later results, rule 2's floor (seconds)
+REO_FLOOR = RK.REO_FLOOR          # rule 1's count of later results is DUPTHRESH; rule 2's floor (seconds)
 FAST, PROBE, TIMEOUT = RK.FAST, RK.PROBE, RK.TIMEOUT  # the rule of a chunk's last resend (LossDetector.rule; 0: never)
 
 
@@ -173,7 +182,7 @@ class LossDetector:
         none = pending[:0]
         if not len(pending):
             return none, none, none
-        probe_due = self._probe_due(now, pto, max_rto)
+        probe_due = self._probe_due(now, pto, max_rto, pending.size)
         if not probe_due and now - self.last_arrival <= min(rto, max_rto) and not self.later[pending].any():
             return none, none, none       # no evidence, no silence: the common turn
         kind = self._kind[:pending.size]
@@ -187,8 +196,8 @@ class LossDetector:
         """When the probe timer fires: ``pto`` after it last started, doubled per probe of this silence."""
         return self.probe_base + min(pto * 2.0 ** self.probes, max_rto)
 
-    def _probe_due(self, now: float, pto: float | None, max_rto: float) -> bool:
-        return pto is not None and now > self._probe_at(pto, max_rto)
+    def _probe_due(self, now: float, pto: float | None, max_rto: float, n_pending: int) -> bool:
+        return pto is not None and n_pending <= PROBE_MAX_PENDING and now > self._probe_at(pto, max_rto)
 
     reordering_window = staticmethod(RK.reordering_window)      # rule 2's window (srtt, rttvar) -> seconds
 
@@ -198,6 +207,8 @@ class LossDetector:
         arrives before (inf: none could; the timeout, rule 4, is tens of round trips away)."""
         if not len(pending):
             return np.inf
+        if len(pending) > PROBE_MAX_PENDING:
+            pto = None                    # a silence of that many is a stall: no probe timer to wake for
         return RK.next_deadline(np.asarray(pending, np.int64), self.sent_at, self.later, self.tries,
                                 np.nan if srtt is None else srtt, rttvar, np.nan if pto is None else pto,
                                 np.nan if pto is None else self._probe_at(pto, max_rto))

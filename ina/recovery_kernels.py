@@ -89,21 +89,29 @@ def reordering_window(srtt, rttvar):
 
 
 @njit(cache=True)
-def duplicate_threshold(q, pending, later, seq, lane, unsent):
-    """Rule 1's count for ``pending[q]``: DUPTHRESH, or less at the stream's end (early retransmit,
-    RFC 5827): once every chunk went out (``unsent`` 0) and fewer than DUPTHRESH + 1 of its lane are
-    outstanding (the lane's pending chunks and the results that came after its oldest), one less than
-    that many. Per lane, as ``later`` counts (count_later): another shard's chunks are no evidence."""
-    if unsent:
-        return DUPTHRESH
-    mine, oldest, outstanding = lane[pending[q]], -1, 0
-    for i in range(pending.size):
-        c = pending[i]
-        if lane[c] == mine:
-            outstanding += 1
-            if oldest < 0 or seq[c] < seq[oldest]:
-                oldest = c
-    return max(1, min(DUPTHRESH, outstanding + later[oldest] - 1))
+def duplicate_thresholds(pending, later, seq, lane, unsent, out):
+    """Rule 1's count for each of the ``pending`` chunks, into ``out``: DUPTHRESH, or less at the
+    stream's end (early retransmit, RFC 5827): once every chunk went out (``unsent`` 0) and fewer than
+    DUPTHRESH + 1 of its lane are outstanding (the lane's pending chunks and the results that came after
+    its oldest), one less than that many. Per lane, as ``later`` counts (count_later): another shard's
+    chunks are no evidence. One pass to count each lane, one to apply (linear in the pending chunks)."""
+    if unsent or pending.size == 0:
+        out[:pending.size] = DUPTHRESH
+        return
+    lanes = 0
+    for q in range(pending.size):
+        lanes = max(lanes, lane[pending[q]] + 1)
+    outstanding = np.zeros(lanes, np.int64)
+    oldest = np.full(lanes, -1, np.int64)
+    for q in range(pending.size):
+        c = pending[q]
+        m = lane[c]
+        outstanding[m] += 1
+        if oldest[m] < 0 or seq[c] < seq[oldest[m]]:
+            oldest[m] = c
+    for q in range(pending.size):
+        m = lane[pending[q]]
+        out[q] = max(1, min(DUPTHRESH, outstanding[m] + later[oldest[m]] - 1))
 
 
 @njit(cache=True)
@@ -116,11 +124,15 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
     silence = now - last_arrival
     found = False
     probe, probe_tries, probe_seq = -1, 0, 0
+    for q in range(pending.size):       # rule 1's counts (into kind, scratch until overwritten below): only
+        if later[pending[q]] > 0:       # where some chunk has a later result (the common turn has none)
+            duplicate_thresholds(pending, later, seq, lane, unsent, kind)
+            break
     for q in range(pending.size):
         p = pending[q]
         age = now - sent_at[p]
         backoff = 2.0 ** tries[p]
-        fast = later[p] > 0 and later[p] >= duplicate_threshold(q, pending, later, seq, lane, unsent)
+        fast = later[p] > 0 and later[p] >= kind[q]
         if window == window:
             fast = fast or (later[p] > 0 and age > window)
             # a resent chunk's result may be late because a peer has yet to resend its own packet (every

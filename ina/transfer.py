@@ -266,6 +266,7 @@ class Transfer:
             self.hv["flags"][rows] |= self.resend_flags
             if send:
                 self.send_rows(rows)
+            cl.stats.repeat_retransmissions += int(np.count_nonzero(self.ld.tries[lost]))
             self.ld.resent(lost, now, probed=probe.size > 0, rules=(fast, probe, late))
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size

@@ -228,19 +228,43 @@ def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
     assert late.tolist() == [4]
 
 
-def test_a_long_silence_costs_a_handful_of_probes_not_one_per_chunk():
-    """A rank waiting 200 ms for a slow peer, with a window of 64 chunks out and a 1 ms probe timeout:
-    the probes back off over the silence (1, 2, 4, ... ms), so about log2(200) of them in all."""
-    ld = LossDetector(64)
-    ld.sent(np.arange(64), now=0.0)
-    pending, probes, now = np.arange(64), 0, 0.0
-    while now < 0.2:
-        _, probe, _ = ld.lost(pending, now=now, srtt=0.001, rto=1.0, max_rto=1.0, pto=0.001)
-        if probe.size:
-            ld.resent(probe, now=now, probed=True)
-            probes += probe.size
-        now = max(now + 1e-4, min(0.2, ld.next_deadline(pending, srtt=0.001, rttvar=0.0, pto=0.001, max_rto=1.0)))
-    assert 5 <= probes <= 9, probes
+def _probes_in_a_silence(window: int, silence: float = 0.2, pto: float = 0.001) -> tuple[int, int]:
+    """(probes, timeouts) of a rank whose ``window`` chunks are all out and that hears nothing for
+    ``silence`` seconds (the rules run whenever next_deadline says, or every 0.1 ms)."""
+    ld = LossDetector(window)
+    ld.sent(np.arange(window), now=0.0)
+    pending, probes, timeouts, now = np.arange(window), 0, 0, 0.0
+    while True:
+        _, probe, late = ld.lost(pending, now=now, srtt=0.001, rto=1.0, max_rto=1.0, pto=pto)
+        ld.resent(np.concatenate([probe, late]), now=now, probed=probe.size > 0)
+        probes, timeouts = probes + probe.size, timeouts + late.size
+        if now >= silence:
+            return probes, timeouts
+        now = max(now + 1e-4, min(silence, ld.next_deadline(pending, srtt=0.001, rttvar=0.0, pto=pto, max_rto=1.0)))
+
+
+def test_a_long_silence_of_a_few_chunks_costs_a_handful_of_probes_not_one_per_chunk():
+    """A rank with the last 3 chunks of its stream out that hears nothing for 200 ms (a slow peer, or
+    all three lost), with a 1 ms probe timeout: the probes back off over the silence (1, 2, 4, ... ms),
+    so about log2(200) of them in all, and the 1 s timeout does not fire."""
+    probes, timeouts = _probes_in_a_silence(3)
+    assert 5 <= probes <= 9 and timeouts == 0, (probes, timeouts)
+
+
+def test_a_silence_with_more_chunks_out_than_the_duplicate_threshold_is_a_stall_not_probed():
+    """A window of 20 or 64 chunks out and no result: a probe could only help if every one of them
+    was lost (one result back would show the others' losses by rule 1), so it is a stall (a peer that
+    has not started its stream, the switch not scheduled). No probe fires (at 100 Mbit/s they were
+    most of the spurious resends, the probe timeout far below the chunks' round trip through the
+    link's queue), nor does the receive wake for the probe timer; the timeout (1 s here) remains."""
+    for window in (DUPTHRESH + 1, 20, 64):
+        assert _probes_in_a_silence(window) == (0, 0)
+        ld = LossDetector(window)
+        ld.sent(np.arange(window), now=0.0)
+        assert ld.next_deadline(np.arange(window), srtt=None, rttvar=0.0, pto=0.001, max_rto=1.0) == np.inf
+    probes, timeouts = _probes_in_a_silence(20, silence=1.5)
+    assert probes == 0 and timeouts == 20                # the safety net resends them all, once
+    assert _probes_in_a_silence(DUPTHRESH)[0] > 0        # as few as the threshold: a tail, probed
 
 
 def test_a_resent_chunks_result_is_no_evidence_against_others():
@@ -306,6 +330,31 @@ def test_spurious_retransmissions_stay_rare_without_reordering(tmp_path):
     fast = sum(m["stats"]["fast_retransmissions"] for m in out.values())
     assert fast <= N * dropped, (fast, imp)
     _check_exact(out, ops, N)
+
+
+def test_the_stream_ends_duplicate_threshold_is_the_per_lane_rule_for_every_pending_chunk():
+    """Rule 1's count at a stream's end, computed for all pending chunks in one pass per lane, is the
+    rule applied chunk by chunk: min(DUPTHRESH, the lane's outstanding chunks + the results after its
+    oldest - 1), at least 1; DUPTHRESH while chunks are unsent (random streams, seeded)."""
+    from ina import recovery_kernels as RK
+
+    def by_chunk(p, pending, later, seq, lane):
+        mine = [c for c in pending if lane[c] == lane[p]]
+        oldest = min(mine, key=lambda c: seq[c])
+        return max(1, min(DUPTHRESH, len(mine) + later[oldest] - 1))
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        lane = rng.integers(0, int(rng.integers(1, 4)), n).astype(np.int64)
+        seq = (rng.permutation(n) + 1).astype(np.int64)
+        later = rng.integers(0, 3, n).astype(np.int64)
+        pending = np.sort(rng.choice(n, int(rng.integers(1, n + 1)), replace=False)).astype(np.int64)
+        out = np.zeros(n, np.int64)
+        RK.duplicate_thresholds(pending, later, seq, lane, 0, out)
+        assert out[:pending.size].tolist() == [by_chunk(p, pending, later, seq, lane) for p in pending]
+        RK.duplicate_thresholds(pending, later, seq, lane, 2, out)
+        assert (out[:pending.size] == DUPTHRESH).all()
 
 
 def test_early_retransmit_near_the_end_of_the_stream():

@@ -37,6 +37,21 @@ def test_bench_loss_names_a_malformed_baseline_environment_before_starting_anyth
     assert e.value.code == 2 and "NAME=VALUE" in err and "['FLOOR']" in err, err
 
 
+def test_bench_loss_median_interval_covers_the_median_as_often_as_it_says():
+    """bench_loss's confidence interval of the median per-round ratio: the textbook order statistics
+    (n = 20: the 6th and 15th smallest), and, over many samples of a skewed distribution (seeded),
+    it contains the true median at least as often as its stated coverage."""
+    import numpy as np
+    from experiments.bench_loss import median_interval
+    lo, hi, cov = median_interval(np.arange(20.0)[::-1])
+    assert (lo, hi) == (5.0, 14.0) and 0.95 <= cov < 0.96
+    assert median_interval([3.0, 1.0, 2.0])[:2] == (1.0, 3.0)      # too few rounds: the whole range
+    rng = np.random.default_rng(7)
+    true_median = np.exp(0.0)                                       # of a lognormal(0, 1)
+    hits = [lo <= true_median <= hi for lo, hi, _ in (median_interval(rng.lognormal(0, 1, 15)) for _ in range(2000))]
+    assert np.mean(hits) >= median_interval(np.zeros(15))[2] - 0.015
+
+
 def test_only_switch_traffic_runs_at_a_loss():
     plan = [("allreduce", 2, "100mbit", 1000, "gloo"), ("allreduce", 2, "100mbit", 1000, "ina:bfp32"),
             ("throughput", 2, "100mbit", 1000, "ina:bfp32"), ("allreduce", 2, "100mbit", 1000, "ina:3lc"),
