@@ -529,8 +529,11 @@ class Switch:
         return min(RX_TIMEOUT, want)
 
     def set_impairments(self, ingress: dict | None = None, egress: dict | None = None) -> dict:
-        self.ingress.update(ingress)
-        self.egress.update(egress)
+        new = [(imp, imp.config.updated(changes, where))       # both checked before either changes
+               for imp, changes, where in ((self.ingress, ingress, "ingress"), (self.egress, egress, "egress"))]
+        for imp, cfg in new:
+            if cfg is not imp.config:
+                imp.set(cfg)
         log.info("impairments now ingress=%s egress=%s", self.ingress.config.to_dict(), self.egress.config.to_dict())
         return {"ingress": self.ingress.config.to_dict(), "egress": self.egress.config.to_dict()}
 
