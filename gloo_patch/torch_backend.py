@@ -124,15 +124,13 @@ class _Lane:
         self._t.start()
 
     def submit(self, tensors: list[torch.Tensor], average: bool, result, key=None,
-               decide: Callable[[], bool] | None = None, then: Callable[[], None] | None = None) -> torch.futures.Future:
+               decide: Callable[[], bool] | None = None) -> torch.futures.Future:
         """Queue an allreduce of ``tensors``; ``key`` names them for codecs with error feedback (a
         residual per (key, i)); without one such codecs are stateless. ``decide()``, if given, runs on the
         lane first (the agreement, off the caller's thread): True if it did the allreduce another way
-        (Gloo), False to go through the switch; what it raises reaches the future, the lane stays usable.
-        ``then()``, if given, runs on the lane once the future is complete (housekeeping off the waiter's path;
-        what it raises is logged)."""
+        (Gloo), False to go through the switch; what it raises reaches the future, the lane stays usable."""
         fut, ready = staging.handoff(tensors)     # CUDA: a CUDA-aware future, events of the caller's streams
-        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter(), decide, then))
+        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter(), decide))
         return fut
 
     def _run(self) -> None:
@@ -140,12 +138,7 @@ class _Lane:
             item = self._q.get()
             if item is None:
                 return
-            self._one(*item[:-1])
-            if item[-1] is not None:
-                try:
-                    item[-1]()
-                except Exception as e:  # noqa: BLE001 - housekeeping: the allreduce itself is complete
-                    log.warning("[ina rank %d] after an allreduce of job %d: %s", self.rank, self.job, e)
+            self._one(*item)
 
     def _one(self, tensors, average, result, fut, key, ready, submitted, decide) -> None:
         """One queued allreduce: the agreement's decision, then the switch (or what ``decide`` did)."""
@@ -409,7 +402,7 @@ class InaHookState:
         returns, or raises the same RuntimeError on every rank if the ranks disagree. ``last``: the step's last
         bucket by index (DDP's ``is_last``; backward may still compute input gradients or parameters outside
         DDP's buckets): the round's slot is claimed on this thread, now, not by the
-        rounds' writer thread. The returned function leaves the round's deletes to :meth:`tidy`."""
+        rounds' writer thread."""
         mine = agreement.row(tensors, _AVG, self.lane.unusable())
         size, n = self.size, mine.numel()
         table = torch.zeros(size * n, dtype=torch.int64)   # a Sum of one row per rank: an all_gather
@@ -418,15 +411,11 @@ class InaHookState:
 
         def decided() -> str | None:
             try:
-                rows = agreement.Rounds.wait(handle, self.config.timeout, tidy_later=True)
+                rows = agreement.Rounds.wait(handle, self.config.timeout)
             except agreement.RoundError as e:    # names the round and the ranks missing; the next round works
                 raise RuntimeError(f"{what}: {e}") from None
             return judged(list(rows.reshape(size, -1)), what)
         return decided
-
-    def tidy(self) -> None:
-        """Delete the agreement rounds' keys every rank has read (the lane, after a bucket's allreduce)."""
-        self.rounds.tidy()
 
     def _broadcast(self, values: list[int]) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64)
@@ -497,7 +486,7 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
         return True
 
     if not state.per_parameter:     # the whole bucket, one allreduce, no residual (the key names it, unused)
-        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", decide=decide, then=state.tidy)
+        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", decide=decide)
     # the residual of an error-feedback codec belongs to the bucket's parameters: DDP rebuilds its buckets
     # after the first iteration, so the index alone may name other parameters (or another size) later;
     # the parameters' shapes name the layout the same way on every rank (the host aggregator checks).
@@ -507,7 +496,7 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     params = bucket.parameters()
     layout = ",".join("x".join(map(str, p.shape)) for p in params)
     parts = list(buf.split([p.numel() for p in params]))
-    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide, then=state.tidy)
+    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide)
 
 
 HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]

@@ -146,6 +146,18 @@ def probe_timeout(pto: float | None, n_pending: int, srtt: float | None, rttvar:
     return max(pto, rtt + n_pending * spacing)
 
 
+_loaded = [False]
+
+
+def _load_loss_rules() -> None:
+    """Load (or compile) ``find_lost`` with the first stream, not at the first loss: it runs only on evidence
+    of one, and its first call took tens of ms from numba's cache (a second without: every rank's window
+    timed out waiting for the rank compiling it)."""
+    _loaded[0] = True
+    one, none = np.zeros(1, np.int64), np.zeros(1)
+    RK.find_lost(one, 0.0, none, one, one, one, one, 0, np.nan, 0.0, np.inf, 1.0, np.nan, False, 0.0, one.copy())
+
+
 class LossDetector:
     """Per-chunk send bookkeeping of one stream of ``n`` chunks (``n`` at most a few thousand)."""
 
@@ -164,6 +176,9 @@ class LossDetector:
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
         self.probes = 0                            # tail probes since then (the probe timer's backoff)
         self.probe_base = 0.0                      # when the probe timer last started: an arrival or a probe
+        if not _loaded[0]:
+            _load_loss_rules()
+
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
         """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the

@@ -146,6 +146,8 @@ class Transfer:
             self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
             if not k:
                 self.spacing.idle()
+                if self.tl:
+                    self.tl.idle_turns += 1
             else:
                 self.receive(k, now)
             if self.n_done < n_chunks:

@@ -219,7 +219,7 @@ class Switch:
     def stage_ingress(self, n: int):
         """Ingress impairments over the burst as arrays (impair.py). At most a burst's worth goes on
         (the parse scratch holds ``burst`` packets); the rest stays held, due at the next poll."""
-        if not self.ingress.active:
+        if not self.ingress.active or self.ingress.untouched(n):
             return self.rx.buf, self.rx.lens, n
         src = self.state.src
         buf, rows, lens, tags = self.ingress.apply(self.rx.buf, np.arange(n), self.rx.lens[:n], src[:n],
@@ -529,8 +529,11 @@ class Switch:
         return min(RX_TIMEOUT, want)
 
     def set_impairments(self, ingress: dict | None = None, egress: dict | None = None) -> dict:
-        self.ingress.update(ingress)
-        self.egress.update(egress)
+        new = [(imp, imp.config.updated(changes, where))       # both checked before either changes
+               for imp, changes, where in ((self.ingress, ingress, "ingress"), (self.egress, egress, "egress"))]
+        for imp, cfg in new:
+            if cfg is not imp.config:
+                imp.set(cfg)
         log.info("impairments now ingress=%s egress=%s", self.ingress.config.to_dict(), self.egress.config.to_dict())
         return {"ingress": self.ingress.config.to_dict(), "egress": self.egress.config.to_dict()}
 

@@ -98,6 +98,13 @@ def shard_config(cfg: SwitchConfig, port: int, k: int) -> SwitchConfig:
                    egress=replace(cfg.egress, seed=cfg.egress.seed + SHARD_SEED_STEP * k))
 
 
+def _shard_seeded(changes, k: int):
+    """Impairment changes as shard k applies them: a seed they set is offset as ``shard_config`` does."""
+    if isinstance(changes, dict) and isinstance(changes.get("seed"), int):
+        return {**changes, "seed": changes["seed"] + SHARD_SEED_STEP * k}
+    return changes
+
+
 class ShardGroup:
     """Shard 0 (in this process) plus N-1 shard processes, behind the single-switch interface."""
 
@@ -141,6 +148,9 @@ class ShardGroup:
     def _remote(self, name, *args, **kwargs) -> list:
         for c in self._conns:
             c.send((name, args, kwargs))
+        return self._answers(name)
+
+    def _answers(self, name) -> list:
         out = []
         for k, c in enumerate(self._conns, 1):
             if not c.poll(self.timeout):
@@ -172,6 +182,13 @@ class ShardGroup:
                 self._remote("remove_job", args[0], "a shard refused it")
                 raise
             return info
+        if name == "set_impairments":       # a seed set at run time is offset per shard, as at start-up
+            out = self.local.dp(name, *args, **kwargs)     # checks the request: the shards would refuse it alike
+            for k, c in enumerate(self._conns, 1):
+                c.send((name, tuple(_shard_seeded(d, k) for d in args),
+                        {key: _shard_seeded(d, k) for key, d in kwargs.items()}))
+            self._answers(name)
+            return out
         if name == "remove_job":            # only shard 0 sends the ABORT packets
             remote_kw = {k: v for k, v in kwargs.items() if k != "notify_rank"}
             ok = self.local.dp(name, *args, **kwargs)

@@ -48,6 +48,15 @@ def run_ranks(ranks: list[agreement.Rounds], run) -> None:
     assert not errors and not any(t.is_alive() for t in threads), errors
 
 
+def keys_left(ranks: list[agreement.Rounds]) -> int:
+    """The keys in the store once every rank's writer thread made the deletes its reads queued (the writers end)."""
+    for x in ranks:
+        x.outbox.put(None)
+        x.writer.join(TIMEOUT)
+        assert not x.writer.is_alive()
+    return ranks[0].store.num_keys()
+
+
 def vector(rank: int, k: int) -> torch.Tensor:
     v = torch.zeros(agreement.LENGTH, dtype=torch.int64)
     v[0], v[1], v[2] = 1, 1000 * k + rank, rank * rank
@@ -77,7 +86,7 @@ def test_rounds_pair_by_number_and_sum_every_rank():
     # a rank's key goes once every rank has read its round (as each rank's next start says): the store holds
     # keys for the rounds in flight (here a rank lags up to 3 rounds; the bound allows twice that, plus the
     # last rounds), not one per rank for each of the 41 rounds started
-    assert ranks[0].store.num_keys() <= 3 * (2 * 3 + 2)
+    assert keys_left(ranks) <= 3 * (2 * 3 + 2)
     for x in ranks:
         x.close()
 
@@ -246,10 +255,10 @@ def test_nonfinite_flags_find_nan_and_inf_per_group(dtype):
     assert [agreement.nonfinite(g) for g in groups] == [False, True, True, True, False, False]
 
 
-def test_starts_claimed_here_and_deletes_left_for_tidy_keep_the_rounds_paired():
+def test_starts_claimed_here_between_the_writers_claims_and_deletes_keep_the_rounds_paired():
     """The DDP hook claims its last bucket's round on the starting thread (``here``) between starts the writer
-    thread claims, and leaves the deletes to ``tidy`` after the allreduce: the rounds still pair by number on
-    every rank, and after ``tidy`` the store holds only the rounds in flight."""
+    thread claims, while the writer also makes the deletes the reads queued: the rounds still pair by number on
+    every rank, and the store holds only the rounds in flight."""
     ranks = make_ranks(2)
     rounds = 30
     sums: dict = {r: [] for r in range(2)}
@@ -260,14 +269,12 @@ def test_starts_claimed_here_and_deletes_left_for_tidy_keep_the_rounds_paired():
             here = k % 3 == 0                     # every third start: claimed by this thread, now
             pending.append(rounds_obj.start(vector(r, k), [f"b{k}"], here=here))
             if here or len(pending) > r + 1:
-                sums[r].append(agreement.Rounds.wait(pending.pop(0), TIMEOUT, tidy_later=True))
-                rounds_obj.tidy()
-        sums[r].extend(agreement.Rounds.wait(h, TIMEOUT, tidy_later=True) for h in pending)
-        rounds_obj.tidy()
+                sums[r].append(agreement.Rounds.wait(pending.pop(0), TIMEOUT))
+        sums[r].extend(agreement.Rounds.wait(h, TIMEOUT) for h in pending)
 
     run_ranks(ranks, run)
     for r in range(2):
         assert [s.tolist()[:3] for s in sums[r]] == [[2, 2000 * k + 1, 1] for k in range(1, rounds + 1)]
-    assert ranks[0].store.num_keys() <= 2 * (2 * 2 + 2)
+    assert keys_left(ranks) <= 2 * (2 * 2 + 2)
     for x in ranks:
         x.close()

@@ -93,6 +93,42 @@ def test_each_switch_shard_draws_its_own_fates():
         assert drops[1] == [g[0] for g in _run(getattr(shard_config(cfg, 9000, 1), d), 50)[1]]
 
 
+def test_a_seed_set_at_run_time_is_each_shards_own():
+    """An impair request that sets a seed gives every shard a seed of its own, offset as at start-up
+    (the same seed would drop each shard's n-th packet alike); one without a seed keeps theirs."""
+    import threading
+    from switch_model.pipeline import SwitchConfig, Switch
+    from switch_model.shards import SHARD_SEED_STEP, ShardGroup, shard_config
+
+    class Shard:          # a shard process behind its pipe, run in place
+        def __init__(self, k):
+            self.sw = Switch.__new__(Switch)
+            cfg = shard_config(SwitchConfig(), 9000, k)
+            self.sw.ingress, self.sw.egress = Impairment(cfg.ingress, width=WIDTH), Impairment(cfg.egress, width=WIDTH)
+            self.answer = None
+
+        def send(self, msg):
+            name, args, kwargs = msg
+            self.answer = ("ok", getattr(self.sw, name)(*args, **kwargs))
+
+        def poll(self, timeout):
+            return self.answer is not None
+
+        def recv(self):
+            answer, self.answer = self.answer, None
+            return answer
+    shards = [Shard(k) for k in range(3)]
+    g = ShardGroup.__new__(ShardGroup)
+    g.n, g.timeout, g._lock, g.local, g._conns = 3, 5.0, threading.RLock(), shards[0].sw, shards[1:]
+    g.local.dp = lambda name, *a, **kw: getattr(g.local, name)(*a, **kw)
+    g.dp("set_impairments", {"loss": 0.1, "seed": 7}, {"loss": 0.1, "seed": 8})
+    assert [(s.sw.ingress.config.seed, s.sw.egress.config.seed) for s in shards] == \
+        [(7 + SHARD_SEED_STEP * k, 8 + SHARD_SEED_STEP * k) for k in range(3)]
+    assert all(s.sw.ingress.config.loss == 0.1 for s in shards)
+    g.dp("set_impairments", {"loss": 0.2}, None)
+    assert [s.sw.ingress.config.seed for s in shards] == [7 + SHARD_SEED_STEP * k for k in range(3)]
+
+
 @pytest.mark.parametrize("gather", [True, False])
 def test_loss_alone_delivers_the_survivors_intact_in_order(gather):
     """Loss alone takes the path without a copy (the ingress closes the gaps in the receive ring, the
@@ -188,6 +224,28 @@ def test_survivors_draws_the_fates_apply_would():
         whole += keep is None
     assert a.dropped == b.dropped > 0 and 0 < whole < 200
     assert a.loss_only and not Impairment(ImpairmentConfig(loss=0.05, duplicate=0.01), width=WIDTH).loss_only
+
+
+@pytest.mark.parametrize("cfg", [ImpairmentConfig(loss=0.01, seed=4),
+                                 ImpairmentConfig(loss=0.01, duplicate=0.01, reorder=0.01, seed=5)])
+def test_untouched_bursts_skip_apply_and_the_same_packets_are_impaired(cfg):
+    """The switch's ingress asks ``untouched`` before ``apply`` (a burst nothing happens to skips apply's
+    arrays): the same seeded fates, so the same packets are dropped, copied and held, in the same order."""
+    a, b = Impairment(cfg, width=WIDTH), Impairment(cfg, width=WIDTH)
+    got_a, got_b, skipped = [], [], 0
+    for i, (buf, rows, lens, tags) in enumerate(_bursts(300)):
+        n = 1 + i % BURST                       # bursts of every size, a draw block's end crossed
+        now = i * 1e-3
+        out = b.apply(buf.copy(), rows[:n], lens[:n].copy(), tags[:n].copy(), now, 1 << 30)   # (rearranges them)
+        got_b.extend(out[3].tolist())
+        if a.untouched(n):
+            skipped += 1
+            got_a.extend(tags[:n].tolist())
+        else:
+            got_a.extend(a.apply(buf, rows[:n], lens[:n], tags[:n], now, 1 << 30)[3].tolist())
+    assert got_a == got_b and 0 < skipped < 300
+    assert (a.dropped, a.duplicated, a.reordered) == (b.dropped, b.duplicated, b.reordered) and a.dropped > 0
+    assert not Impairment(ImpairmentConfig(), width=WIDTH).untouched(1)       # off: apply decides (held packets)
 
 
 def test_egress_loss_keeps_each_workers_results_in_the_bursts_order():

@@ -156,6 +156,11 @@ def test_parse_rate_units_and_errors():
     with pytest.raises(RateError, match="32-bit"):
         parse_rate("40gbit")
     assert format_rate(parse_rate("100mbit")) == "100mbit"
+    # zero is refused alike however it is spelt (it read as unlimited as a string, as an error as a number)
+    for zero in (0, 0.0, "0", "0mbit"):
+        with pytest.raises(RateError, match=f"rate {zero!r}: zero is not a rate; for a link without shaping "
+                                            "write 'unlimited'"):
+            parse_rate(zero)
 
 
 def test_tbf_params_follow_the_rate():
@@ -195,6 +200,56 @@ def test_without_privileges_the_missing_capability_is_named():
         assert "CAP_NET_ADMIN" in r.stderr and "CAP_SYS_ADMIN" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr, r.stderr
     assert "nopriv" not in list_topologies()
+
+
+def test_counter_reader_closes_the_socket_a_late_namespace_thread_opens(monkeypatch):
+    """Entering the namespace overruns the bound: opening the reader fails naming the namespace, and
+    the socket the thread opens after that is closed, not leaked."""
+    import types
+    from ina.net import kernel
+    release, made = threading.Event(), []
+
+    def record(*args):
+        made.append(socket.socket(*args))
+        return made[-1]
+    monkeypatch.setattr(kernel.nsexec, "netns_path", lambda name: os.devnull)
+    monkeypatch.setattr(kernel.nsexec, "setns", lambda fd: release.wait(30))   # held until the caller gave up
+    monkeypatch.setattr(kernel, "socket", types.SimpleNamespace(
+        socket=record, AF_NETLINK=socket.AF_NETLINK, SOCK_RAW=socket.SOCK_RAW, NETLINK_ROUTE=socket.NETLINK_ROUTE,
+        timeout=socket.timeout))
+    monkeypatch.setattr(QdiscCounterReader, "TIMEOUT", 0.05)
+    with pytest.raises(TopologyError, match="no socket in namespace slow-ns within 0.05s"):
+        QdiscCounterReader._socket("slow-ns")
+    late = [t for t in threading.enumerate() if t.name == "netlink socket in slow-ns"]
+    release.set()
+    for t in late:
+        t.join(10)
+    assert len(late) == 1 and not late[0].is_alive()
+    assert len(made) == 1 and made[0].fileno() == -1, "the late socket was left open"
+
+
+def test_threads_reading_counters_at_once_share_one_reader_per_namespace(monkeypatch):
+    """Two threads asking for a namespace's counter reader for the first time at once get the same
+    reader: only one is opened (a second would never be closed)."""
+    from ina.net import topology
+    topo = Topology(workers=1, prefix="inarace")
+    opened, got, second = [], [], []
+
+    class Reader:
+        def __init__(self, netns, idx):
+            opened.append(self)
+            if len(opened) == 1:     # while the first is being opened, a second thread asks for it
+                second.append(threading.Thread(target=lambda: got.append(topo._reader("ns", 1))))
+                second[0].start()
+                second[0].join(0.5)  # bounded: the fixed code makes it wait for this one
+
+        def close(self):
+            pass
+    monkeypatch.setattr(topology, "QdiscCounterReader", Reader)
+    got.append(topo._reader("ns", 1))
+    second[0].join(10)
+    assert len(opened) == 1, f"{len(opened)} readers opened for one namespace"
+    assert got[0] is got[1] is opened[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +295,28 @@ def test_teardown_leaves_no_namespace_link_or_qdisc():
     assert leftovers(prefix) == []
     assert prefix not in list_topologies()
     assert stray.poll() is not None
+
+
+@needs_root
+def test_attach_keeps_each_hosts_rate_after_a_per_host_set_rate():
+    """After one worker got a rate of its own, a handle attached to the topology knows each host's
+    rate: converging it keeps them, and the workers' single rate is refused naming each link's."""
+    with Topology(workers=2, rate="50mbit") as topo:
+        topo.set_rate("w1", "10mbit", direction="up")
+        before = topo.rates()
+        assert before["w1"] == (10_000_000, 50_000_000)
+        with pytest.raises(TopologyError, match=r"workers' upload rate differs per link \(w0 up 50mbit, w1 up 10mbit\)"):
+            topo.rate
+        other = Topology.attach(topo.prefix)
+        try:
+            with pytest.raises(TopologyError, match=r"\(w0 up 50mbit, w1 up 10mbit\)"):
+                other.rate
+            assert other.rate_down == 50_000_000 and other.switch_rate is None
+            assert "w1 up 10mbit / down 50mbit" in repr(other)
+            other.up()                       # converge: every host keeps its own rate
+            assert other.rates() == before
+        finally:
+            other.close_handles()
 
 
 @needs_root

@@ -238,6 +238,12 @@ def test_mismatched_job_parameters_are_refused(switch):
      "join timeout must be a number of seconds >= 0, got -1"),
     ({"op": "leave"}, "leave without join"),
     ({"op": "impair", "ingress": {"loss": 1.5}}, "impairment loss=1.5 is not a probability"),
+    ({"op": "impair", "ingress": 5}, "ingress: expected an object of impairment fields (loss, duplicate, reorder, "
+                                     "delay_ms, reorder_ms, seed), got int 5"),
+    ({"op": "impair", "egress": {"los": 0.1}}, "egress: unknown impairment field(s) 'los' (fields: loss, "),
+    ({"op": "impair", "ingress": {"loss": "0.1"}}, "ingress: impairment loss='0.1': expected a finite number"),
+    ({"op": "impair", "egress": {"delay_ms": float("nan")}}, "egress: impairment delay_ms=nan: expected a finite number"),
+    ({"op": "impair", "ingress": {"seed": -1}}, "ingress: impairment seed=-1: expected an integer >= 0"),
 ])
 def test_control_plane_refuses_bad_requests_with_clear_errors(switch, msg, error):
     """Refused at once (no rendezvous wait), with a message naming what was wrong."""
@@ -248,6 +254,15 @@ def test_control_plane_refuses_bad_requests_with_clear_errors(switch, msg, error
     assert error in str(ei.value), str(ei.value)
     assert time.monotonic() - t0 < 15         # not the rendezvous wait of 30 s (room for a loaded machine)
     assert "32" not in switch.stats()["jobs"]
+
+
+def test_an_impair_request_with_one_bad_direction_changes_neither(switch):
+    """A request whose egress part is refused leaves the ingress as it was: all or nothing."""
+    from ina.control import ControlError
+    before = switch.stats()["impairments"]["ingress"]["reorder_ms"]
+    with pytest.raises(ControlError, match="egress: impairment loss=2 is not a probability"):
+        control(switch.port, {"op": "impair", "ingress": {"reorder_ms": before + 6}, "egress": {"loss": 2}}, timeout=10)
+    assert switch.stats()["impairments"]["ingress"]["reorder_ms"] == before
 
 
 def test_control_plane_rejects_malformed_json(switch):

@@ -243,10 +243,12 @@ class QdiscCounterReader:
     def _socket(netns: str | None) -> socket.socket:
         """A NETLINK_ROUTE socket of namespace ``netns`` (None: the caller's). A socket belongs to the
         namespace its creator was in: a short-lived thread enters it (setns of CLONE_NEWNET moves the
-        calling thread alone), so the caller's thread never leaves its own."""
+        calling thread alone), so the caller's thread never leaves its own. A thread that answers
+        after the caller gave up on it closes what it opened."""
         if netns is None:
             return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
-        out: list = []
+        lock = threading.Lock()
+        box: dict = {}          # "out": the socket or the error; "abandoned": the caller gave up
 
         def make():
             try:
@@ -255,17 +257,26 @@ class QdiscCounterReader:
                     nsexec.setns(target)
                 finally:
                     os.close(target)
-                out.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE))
+                out = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
             except OSError as e:
-                out.append(e)
+                out = e
+            with lock:
+                if not box.get("abandoned"):
+                    box["out"] = out
+                    return
+            if not isinstance(out, OSError):
+                out.close()
         t = threading.Thread(target=make, name=f"netlink socket in {netns}", daemon=True)
         t.start()
         t.join(QdiscCounterReader.TIMEOUT)
-        if not out:
+        with lock:
+            out = box.get("out")
+            box["abandoned"] = out is None
+        if out is None:
             raise TopologyError(f"netlink: no socket in namespace {netns} within {QdiscCounterReader.TIMEOUT}s")
-        if isinstance(out[0], OSError):
-            raise TopologyError(f"netlink: cannot open a socket in namespace {netns}: {out[0]}") from out[0]
-        return out[0]
+        if isinstance(out, OSError):
+            raise TopologyError(f"netlink: cannot open a socket in namespace {netns}: {out}") from out
+        return out
 
     def read(self, ifindex: int | None = None) -> dict:
         """The counters of the root qdisc of link ``ifindex`` (None: the reader's link)."""

@@ -17,8 +17,8 @@ RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10*
 #: tbf's rate field is a 32-bit count of bytes per second
 MAX_RATE_BPS = 8 * (2**32 - 1)
 MIN_RATE_BPS = 8_000
-#: spellings that mean "no shaping on this direction"
-UNLIMITED = ("unlimited", "none", "off", "0")
+#: spellings that mean "no shaping on this direction" (and None); a rate of zero, in any spelling, is refused
+UNLIMITED = ("unlimited", "none", "off")
 #: Ethernet header the kernel counts in a veth frame (no FCS on veth)
 ETH_HLEN = 14
 
@@ -30,7 +30,8 @@ class RateError(ValueError):
 
 
 def parse_rate(value, tbf_limit: bool = True) -> int | None:
-    """Parse a link rate into bits per second; ``None``/"unlimited" mean no shaping.
+    """Parse a link rate into bits per second; ``None``/"unlimited" mean no shaping. Zero, whether
+    ``0`` or ``"0"`` or ``"0mbit"``, is refused: it reads as a stopped link as well as an unshaped one.
 
     Accepts an int/float (bit/s) or a string with a tc unit: ``"10mbit"``, ``"1gbit"``,
     ``"2.5gbit"``, ``"500kbit"``, ``"1000000"``. ``tbf_limit=False`` for a rate that is never
@@ -40,11 +41,10 @@ def parse_rate(value, tbf_limit: bool = True) -> int | None:
         return None
     if isinstance(value, bool):
         raise RateError(f"rate {value!r}: expected a number of bit/s or a string like '100mbit'")
+    text = repr(value)
     if isinstance(value, (int, float)):
         bps = float(value)
-        text = repr(value)
     elif isinstance(value, str):
-        text = value
         if value.strip().lower() in UNLIMITED:
             return None
         m = _RATE_RE.match(value)
@@ -61,7 +61,9 @@ def parse_rate(value, tbf_limit: bool = True) -> int | None:
         bps = float(m.group(1)) * RATE_UNITS[unit]
     else:
         raise RateError(f"rate {value!r}: expected a number of bit/s or a string like '100mbit'")
-    if not math.isfinite(bps) or bps <= 0:
+    if bps == 0:
+        raise RateError(f"rate {text}: zero is not a rate; for a link without shaping write 'unlimited'")
+    if not math.isfinite(bps) or bps < 0:
         raise RateError(f"rate {text}: must be a positive number of bit/s (or 'unlimited')")
     if bps < MIN_RATE_BPS:
         raise RateError(f"rate {text}: below the minimum of {format_rate(MIN_RATE_BPS)}")

@@ -27,6 +27,7 @@ import re
 import secrets
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -112,9 +113,10 @@ class Topology:
         if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
             raise TopologyError(f"mtu={mtu!r}: must be an integer from 576 to 65535")
         self.workers_count = workers
-        self.rate = parse_rate(rate)
-        self.rate_down = self.rate if rate_down is None else parse_rate(rate_down)
-        self.switch_rate = parse_rate(switch_rate)
+        self._rate = parse_rate(rate)
+        self._rate_down = self._rate if rate_down is None else parse_rate(rate_down)
+        self._switch_rate = parse_rate(switch_rate)
+        self._host_rates: dict[str, tuple[int | None, int | None]] = {}   # set_rate's and attach's, per host
         self.mtu = mtu
         self.burst_time = float(burst_time)
         self.queue_time = float(queue_time)
@@ -142,6 +144,7 @@ class Topology:
         self.workers: list[Host] = []
         self._handles: dict[str | None, IPRoute] = {}
         self._readers: dict[str, QdiscCounterReader] = {}     # counters(): one raw netlink socket per namespace
+        self._opening = threading.RLock()    # one netlink socket (handle, reader) per namespace, whatever the threads
         self._indices: dict[tuple[str, str], int] = {}
         self._procs: list[tuple[Host, subprocess.Popen]] = []
         self._is_up = False
@@ -188,10 +191,11 @@ class Topology:
         self.root_ip = str(self.subnet.broadcast_address - 1)
 
     def _h(self, netns: str | None) -> IPRoute:
-        ipr = self._handles.get(netns)
-        if ipr is None:
-            ipr = self._handles[netns] = open_rtnl(netns)
-        return ipr
+        with self._opening:
+            ipr = self._handles.get(netns)
+            if ipr is None:
+                ipr = self._handles[netns] = open_rtnl(netns)
+            return ipr
 
     def _index(self, netns: str, ifname: str) -> int | None:
         """ifindex of a link of this topology (cached: it does not change while the link exists)."""
@@ -205,26 +209,29 @@ class Topology:
 
     def _reader(self, netns: str, idx: int) -> QdiscCounterReader:
         """The counter reader of namespace ``netns`` (opened on link ``idx``; it reads any link there)."""
-        r = self._readers.get(netns)
-        if r is None:
-            r = self._readers[netns] = QdiscCounterReader(netns, idx)
-        return r
+        with self._opening:
+            r = self._readers.get(netns)
+            if r is None:
+                r = self._readers[netns] = QdiscCounterReader(netns, idx)
+            return r
 
     def _forget_links(self) -> None:
         """Drop what was looked up of the links (ifindices, counter readers): they may be rebuilt."""
-        self._indices.clear()
-        for r in self._readers.values():
-            r.close()
-        self._readers.clear()
+        with self._opening:
+            self._indices.clear()
+            for r in self._readers.values():
+                r.close()
+            self._readers.clear()
 
     def close_handles(self) -> None:
         """Close this object's netlink sockets (the topology stays up; they reopen when needed).
         Before exec'ing into a host, or when an attached topology is no longer used."""
-        self._forget_links()
-        for ipr in self._handles.values():
-            with contextlib.suppress(Exception):
-                ipr.close()
-        self._handles.clear()
+        with self._opening:
+            self._forget_links()
+            for ipr in self._handles.values():
+                with contextlib.suppress(Exception):
+                    ipr.close()
+            self._handles.clear()
 
     # ---- bring-up -----------------------------------------------------------------------------
     def __enter__(self) -> "Topology":
@@ -268,12 +275,43 @@ class Topology:
         for h in self.hosts:
             self._apply_shaping(h)
         self._is_up = True
-        log.info("%s: up in %.2fs: workers %s, switch %s", self.prefix, time.monotonic() - t0,
-                 self._rate_summary(), format_rate(self.switch_rate))
+        log.info("%s: up in %.2fs: %s", self.prefix, time.monotonic() - t0, self._rate_summary())
         return self
 
     def _rate_summary(self) -> str:
-        return f"up {format_rate(self.rate)} / down {format_rate(self.rate_down)}"
+        try:
+            return (f"workers up {format_rate(self.rate)} / down {format_rate(self.rate_down)}, "
+                    f"switch {format_rate(self.switch_rate)}")
+        except TopologyError:
+            return "rates per host: " + ", ".join(f"{h.name} up {format_rate(u)} / down {format_rate(d)}"
+                                                  for h in self.hosts for u, d in [self._spec_rates(h)])
+
+    # The rates are per host once set_rate gave a host its own (or attach found them so): ``rate``,
+    # ``rate_down`` and ``switch_rate`` then answer only while the links they stand for agree.
+    def _common_rate(self, hosts, directions, what: str, spec) -> int | None:
+        if not hosts:                 # not up yet: what it is built with
+            return spec
+        links = [(h.name, d, self._spec_rates(h)[i]) for h in hosts for i, d in directions]
+        if len({r for _, _, r in links}) > 1:
+            each = ", ".join(f"{name} {d} {format_rate(r)}" for name, d, r in links)
+            raise TopologyError(f"{self.prefix}: the {what} differs per link ({each}): rates() gives each host's")
+        return links[0][2]
+
+    @property
+    def rate(self) -> int | None:
+        """The workers' upload rate in bit/s (None: unshaped)."""
+        return self._common_rate(self.workers, [(0, "up")], "workers' upload rate", self._rate)
+
+    @property
+    def rate_down(self) -> int | None:
+        """The workers' download rate in bit/s (None: unshaped)."""
+        return self._common_rate(self.workers, [(1, "down")], "workers' download rate", self._rate_down)
+
+    @property
+    def switch_rate(self) -> int | None:
+        """The switch host's rate, both directions, in bit/s (None: unshaped)."""
+        return self._common_rate([self.switch] if self.switch else [], [(0, "up"), (1, "down")],
+                                 "switch's rate", self._switch_rate)
 
     def _choose_subnet(self) -> ipaddress.IPv4Network:
         return choose_subnet(self._h(None), self.root_ifname, self.prefix, self._requested_subnet)
@@ -378,10 +416,14 @@ class Topology:
                 raise TopologyError(f"{self.prefix}: link for {label} is missing: is the topology up?")
         return out
 
-    def _spec_rates(self, h: Host):
+    def _spec_rates(self, h: Host) -> tuple[int | None, int | None]:
+        """Host ``h``'s (upload, download) in bit/s (None: unshaped): what set_rate last gave it, or what
+        attach found, else what the topology was built with."""
+        if h.name in self._host_rates:
+            return self._host_rates[h.name]
         if h.role == "switch":
-            return self.switch_rate, self.switch_rate
-        return self.rate, self.rate_down
+            return self._switch_rate, self._switch_rate
+        return self._rate, self._rate_down
 
     def _apply_shaping(self, h: Host) -> None:
         up, down = self._spec_rates(h)
@@ -447,6 +489,8 @@ class Topology:
             for d in (("up", "down") if direction == "both" else (direction,)):
                 (ipr, idx, label), = self._targets(h, d)
                 self._shape(ipr, idx, label, rate_bps, d, netem=netem)
+                up, down = self._spec_rates(h)
+                self._host_rates[h.name] = (rate_bps, down) if d == "up" else (up, rate_bps)
 
     def rates(self) -> dict[str, tuple[int | None, int | None]]:
         """``{host: (upload bit/s, download bit/s)}`` as the kernel applies them (None: unshaped)."""
@@ -603,10 +647,7 @@ class Topology:
             if not addr or addr[0].get_attr("IFA_ADDRESS") != h.ip:
                 raise TopologyError(f"topology {prefix}: host {h.name} has no link {h.ifname} with "
                                     f"address {h.ip}: `ina-net down --prefix {prefix}` and bring it up again")
-        rates = topo.rates()
-        if topo.workers:
-            topo.rate, topo.rate_down = rates[topo.workers[0].name]
-        topo.switch_rate = rates[SWITCH][0]
+        topo._host_rates = topo.rates()     # each host's own: set-rate may have given one a rate of its own
         return topo
 
     def __repr__(self) -> str:
