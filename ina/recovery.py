@@ -71,8 +71,8 @@ processes run):
    that overflowed where the way back is slower than the way out, a switch shard with one chunk
    in flight that never has results of later chunks to show a loss). The longer silence, the
    measured round trip and the time the pending results take through the link, lets such a loss
-   go unprobed no longer than the stall it is told from, and well before the timeout (rule 4, at
-   least 20 ms). Each probe resends one chunk, whose result is no evidence against the others
+   go unprobed no longer than the stall it is told from, and before the timeout (rule 4, at least
+   20 ms) on a quiet machine (round trips that vary lengthen both). Each probe resends one chunk, whose result is no evidence against the others
    (Karn), so k chunks lost together cost k such silences until at most 3 are pending;
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
    ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
