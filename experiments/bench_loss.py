@@ -10,14 +10,16 @@ stay in one job; the settings take turns in ``--rounds`` rounds (each round runs
 change of the machine's load during the run reaches every setting alike. A setting's time is the
 median over the rounds of its block's time per allreduce (the slowest worker's mean over the
 block); its ratio is the median over the rounds of its block's time over the lossless block's of
-the same round (the spread of these ratios is reported too: a wide one means a noisy machine), with a
-95% interval of that median (``vs_lossless_ci``, order statistics: no assumption about the noise) and the
-lossless blocks' own round-to-round spread. Many short rounds (20 by default, 10 allreduces of 20,000
+the same round (the spread of these ratios is reported too: a wide one means a noisy machine), with an
+interval of that median (``vs_lossless_ci``, order statistics: no assumption about the noise; at least 95%
+coverage from 6 rounds on, its actual coverage 1 - 2 F(k) in ``vs_lossless_ci_coverage`` and the table)
+and the lossless blocks' own round-to-round spread. Every round draws the same drops (re-seeded alike),
+so the interval covers the machine's noise for that one loss pattern, not the spread between patterns. Many short rounds (20 by default, 10 allreduces of 20,000
 elements or one of 1.7 M per block) pair every block with a lossless one run moments apart.
 ``expected_vs_clean`` is the overhead the allreduces that resent a chunk explain, measured inside each
 block (their share times their median excess over the block's allreduces without a resend): set
-against ``vs_lossless`` it tells a loss's cost from the machine's noise (NaN where every allreduce
-resends, as at 1.7 M elements).
+against ``vs_lossless`` it tells a loss's cost from the machine's noise (null in the JSON, nan in the
+table, where every allreduce resends, as at 1.7 M elements).
 ``vs_lossless_best`` is the ratio of the fastest blocks (each setting's least disturbed block over the
 lossless setting's): on a loaded machine the better estimate of what a quiet one would show, since
 every round of a setting draws the same impairment sequence (re-seeded alike each round).
@@ -287,6 +289,26 @@ def median_interval(x, confidence: float = 0.95) -> tuple[float, float, float]:
     return float(v[k]), float(v[n - 1 - k]), float(1 - 2 * cdf[k])
 
 
+def finite_or_null(obj):
+    """``obj`` (dicts, lists, numbers) with every NaN or infinity as None: JSON has no NaN (``json.dumps``
+    would write a bare NaN, which JSON readers reject), so an undefined value is written as null."""
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
+def _vs_baseline(r: dict) -> str:
+    """The table's this/baseline column: the median per-round ratio, its interval and coverage."""
+    if "this_vs_baseline" not in r:
+        return ""
+    lo, hi = r["this_vs_baseline_ci"]
+    return f"{r['this_vs_baseline']:.3f} ({lo:.3f}-{hi:.3f}, {r['this_vs_baseline_ci_coverage']:.0%})"
+
+
 def resend_cost(blocks: list[dict]) -> dict:
     """What the allreduces that resent a chunk cost, measured inside each block (the same round's
     machine): the share of allreduces in which some rank resent, and the median over the blocks of
@@ -397,7 +419,8 @@ def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
                         per_round = (np.array([b[what] for b in blocks[sides[0].label, name]])
                                      / np.array([b[what] for b in blocks[side.label, name]]))
                         row[key] = float(np.median(per_round))
-                        row[key + "_ci"] = list(median_interval(per_round)[:2])
+                        lo, hi, coverage = median_interval(per_round)
+                        row[key + "_ci"], row[key + "_ci_coverage"] = [lo, hi], coverage
                         row[key + "_per_round"] = [round(float(r), 3) for r in per_round]
                 rows.append(row)
                 log(f"{side.label}: {elements} elements, {name}: {row['time_per_allreduce_s'] * 1e3:.2f} ms per "
@@ -447,15 +470,15 @@ def main(argv=None) -> int:
     rows = run(a.workers, a.sizes, dict(zip(a.sizes, a.reps)), a.rounds, a.seed,
                {k: SETTINGS[k] for k in a.settings}, a.rate, a.baseline, dict(v.split("=", 1) for v in a.baseline_env))
     if a.json:
-        print(json.dumps({"benchmark": "allreduce_under_loss", "baseline": a.baseline, "baseline_env": a.baseline_env,
+        print(json.dumps(finite_or_null({"benchmark": "allreduce_under_loss", "baseline": a.baseline, "baseline_env": a.baseline_env,
                           "links": f"emulated {a.rate} per worker (tbf)" if a.rate else "loopback",
                           "impairments": "switch user-space impairments, both directions",
                           "codec": "bfp32", "rounds": a.rounds,
                           "reference": "the lossless blocks of the same size and round in the same invocation "
                                        "(median of the per-round ratios)",
-                          "results": rows}, indent=2))
+                          "results": rows}), indent=2, allow_nan=False))
     else:
-        print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'95% CI':>11} {'spread':>11} "
+        print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'CI (coverage)':>17} {'spread':>11} "
               f"{'expect':>6} {'best':>5} {'fast':>6} "
               f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "
               f"{'sCPU ms':>7} exact  this/baseline")
@@ -463,12 +486,13 @@ def main(argv=None) -> int:
             lo, hi = min(r["vs_lossless_per_round"]), max(r["vs_lossless_per_round"])
             print(f"{r['code']:<8} {r['elements']:>9} {r['setting']:<32} {r['time_per_allreduce_s'] * 1e3:>8.2f} "
                   f"{r['vs_lossless']:>10.2f} {r['vs_lossless_ci'][0]:>5.2f}-{r['vs_lossless_ci'][1]:<5.2f} "
+                  f"({r['vs_lossless_ci_coverage']:>4.0%}) "
                   f"{lo:>5.2f}-{hi:<5.2f} {r['expected_vs_clean']:>6.2f} {r['vs_lossless_best']:>5.2f} {r['fast_retransmissions']:>6} "
                   f"{r['probe_retransmissions']:>6} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
                   f"{r['tail_s'] * 1e3:>7.2f} {r.get('vs_impairment_path', float('nan')):>6.2f} "
                   f"{r['turns_per_allreduce']:>6.1f} {r['worker_cpu_per_allreduce_s'] * 1e3:>7.2f} "
                   f"{r['switch_cpu_per_allreduce_s'] * 1e3:>7.2f} "
-                  f"{'yes' if r['exact'] else 'NO':<5}  {r.get('this_vs_baseline', '')}")
+                  f"{'yes' if r['exact'] else 'NO':<5}  {_vs_baseline(r)}")
     return 0
 
 

@@ -494,6 +494,14 @@ def _run_plan(plans: dict, args, st: dict, out: Path, records: list, meta: dict,
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:       # cleaned up by now: end by the signal taken (143 for SIGTERM, 130 for Ctrl-C)
+        CtrlC.exit_by_signal()
+        raise
+
+
+def _main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     CtrlC.install()

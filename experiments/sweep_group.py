@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 log = logging.getLogger("ina.sweep")
@@ -24,11 +25,16 @@ class CtrlC:
     is lost and the sweep would run on to its last repetition. The handler raises as Python's own does
     and also latches; every wait for the workers re-raises a latched interrupt within its 1 s poll.
     SIGTERM (``timeout``, a batch scheduler, ``kill``) is taken as Ctrl-C: the sweep then stops its
-    workers and switch and removes its emulated links instead of dying with them up. A process forked
+    workers and switch and removes its emulated links instead of dying with them up. Only the first
+    signal raises: a further one (a second Ctrl-C; GNU ``timeout`` signals the sweep and then its process
+    group) only latches, so it cannot cut the cleanup short and leave namespaces up (the cleanup's
+    waits are bounded: the workers' quit grace, then a kill). Once cleaned up, the sweep ends by the
+    signal it took (:meth:`exit_by_signal`: exit status 130 for Ctrl-C, 143 for SIGTERM). A process forked
     from the sweep (pyroute2 forks helpers into namespaces and ends them by SIGTERM) inherits the
     handler: there the signal takes its default action, so a child never runs the sweep's code on."""
 
     hit = False
+    signum = 0                  # the first signal taken (0: none)
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     pid = 0                     # the process that installed the handler
 
@@ -38,16 +44,33 @@ class CtrlC:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        cls.hit = True
+        if cls.hit:             # the cleanup of the first one runs: latched, not raised into it
+            return
+        cls.hit, cls.signum = True, signum
         raise KeyboardInterrupt(*(() if signum == signal.SIGINT else (f"{signal.Signals(signum).name}: "
                                                                       "stopping as on Ctrl-C",)))
+
+    @classmethod
+    def exit_by_signal(cls) -> None:
+        """After the cleanup, inside ``except KeyboardInterrupt``: a SIGTERM (or any signal but SIGINT) taken by
+        the handler ends the process by that signal, its traceback printed (exit status 128 + its number,
+        as if the sweep had not caught it); for SIGINT it returns, and the caller re-raises (Python then
+        ends by SIGINT)."""
+        if not cls.hit or cls.signum in (0, signal.SIGINT) or os.getpid() != cls.pid:
+            return
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(cls.signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [cls.signum])
+        os.kill(os.getpid(), cls.signum)
+        sys.exit(128 + cls.signum)      # (not reached: the default action ends the process)
 
     @classmethod
     def install(cls) -> None:
         """Latch Ctrl-C and SIGTERM from now on (once per process; from the main thread only: Python delivers
         signals there). Every worker group installs it, so each command that waits for workers has it."""
         if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != cls.handler:
-            cls.hit, cls.pid = False, os.getpid()
+            cls.hit, cls.signum, cls.pid = False, 0, os.getpid()
             for sig in cls.SIGNALS:
                 signal.signal(sig, cls.handler)
 
@@ -125,7 +148,7 @@ class WorkerGroup:
     def close(self, grace: float = 15.0) -> None:
         """Ask every worker to quit; kill those still running after ``grace`` seconds (one deadline for all:
         a worker inside an allreduce, e.g. after Ctrl-C, reads no quit until its timeout, x K when dilated).
-        The kill runs whatever interrupts the wait (a second Ctrl-C included)."""
+        The kill runs whatever interrupts the wait (a second Ctrl-C only latches: :class:`CtrlC`)."""
         for p in self.procs:
             try:
                 p.stdin.write(json.dumps({"op": "quit"}) + "\n")

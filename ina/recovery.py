@@ -57,14 +57,23 @@ processes run):
    another probe). The probe timer is the silence's, not a chunk's: it restarts with every result
    and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a
    slow peer costs a handful of probes in all, not one per chunk and silence.
-   Only a silence with at most ``PROBE_MAX_PENDING`` (DUPTHRESH, 3) chunks pending is probed: with
-   more, a probe could help only if every one of them was lost (had one result come back, the
-   others' losses would show by rule 1), so the silence is a stall, a peer that has not sent yet or
-   a switch not scheduled, which no probe shortens (the switch only reads the resend). These were
-   most of the probes on slow links: at 100 Mbit/s, 20,000 elements, a probe of chunk 0 or of a
-   chunk mid-stream after 1-2 ms of silence, the probe timeout (two of a negotiation packet's round
-   trips plus four result spacings) being far below the chunks' own round trip through the
-   link's queue. A loss of every pending chunk (probability p^4 and less) waits for rule 4;
+   A silence with more than ``SHORT_PROBE_MAX_PENDING`` (3) chunks pending is probed later
+   (:func:`probe_timeout`, the one place of the rule): after ``srtt + 4 x rttvar + pending x
+   spacing``, and at least the probe timeout (so the run-queue floor holds too); before the first
+   data round trip (no srtt), after the probe timeout plus ``pending x spacing``. So many results
+   missing at once is most often a stall, a peer that has not sent yet or a switch not scheduled,
+   which no probe shortens (the switch only reads the resend): at 100 Mbit/s, 20,000 elements, the
+   plain probe timeout (two of a negotiation packet's round trips plus four result spacings) fired
+   after 1-2 ms of silence, far below the chunks' own round trip through the link's queue, and most
+   probes were these. But it can be a loss of all of them: a result is lost if any of the W
+   workers' packets or the result itself is dropped (about (W+1) x p per chunk), and losses come
+   together (a socket buffer that overflowed while its process waited for a core, a shaping queue
+   that overflowed where the way back is slower than the way out, a switch shard with one chunk
+   in flight that never has results of later chunks to show a loss). The longer silence, the
+   measured round trip and the time the pending results take through the link, lets such a loss
+   go unprobed no longer than the stall it is told from, and before the timeout (rule 4, at least
+   20 ms) on a quiet machine (round trips that vary lengthen both). Each probe resends one chunk, whose result is no evidence against the others
+   (Karn), so k chunks lost together cost k such silences until at most 3 are pending;
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
    ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
@@ -94,7 +103,9 @@ import numpy as np
 from . import recovery_kernels as RK
 from .wire import Flag
 
-PROBE_MAX_PENDING = DUPTHRESH = RK.DUPTHRESH      # rule 3 probes a silence with at most this many chunks pending
+DUPTHRESH = RK.DUPTHRESH
+SHORT_PROBE_MAX_PENDING = 3   # rule 3 probes a silence with more chunks pending than this only later (probe_timeout)
+STALL_RTTVARS = 4             # ... after srtt + this x rttvar + the pending chunks' serialisation
 TAIL_COPY_FROM = 16    # data streams of at least this many chunks send their last chunk twice (negotiation: always)
 REO_FLOOR = RK.REO_FLOOR          # rule 1's count of later results is DUPTHRESH; rule 2's floor (seconds)
 FAST, PROBE, TIMEOUT = RK.FAST, RK.PROBE, RK.TIMEOUT  # the rule of a chunk's last resend (LossDetector.rule; 0: never)
@@ -122,6 +133,19 @@ def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np
     headers["flags"][tail] |= int(Flag.TAIL)
     stats.tail_copies += tail.size
     return np.concatenate([rows, tail])
+
+
+def probe_timeout(pto: float | None, n_pending: int, srtt: float | None, rttvar: float,
+                  spacing: float) -> float | None:
+    """Rule 3's probe timeout for a silence with ``n_pending`` chunks out: ``pto`` (the client's probe
+    timeout, None before any round trip was measured) for at most SHORT_PROBE_MAX_PENDING of them; for
+    more (most often a stall, not a loss of them all: see the module's rule 3), ``srtt + STALL_RTTVARS x
+    rttvar`` plus their serialisation (``n_pending x spacing``, the time between results), at least ``pto``
+    (which holds the run-queue floor); without an srtt, ``pto`` plus their serialisation."""
+    if pto is None or n_pending <= SHORT_PROBE_MAX_PENDING:
+        return pto
+    rtt = pto if srtt is None else srtt + STALL_RTTVARS * rttvar
+    return max(pto, rtt + n_pending * spacing)
 
 
 _loaded = [False]
@@ -189,17 +213,20 @@ class LossDetector:
         self.probes = 0
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
-             pto: float | None = None, rttvar: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             pto: float | None = None, rttvar: float = 0.0,
+             spacing: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(fast, probe, timed_out): the ``pending`` chunks (sent, no result) to resend now, by rule
         (1 and 2, 3, 4). ``pto``: the tail probe timeout (None before any round trip was measured).
         ``rttvar``: the round trips' mean deviation; the reordering window grows by twice it (round
-        trips that vary, on a loaded machine, make a late chunk no sign of a loss). The rules run in one
-        compiled pass (``recovery_kernels.find_lost``)."""
+        trips that vary, on a loaded machine, make a late chunk no sign of a loss). ``spacing``: the time
+        between results (:func:`probe_timeout` adds the pending chunks' serialisation). The rules run in
+        one compiled pass (``recovery_kernels.find_lost``)."""
         pending = np.asarray(pending, np.int64)
         none = pending[:0]
         if not len(pending):
             return none, none, none
-        probe_due = self._probe_due(now, pto, max_rto, pending.size)
+        pto = probe_timeout(pto, pending.size, srtt, rttvar, spacing)
+        probe_due = self._probe_due(now, pto, max_rto)
         if not probe_due and now - self.last_arrival <= min(rto, max_rto) and not self.later[pending].any():
             return none, none, none       # no evidence, no silence: the common turn
         kind = self._kind[:pending.size]
@@ -213,19 +240,18 @@ class LossDetector:
         """When the probe timer fires: ``pto`` after it last started, doubled per probe of this silence."""
         return self.probe_base + min(pto * 2.0 ** self.probes, max_rto)
 
-    def _probe_due(self, now: float, pto: float | None, max_rto: float, n_pending: int) -> bool:
-        return pto is not None and n_pending <= PROBE_MAX_PENDING and now > self._probe_at(pto, max_rto)
+    def _probe_due(self, now: float, pto: float | None, max_rto: float) -> bool:
+        return pto is not None and now > self._probe_at(pto, max_rto)
 
     reordering_window = staticmethod(RK.reordering_window)      # rule 2's window (srtt, rttvar) -> seconds
 
     def next_deadline(self, pending: np.ndarray, srtt: float | None, rttvar: float, pto: float | None,
-                      max_rto: float) -> float:
+                      max_rto: float, spacing: float = 0.0) -> float:
         """The earliest time rule 2 or 3 could find one of the ``pending`` chunks lost, if no result
         arrives before (inf: none could; the timeout, rule 4, is tens of round trips away)."""
         if not len(pending):
             return np.inf
-        if len(pending) > PROBE_MAX_PENDING:
-            pto = None                    # a silence of that many is a stall: no probe timer to wake for
+        pto = probe_timeout(pto, len(pending), srtt, rttvar, spacing)
         return RK.next_deadline(np.asarray(pending, np.int64), self.sent_at, self.later, self.tries,
                                 np.nan if srtt is None else srtt, rttvar, np.nan if pto is None else pto,
                                 np.nan if pto is None else self._probe_at(pto, max_rto))

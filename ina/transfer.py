@@ -269,7 +269,7 @@ class Transfer:
                 cl.max_rto
         else:
             pto, rto, max_rto = None, math.inf, math.inf
-        fast, probe, late = self.ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar)
+        fast, probe, late = self.ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar, per_pkt)
         rows = _NO_ROWS
         if fast.size or probe.size or late.size:
             lost = np.concatenate([fast, probe, late])
@@ -283,5 +283,5 @@ class Transfer:
             cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size
             cl.stats.retransmissions += lost.size
-        cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto), now)
+        cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto, per_pkt), now)
         return rows

@@ -193,14 +193,22 @@ def _switch(args):
     return cfg, sw, sw
 
 
-def impairments_label(cfg) -> str:
-    """What the switch does to packets beyond aggregating them, as its startup line says it."""
+def impairments_label(cfg, shards: int = 1) -> str:
+    """What the switch does to packets beyond aggregating them, as its startup line says it: each
+    direction's probabilities, delay, how long a reordered packet is held, and the seeds (shard k draws
+    from seed + SHARD_SEED_STEP x k: switch_model.shards.shard_config)."""
+    from .shards import SHARD_SEED_STEP
     parts = []
     for where, c in (("ingress", cfg.ingress), ("egress", cfg.egress)):
         if c.active:
-            what = ", ".join(f"{k.replace('_ms', '')} {getattr(c, k):g}{' ms' if k.endswith('_ms') else ''}"
-                             for k in ("loss", "duplicate", "reorder", "delay_ms") if getattr(c, k))
-            parts.append(f"{where} {what} (seed {c.seed})")
+            what = [f"{k} {getattr(c, k):g}" for k in ("loss", "duplicate", "reorder") if getattr(c, k)]
+            if c.reorder:
+                what[-1] += f" (held {c.reorder_ms:g} ms)"
+            if c.delay_ms:
+                what.append(f"delay {c.delay_ms:g} ms")
+            seed = f"seed {c.seed}" if shards <= 1 else \
+                f"seeds {c.seed} + {SHARD_SEED_STEP} x shard, shards 0..{shards - 1}"
+            parts.append(f"{where} {', '.join(what)} ({seed})")
     return "impairments: " + "; ".join(parts) if parts else "no impairments"
 
 
@@ -273,7 +281,7 @@ def _serve(args) -> int:
           + (f" in each of {args.cores} shards on udp ports {sw.port}..{sw.port + args.cores - 1}" if args.cores > 1
              else "") + f"; listening on udp+tcp {cfg.host}:{sw.port}"
           + (f"; host aggregator (NOT switch-feasible) on tcp {cfg.host}:{hagg.port}" if hagg is not None else "")
-          + f"; profile {prof.describe()}; {impairments_label(cfg)}", file=sys.stderr, flush=True)
+          + f"; profile {prof.describe()}; {impairments_label(cfg, args.cores)}", file=sys.stderr, flush=True)
     cp = ControlPlane(group, args.host, host_agg=hagg, token=token, grace=args.disconnect_grace, profile=prof,
                       max_line=args.max_line, max_connections=args.max_connections, idle_s=args.idle_timeout,
                       max_join_wait=args.max_join_wait)

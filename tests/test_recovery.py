@@ -229,6 +229,45 @@ def test_tail_loss_is_recovered_by_the_probe_not_the_timeout(tmp_path):
     _check_exact(out, ops, N)
 
 
+def test_a_tail_loss_of_more_than_three_results_is_recovered_by_a_probe_not_the_timeout(tmp_path, monkeypatch):
+    """Allreduces of 6 chunks, all out at once (8 slots), under 50% loss switch -> worker (one rank: no
+    peer's wait mixes in): the rank often loses the last 4 or more results of a stream together (nothing
+    that arrives shows their loss), as when a socket buffer overflows while its process waits for a core.
+    Such a silence with more than 3 chunks out is probed after the round trip plus their serialisation
+    (recorded from the rank's loss detector: the silence before it), not left to the 2 s
+    safety-net timeout (which fired 37 times in this run when such silences were not probed; now at
+    most one for four of them: a probe whose replay is lost too backs off), and every result is exact."""
+    from ina.recovery import SHORT_PROBE_MAX_PENDING
+    from sw_harness import client_threads
+    stall_probes, lost = [], LossDetector.lost
+
+    def recording(self, pending, now, *a, **kw):
+        found = lost(self, pending, now, *a, **kw)
+        if found[1].size and len(pending) > SHORT_PROBE_MAX_PENDING and self.probes == 0:
+            stall_probes.append(now - self.last_arrival)       # the first probe of such a silence: when
+        return found
+    monkeypatch.setattr(LossDetector, "lost", recording)
+    sw = SwitchProc("--slots", "64", "--elements", "64", "--egress-loss", "0.5", "--seed", "11",
+                    log_path=tmp_path / "switch.log")
+    ops = [{"codec": "bfp32", "shape": [64 * 6], "seed": 300 + i} for i in range(30)]
+    inputs = [expected_inputs(op, 1) for op in ops]
+
+    def body(rank, cl):
+        return [cl.allreduce(xs[rank].copy(), codec="bfp32") for xs in inputs], cl.stats
+    try:
+        (results, st), = client_threads(sw.port, 1, 12, body, join_timeout=150, elements=64, slots=8, timeout=60.0,
+                                        rto=2.0, min_rto=0.002, max_rto=4.0)
+        dropped = sw.stats()["impairments"]["egress"]["dropped"]
+    finally:
+        sw.terminate()
+    assert dropped >= 60, f"the impairment dropped only {dropped} packets: the test shows nothing"
+    assert len(stall_probes) >= 5, f"only {len(stall_probes)} silences with more than 3 chunks out: shows nothing"
+    assert st.timeout_retransmissions * 4 <= len(stall_probes), (st.timeout_retransmissions, len(stall_probes))
+    assert np.median(stall_probes) < 0.2, stall_probes      # a tenth of the timeout (under load: tens of ms)
+    for i, xs in enumerate(inputs):
+        assert np.array_equal(results[i].view(np.uint32), bfp_reference(xs).view(np.uint32)), i
+
+
 def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
     ld = LossDetector(5)
     ld.sent(np.arange(5), now=0.0)
@@ -252,43 +291,60 @@ def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
     assert late.tolist() == [4]
 
 
-def _probes_in_a_silence(window: int, silence: float = 0.2, pto: float = 0.001) -> tuple[int, int]:
-    """(probes, timeouts) of a rank whose ``window`` chunks are all out and that hears nothing for
-    ``silence`` seconds (the rules run whenever next_deadline says, or every 0.1 ms)."""
+def _probes_in_a_silence(window: int, silence: float = 0.2, pto: float = 0.001, srtt: float | None = 0.001,
+                         rttvar: float = 0.0, spacing: float = 0.0) -> tuple[int, int, float]:
+    """(probes, timeouts, the first probe's time) of a rank whose ``window`` chunks are all out and that
+    hears nothing for ``silence`` seconds (the rules run whenever next_deadline says, or every 0.1 ms)."""
     ld = LossDetector(window)
     ld.sent(np.arange(window), now=0.0)
-    pending, probes, timeouts, now = np.arange(window), 0, 0, 0.0
+    pending, probes, timeouts, now, first = np.arange(window), 0, 0, 0.0, np.inf
     while True:
-        _, probe, late = ld.lost(pending, now=now, srtt=0.001, rto=1.0, max_rto=1.0, pto=pto)
+        _, probe, late = ld.lost(pending, now=now, srtt=srtt, rto=1.0, max_rto=1.0, pto=pto, rttvar=rttvar,
+                                 spacing=spacing)
         ld.resent(np.concatenate([probe, late]), now=now, probed=probe.size > 0)
         probes, timeouts = probes + probe.size, timeouts + late.size
+        if probe.size:
+            first = min(first, now)
         if now >= silence:
-            return probes, timeouts
-        now = max(now + 1e-4, min(silence, ld.next_deadline(pending, srtt=0.001, rttvar=0.0, pto=pto, max_rto=1.0)))
+            return probes, timeouts, first
+        now = max(now + 1e-4, min(silence, ld.next_deadline(pending, srtt=srtt, rttvar=rttvar, pto=pto, max_rto=1.0,
+                                                            spacing=spacing)))
 
 
 def test_a_long_silence_of_a_few_chunks_costs_a_handful_of_probes_not_one_per_chunk():
     """A rank with the last 3 chunks of its stream out that hears nothing for 200 ms (a slow peer, or
     all three lost), with a 1 ms probe timeout: the probes back off over the silence (1, 2, 4, ... ms),
     so about log2(200) of them in all, and the 1 s timeout does not fire."""
-    probes, timeouts = _probes_in_a_silence(3)
+    probes, timeouts, first = _probes_in_a_silence(3)
     assert 5 <= probes <= 9 and timeouts == 0, (probes, timeouts)
+    assert first == pytest.approx(0.001, abs=2e-4)
 
 
-def test_a_silence_with_more_chunks_out_than_the_duplicate_threshold_is_a_stall_not_probed():
-    """A window of 20 or 64 chunks out and no result: a probe could only help if every one of them
-    was lost (one result back would show the others' losses by rule 1), so it is a stall (a peer that
-    has not started its stream, the switch not scheduled). No probe fires (at 100 Mbit/s they were
-    most of the spurious resends, the probe timeout far below the chunks' round trip through the
-    link's queue), nor does the receive wake for the probe timer; the timeout (1 s here) remains."""
-    for window in (DUPTHRESH + 1, 20, 64):
-        assert _probes_in_a_silence(window) == (0, 0)
+def test_a_silence_with_more_chunks_out_than_three_is_probed_after_the_round_trip_and_their_serialisation():
+    """A window of 4, 20 or 64 chunks out and no result: most often a stall (a peer that has not sent
+    yet, the switch not scheduled), which a probe at the 1 ms probe timeout would not shorten (at
+    100 Mbit/s such probes were most of the spurious resends, the probe timeout far below the chunks'
+    round trip through the link's queue); but it can be a loss of them all (losses come together). So
+    the silence is probed after srtt + 4 rttvar + the pending chunks' serialisation (here 2 + 4 x 0.5 ms
+    + n x 0.1 ms), not at 1 ms and not at the 1 s timeout; then backed off as any probe (a handful in
+    200 ms), and the timeout does not fire. Without an srtt: the probe timeout plus the serialisation.
+    A probe timeout above all that (the run-queue floor of a loaded machine) still holds."""
+    from ina.recovery import SHORT_PROBE_MAX_PENDING, probe_timeout
+    assert SHORT_PROBE_MAX_PENDING == 3
+    for window in (4, 20, 64):
+        due = 0.002 + 4 * 0.0005 + window * 1e-4
+        probes, timeouts, first = _probes_in_a_silence(window, srtt=0.002, rttvar=0.0005, spacing=1e-4)
+        assert first == pytest.approx(due, abs=2e-4), (window, first, due)
+        assert 3 <= probes <= 8 and timeouts == 0, (window, probes, timeouts)
         ld = LossDetector(window)
         ld.sent(np.arange(window), now=0.0)
-        assert ld.next_deadline(np.arange(window), srtt=None, rttvar=0.0, pto=0.001, max_rto=1.0) == np.inf
-    probes, timeouts = _probes_in_a_silence(20, silence=1.5)
-    assert probes == 0 and timeouts == 20                # the safety net resends them all, once
-    assert _probes_in_a_silence(DUPTHRESH)[0] > 0        # as few as the threshold: a tail, probed
+        assert ld.next_deadline(np.arange(window), srtt=0.002, rttvar=0.0005, pto=0.001, max_rto=1.0,
+                                spacing=1e-4) == pytest.approx(due)
+        no_srtt = _probes_in_a_silence(window, srtt=None, spacing=1e-4)[2]
+        assert no_srtt == pytest.approx(0.001 + window * 1e-4, abs=2e-4), (window, no_srtt)
+        assert probe_timeout(0.05, window, 0.002, 0.0005, 1e-4) == 0.05          # the floor holds
+    assert probe_timeout(0.001, 3, 0.002, 0.0005, 1e-4) == 0.001               # 3 or fewer: the probe timeout
+    assert probe_timeout(None, 20, 0.002, 0.0005, 1e-4) is None                # no round trip measured: none
 
 
 def test_a_resent_chunks_result_is_no_evidence_against_others():
@@ -478,7 +534,7 @@ def _slow_link_stream(prior: float, n: int = 208, window: int = 64, lose_first_s
     while not done.all():
         pending = ld.pending(0, n - 1, done)
         pto = Client.probe_timeout(cl, spacing.for_timers())
-        wait = min(2e-3, max(5e-5, ld.next_deadline(pending, None, 0.0, pto, 1.0) - now))
+        wait = min(2e-3, max(5e-5, ld.next_deadline(pending, None, 0.0, pto, 1.0, spacing.for_timers()) - now))
         arrivals.sort()
         if arrivals and arrivals[0][0] <= now + wait:
             now = arrivals[0][0]
@@ -495,7 +551,8 @@ def _slow_link_stream(prior: float, n: int = 208, window: int = 64, lose_first_s
             now += wait
             spacing.idle()
         pending = ld.pending(0, n - 1, done)
-        _, probe, late = ld.lost(pending, now, None, 1.0, 1.0, Client.probe_timeout(cl, spacing.for_timers()))
+        _, probe, late = ld.lost(pending, now, None, 1.0, 1.0, Client.probe_timeout(cl, spacing.for_timers()),
+                                 spacing=spacing.for_timers())
         assert late.size == 0
         if probe.size:
             probes += probe.size

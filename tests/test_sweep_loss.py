@@ -52,6 +52,22 @@ def test_bench_loss_median_interval_covers_the_median_as_often_as_it_says():
     assert np.mean(hits) >= median_interval(np.zeros(15))[2] - 0.015
 
 
+def test_bench_loss_writes_an_undefined_value_as_null_and_refuses_zero_rounds(capsys):
+    """resend_cost is undefined (NaN) where no block has allreduces both with and without a resend: the
+    JSON says null (a bare NaN is not JSON); --rounds 0 is refused with a message naming it."""
+    import json as js
+
+    from experiments.bench_loss import finite_or_null, main as bench_loss, resend_cost
+    cost = resend_cost([{"times": [1.0, 2.0], "resent": [True, True]}])
+    text = js.dumps(finite_or_null({"results": [cost], "inf": float("inf")}), allow_nan=False)
+    back = js.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert back["results"][0]["expected_vs_clean"] is None and back["inf"] is None
+    assert back["results"][0]["share_with_resend"] == 1.0
+    with pytest.raises(SystemExit):
+        bench_loss(["--rounds", "0"])
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_only_switch_traffic_runs_at_a_loss():
     plan = [("allreduce", 2, "100mbit", 1000, "gloo"), ("allreduce", 2, "100mbit", 1000, "ina:bfp32"),
             ("throughput", 2, "100mbit", 1000, "ina:bfp32"), ("allreduce", 2, "100mbit", 1000, "ina:3lc"),

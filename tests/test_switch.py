@@ -296,6 +296,20 @@ def test_startup_line_says_what_the_switch_does_to_packets(switch, tmp_path):
         assert sw.terminate() == 0
 
 
+def test_impairments_label_names_each_shards_seed_and_how_long_a_reordered_packet_is_held():
+    """A sharded switch draws shard k's impairments from seed + SHARD_SEED_STEP x k: the label says so (not
+    shard 0's seed alone), and a reordering names how long a packet is held back."""
+    from switch_model.cli import impairments_label
+    from switch_model.impair import ImpairmentConfig
+    from switch_model.shards import SHARD_SEED_STEP
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(ingress=ImpairmentConfig(reorder=0.02, reorder_ms=3.0, seed=5),
+                          egress=ImpairmentConfig(seed=6))
+    assert impairments_label(cfg) == "impairments: ingress reorder 0.02 (held 3 ms) (seed 5)"
+    assert impairments_label(cfg, 4) == \
+        f"impairments: ingress reorder 0.02 (held 3 ms) (seeds 5 + {SHARD_SEED_STEP} x shard, shards 0..3)"
+
+
 def test_sram_budget_refused_at_startup(tmp_path):
     port = free_port()
     r = subprocess.run([PY, "-m", "switch_model", "serve", "--host", "127.0.0.1", "--port", str(port),
