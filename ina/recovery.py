@@ -98,16 +98,17 @@ scheduler's pauses exceed 1 ms, more of them are spurious (the switch only reads
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import recovery_kernels as RK
 from .wire import Flag
 
-DUPTHRESH = RK.DUPTHRESH
 SHORT_PROBE_MAX_PENDING = 3   # rule 3 probes a silence with more chunks pending than this only later (probe_timeout)
 STALL_RTTVARS = 4             # ... after srtt + this x rttvar + the pending chunks' serialisation
 TAIL_COPY_FROM = 16    # data streams of at least this many chunks send their last chunk twice (negotiation: always)
-REO_FLOOR = RK.REO_FLOOR          # rule 1's count of later results is DUPTHRESH; rule 2's floor (seconds)
+DUPTHRESH, REO_FLOOR = RK.DUPTHRESH, RK.REO_FLOOR   # rule 1's count of later results, rule 2's floor (seconds)
 FAST, PROBE, TIMEOUT = RK.FAST, RK.PROBE, RK.TIMEOUT  # the rule of a chunk's last resend (LossDetector.rule; 0: never)
 
 
@@ -148,14 +149,11 @@ def probe_timeout(pto: float | None, n_pending: int, srtt: float | None, rttvar:
     return max(pto, rtt + n_pending * spacing)
 
 
-_loaded = [False]
-
-
+@functools.cache
 def _load_loss_rules() -> None:
     """Load (or compile) ``find_lost`` with the first stream, not at the first loss: it runs only on evidence
     of one, and its first call took tens of ms from numba's cache (a second without: every rank's window
     timed out waiting for the rank compiling it)."""
-    _loaded[0] = True
     one, none = np.zeros(1, np.int64), np.zeros(1)
     RK.find_lost(one, 0.0, none, one, one, one, one, 0, np.nan, 0.0, np.inf, 1.0, np.nan, False, 0.0, one.copy())
 
@@ -178,9 +176,7 @@ class LossDetector:
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
         self.probes = 0                            # tail probes since then (the probe timer's backoff)
         self.probe_base = 0.0                      # when the probe timer last started: an arrival or a probe
-        if not _loaded[0]:
-            _load_loss_rules()
-
+        _load_loss_rules()                         # once per process (cached)
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
         """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the

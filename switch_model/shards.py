@@ -89,19 +89,24 @@ def _shard_main(cfg: SwitchConfig, shard: int, conn, log_level: str) -> None:
 SHARD_SEED_STEP = 1_000_003     # between the shards' impairment seeds (the ingress and egress seeds differ by 1)
 
 
+def shard_seed(seed: int, k: int) -> int:
+    """Shard k's impairment seed, drawn from ``seed`` (the one rule: at start-up and at run time)."""
+    return seed + SHARD_SEED_STEP * k
+
+
 def shard_config(cfg: SwitchConfig, port: int, k: int) -> SwitchConfig:
     """Shard k's configuration: port ``port + k``, and impairments drawn from seeds of its own (the same
     seed in every shard would drop, copy and hold each shard's n-th packet alike). The re-encoding seed
     stays the same in every shard: its draws are keyed by (seed, job, chunk id, element), a round's
     chunk id is served by one shard, and so the shards round as one switch would, bit for bit."""
-    return replace(cfg, port=port + k, ingress=replace(cfg.ingress, seed=cfg.ingress.seed + SHARD_SEED_STEP * k),
-                   egress=replace(cfg.egress, seed=cfg.egress.seed + SHARD_SEED_STEP * k))
+    return replace(cfg, port=port + k, ingress=replace(cfg.ingress, seed=shard_seed(cfg.ingress.seed, k)),
+                   egress=replace(cfg.egress, seed=shard_seed(cfg.egress.seed, k)))
 
 
 def _shard_seeded(changes, k: int):
     """Impairment changes as shard k applies them: a seed they set is offset as ``shard_config`` does."""
     if isinstance(changes, dict) and isinstance(changes.get("seed"), int):
-        return {**changes, "seed": changes["seed"] + SHARD_SEED_STEP * k}
+        return {**changes, "seed": shard_seed(changes["seed"], k)}
     return changes
 
 
