@@ -6,11 +6,18 @@ and the fabric's Linux bridge, which snoops IGMP (``ina.net.topology``), copies 
 whose shaping queue (the worker's download) sees each copy. A job's results go to its group when
 
 * the switch's multicast is on (``SwitchConfig.multicast``; ``ina-switch serve --no-multicast`` turns it off),
-* every worker joined the group with its data socket bound to the group's port (``ina.multicast``: not on
-  loopback, nor where the port is taken) and the workers are distinct hosts, none the switch's own,
+* every worker joined the group with its data socket bound to the group's port (``ina.multicast``: not
+  where the port is taken) and the workers are distinct hosts, none the switch's own, or all of them are
+  on the switch's host, over loopback (below),
 * the switch reaches every worker through one local address, the socket's multicast interface;
 
-otherwise, and for the replay of one worker's lost result, each worker gets its own unicast copy. While
+otherwise, and for the replay of one worker's lost result, each worker gets its own unicast copy.
+
+**Over loopback** the workers' data sockets share the group's port on ``lo`` and each names a group of its
+own (``ina.wire.rank_group``) as its address, and where its packets come from (``source`` in the join):
+its replays and unicast copies are sent to that group, which only it joined (:meth:`Multicast.reach`;
+the switch's multicast interface is then 127.0.0.1, and a later job of workers elsewhere is sent unicast
+copies). The switch sends the job's results to the job's group out of ``lo`` as on a fabric. While
 egress impairments are on, each worker's copy is impaired on its own, as on its own link: under loss
 alone a result none of whose copies is lost still goes as one multicast, one that lost a copy as its
 surviving unicast copies; with delay, duplication or reordering every result goes as unicast copies.
