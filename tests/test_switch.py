@@ -513,7 +513,7 @@ def _multicast_job_switch():
     sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=8, elements=16))
     sw.multicast.enabled = True
     sw.multicast.interface = "127.0.0.1"           # as if the workers were reached through a multicast route
-    sw.multicast.choose = lambda job, addrs, groups, port: ("239.255.0.1", "a group")
+    sw.multicast.choose = lambda job, addrs, groups, port, *rest: ("239.255.0.1", "a group")
     try:
         info = sw.install_job(11, 2, 8, 16, False, [("127.0.0.1", 9), ("127.0.0.1", 9)])
         assert info.group_addr >= 0
