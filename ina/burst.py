@@ -83,22 +83,15 @@ def _ptr(arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
-def udp_socket(host: str = "0.0.0.0", port: int = 0, bufsize: int = 32 << 20, reuse: bool = False) -> socket.socket:
-    """A bound UDP socket with large kernel buffers (forced past rmem_max when privileged); ``reuse``:
-    SO_REUSEADDR, so that sockets which all set it may bind the same port (ina.multicast, on loopback)."""
+def udp_socket(host: str = "0.0.0.0", port: int = 0, bufsize: int = 32 << 20) -> socket.socket:
+    """A bound UDP socket with large kernel buffers (forced past rmem_max when privileged)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        if reuse:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        for opt, force in ((socket.SO_RCVBUF, 33), (socket.SO_SNDBUF, 32)):  # SO_RCVBUFFORCE, SO_SNDBUFFORCE
-            try:
-                s.setsockopt(socket.SOL_SOCKET, force, bufsize)
-            except OSError:
-                s.setsockopt(socket.SOL_SOCKET, opt, bufsize)
-        s.bind((host, port))
-    except OSError:
-        s.close()
-        raise
+    for opt, force in ((socket.SO_RCVBUF, 33), (socket.SO_SNDBUF, 32)):  # SO_RCVBUFFORCE, SO_SNDBUFFORCE
+        try:
+            s.setsockopt(socket.SOL_SOCKET, force, bufsize)
+        except OSError:
+            s.setsockopt(socket.SOL_SOCKET, opt, bufsize)
+    s.bind((host, port))
     return s
 
 

@@ -108,16 +108,15 @@ class Client(Worker):
         self._timeline: Timeline | None = None
         self.ctl = ControlChannel(host, int(port), timeout=min(timeout, 10.0), token=token)   # token: INA_TOKEN
         local_ip = self.ctl.sock.getsockname()[0]
-        ep = mcast.data_socket(local_ip, job, multicast, self.ctl.sock.getpeername()[:2], rank)
-        self.sock, self.send_sock, group = ep.sock, ep.send, ep.group    # (one socket but over loopback)
+        self.sock, group = mcast.data_socket(local_ip, job, multicast, self.ctl.sock.getpeername()[:2])
         try:
             cfg = self.ctl.request({"op": "join", "job": job, "rank": rank, "world_size": world_size,
-                                    "multicast_group": group, "host": ep.address[0], "udp_port": ep.address[1],
-                                    **({"source": list(ep.source)} if ep.source else {}), "slots": slots,
+                                    "multicast_group": group,
+                                    "host": local_ip, "udp_port": self.sock.getsockname()[1], "slots": slots,
                                     "elements": elements, "raw": raw, "timeout": timeout, "codecs": list(codecs)},
                                    timeout=timeout + 5.0)["config"]
         except ControlError as e:
-            self._close_data()
+            self.sock.close()
             self.ctl.close()
             raise AllreduceError(f"rank {rank} could not join job {job} at switch {host}:{port}: {e}") from None
         self.slots = int(cfg["slots"])
@@ -125,7 +124,7 @@ class Client(Worker):
         self.raw = bool(cfg["raw"])
         self.register_bits = int(cfg["register_bits"])
         ports = [int(p) for p in cfg.get("ports", [port])]
-        self.multicast = mcast.settle(ep, local_ip, cfg, ports)   # the switch sends results to the group
+        self.multicast = mcast.settle(self.sock, group, local_ip, cfg, ports)   # the switch sends results to the group
         self.group_seen = False   # the last stream (or this one) got results by the group: resends say GROUP_SEEN
         self.switch_addrs = np.zeros(len(ports), B.SOCKADDR_IN)     # one per switch shard (np.concatenate
         for i, p in enumerate(ports):                                # would drop the network byte order)
@@ -138,7 +137,7 @@ class Client(Worker):
         # rows of the packet size: GRO-coalesced messages land and are cut into them (64 kB rows received into
         # straight doubled bfp32's time at 8 workers on shaped links: docs/performance.md)
         self.rx = B.RxRing(self.sock, burst=256, stride=max_packet_size(self.elements))
-        self.tx = B.TxBatch(self.send_sock, capacity=1024)
+        self.tx = B.TxBatch(self.sock, capacity=1024)
         self.rings = chunk_encoding.PacketRings(2 * self.slots)    # the streams' packet rings, reused
         self.chunk_modulus = chunk_modulus(self.slots)      # chunk ids wrap to 0 there (ina.wire)
         self._leave_at_exit = None     # lifetime.leave_at_exit, once the client is whole
@@ -154,7 +153,7 @@ class Client(Worker):
         self.run_queue = RunQueueDelay()    # the machine's wait for a core: the loss timers' floors
         self._leave_at_exit = lifetime.leave_at_exit(self)    # leaves cleanly even without close()
         log.info("rank %d joined job %d at %s:%d: %d slots, %d elements per packet, results by %s", rank, job, host,
-                 port, self.slots, self.elements, f"multicast to {ep.how}" if self.multicast else "unicast")
+                 port, self.slots, self.elements, f"multicast to {group}" if self.multicast else "unicast")
 
     # ----------------------------------------------------------------------------------------------
     def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None, sparse: bool | None = None):
@@ -420,13 +419,7 @@ class Client(Worker):
         finally:
             self.ctl.close()
             self.ctl = None
-            self._close_data()
-
-    def _close_data(self) -> None:
-        """Close the data socket(s), logging what the kernel dropped at the receiving one."""
-        if self.send_sock is not self.sock:
-            self.send_sock.close()
-        mcast.close(self.sock, self.rank, self.job)
+            mcast.close(self.sock, self.rank, self.job)
 
     def __enter__(self):
         return self

@@ -18,7 +18,7 @@ from .control import ControlError
 log = logging.getLogger("ina.client")
 
 
-def _leave(ctl, socks, rank: int, job: int) -> None:
+def _leave(ctl, sock, rank: int, job: int) -> None:
     try:
         ctl.request({"op": "leave"}, timeout=5.0)
         log.info("rank %d left job %d at exit (the client was not closed)", rank, job)
@@ -26,14 +26,13 @@ def _leave(ctl, socks, rank: int, job: int) -> None:
         log.warning("rank %d: leaving job %d at exit: %s", rank, job, e)
     finally:
         ctl.close()
-        for sock in socks:
-            sock.close()
+        sock.close()
 
 
 def leave_at_exit(client) -> weakref.finalize:
     """Leave ``client``'s job at interpreter exit or when it is collected, unless it was closed first
     (``close()`` calls ``detach()`` on the returned finalizer)."""
-    return weakref.finalize(client, _leave, client.ctl, {client.sock, client.send_sock}, client.rank, client.job)
+    return weakref.finalize(client, _leave, client.ctl, client.sock, client.rank, client.job)
 
 
 def abort_reason(ctl, job: int, rank: int) -> str:

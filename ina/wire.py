@@ -149,21 +149,6 @@ def multicast_group(job: int, switch: tuple[str, int]) -> tuple[str, int]:
     return group, MULTICAST_PORT_BASE + (job + int(port)) % 16384
 
 
-def rank_group(job: int, rank: int, switch: tuple[str, int]) -> str:
-    """The group a worker reached over loopback takes its own datagrams by (replays, unicast copies), at its
-    job's group port (``multicast_group``): ``239.<128 + rank>.<job high>.<job low>``. On loopback every
-    worker of a job binds the group's port (``ina.multicast``), so a unicast datagram to 127.0.0.1 at that
-    port would reach any one of them; a group that only this rank joined reaches it alone. Used on the
-    loopback interface only (a membership is per interface); the second byte of a job's group on loopback
-    is the XOR of 127.x.y.z's bytes (126 for 127.0.0.1), not 128..191 but for unusual loopback addresses,
-    and what another switch sends there anyway is dropped by the worker's socket filter."""
-    job, rank = int(job), int(rank)
-    if not 0 <= rank < MAX_WORKERS:
-        raise ValueError(f"rank {rank} out of range 0..{MAX_WORKERS - 1}")
-    multicast_group(job, switch)          # the job id's range check, one rule
-    return f"{MULTICAST_PREFIX}.{128 + rank}.{job >> 8}.{job & 0xFF}"
-
-
 def max_packet_size(elements: int) -> int:
     """The longest packet of a job with ``elements`` per packet: INT64 sums and the sparse trailer."""
     return HEADER_SIZE + 8 * elements + TRAILER_SIZE

@@ -37,7 +37,6 @@ class _Pending:
         self.spec = spec
         self.members: dict[int, tuple] = {}
         self.groups: dict[int, str | None] = {}     # the multicast group each rank joined (None: none)
-        self.sources: dict[int, tuple | None] = {}  # where each rank's packets come from if not its address
         self.cond = threading.Condition()
         self.result: dict | None = None
         self.error: str | None = None
@@ -211,8 +210,6 @@ class ControlPlane:
         job, rank, n = int(msg["job"]), int(msg["rank"]), int(msg["world_size"])
         host = msg.get("host") or peer[0]
         addr = (host, int(msg["udp_port"]))
-        source = msg.get("source")       # over loopback: the worker sends from another socket (ina.multicast)
-        source = (str(source[0]), int(source[1])) if source else None
         spec = {"world_size": n, "slots": int(msg.get("slots", 64)), "elements": int(msg.get("elements", 1024)),
                 "raw": bool(msg.get("raw", False))}
         timeout = float(msg.get("timeout", 30.0))
@@ -247,14 +244,12 @@ class ControlPlane:
                 raise ValueError(f"job {job}: rank {rank} has already joined")
             p.members[rank] = addr
             p.groups[rank] = msg.get("multicast_group")
-            p.sources[rank] = source
             log.info("job %d: rank %d joined from %s:%d (%d/%d)", job, rank, addr[0], addr[1], len(p.members), n)
             if len(p.members) == n:
                 del self._pending[job]
                 try:
                     info = self.switch.dp("install_job", job, n, spec["slots"], spec["elements"], spec["raw"],
-                                          [p.members[r] for r in range(n)], groups=[p.groups[r] for r in range(n)],
-                                          sources=[p.sources[r] for r in range(n)])
+                                          [p.members[r] for r in range(n)], groups=[p.groups[r] for r in range(n)])
                     p.result = {"job": job, "slot_lo": info.slot_lo, "slots": spec["slots"], "ports": self.switch.ports,
                                 "elements": info.elements,
                                 "raw": info.raw, "register_bits": self.switch.cfg.register_bits, "world_size": n,

@@ -6,18 +6,11 @@ and the fabric's Linux bridge, which snoops IGMP (``ina.net.topology``), copies 
 whose shaping queue (the worker's download) sees each copy. A job's results go to its group when
 
 * the switch's multicast is on (``SwitchConfig.multicast``; ``ina-switch serve --no-multicast`` turns it off),
-* every worker joined the group with its data socket bound to the group's port (``ina.multicast``: not
-  where the port is taken) and the workers are distinct hosts, none the switch's own, or all of them are
-  on the switch's host, over loopback (below),
+* every worker joined the group with its data socket bound to the group's port (``ina.multicast``: not on
+  loopback, nor where the port is taken) and the workers are distinct hosts, none the switch's own,
 * the switch reaches every worker through one local address, the socket's multicast interface;
 
-otherwise, and for the replay of one worker's lost result, each worker gets its own unicast copy.
-
-**Over loopback** the workers' data sockets share the group's port on ``lo`` and each names a group of its
-own (``ina.wire.rank_group``) as its address, and where its packets come from (``source`` in the join):
-its replays and unicast copies are sent to that group, which only it joined (:meth:`Multicast.reach`;
-the switch's multicast interface is then 127.0.0.1, and a later job of workers elsewhere is sent unicast
-copies). The switch sends the job's results to the job's group out of ``lo`` as on a fabric. While
+otherwise, and for the replay of one worker's lost result, each worker gets its own unicast copy. While
 egress impairments are on, each worker's copy is impaired on its own, as on its own link: under loss
 alone a result none of whose copies is lost still goes as one multicast, one that lost a copy as its
 surviving unicast copies; with delay, duplication or reordering every result goes as unicast copies.
@@ -55,7 +48,6 @@ import socket
 
 import numpy as np
 
-from ina.multicast import LOOPBACK
 from ina.wire import MAX_WORKERS, multicast_group
 
 log = logging.getLogger("ina.switch")
@@ -86,60 +78,28 @@ class Multicast:
         self.mark = np.zeros(first + blocks, np.int64)  # per address: ``delivered`` at the window's start
         self.interface: str | None = None               # the socket's IP_MULTICAST_IF, once set
         self.installed = 0                              # jobs sending to a group now (none: nothing to expand)
+        if self.enabled:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
 
-    def _egress(self, interface: str) -> None:
-        """Multicast out of the interface of local address ``interface`` (once per socket)."""
-        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
-        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
-        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(interface))
-        self.interface = interface
-
-    def reach(self, addrs: list, sources: list) -> None:
-        """Make the workers whose address is a group of their own reachable (workers on the switch's host,
-        over loopback, ``ina.multicast``: every datagram to them, replays and unicast copies too, is a
-        multicast on ``lo``, whether the job's results are multicast or not); ValueError (the join is
-        refused) where this switch's multicast goes out of another interface. ``sources``: where each
-        worker's packets come from."""
-        own = [r for r, (h, _) in enumerate(addrs) if ipaddress.ip_address(h).is_multicast]
-        if not own:
-            return
-        far = [r for r in own if not ipaddress.ip_address(sources[r][0]).is_loopback]
-        if far:
-            raise ValueError(f"rank(s) {far[:8]} name a group as their address but do not send from loopback")
-        if self.interface is None:
-            self._egress(LOOPBACK)
-        elif self.interface != LOOPBACK:
-            raise ValueError(f"rank(s) {own[:8]} take their datagrams by their own group on loopback, but this "
-                             f"switch multicasts from {self.interface} (a job of workers elsewhere came first); "
-                             "join with INA_MULTICAST=0 or use another switch")
-
-    def choose(self, job: int, addrs: list, groups: list | None, port: int,
-               sources: list | None = None) -> tuple[str | None, str]:
+    def choose(self, job: int, addrs: list, groups: list | None, port: int) -> tuple[str | None, str]:
         """(the group to send ``job``'s results to, or None; why). ``addrs``: the workers' (host, port),
         ``groups``: the group each worker joined (None: none); ``port``: the switch's UDP port as the workers
-        address it (shard 0's); ``sources``: where each worker's packets come from (default: ``addrs``). The
-        group follows from the address the switch reaches the workers from (``ina.wire.multicast_group``),
-        which is the one the workers address it at where they joined it. Workers over loopback (each
-        addressed by a group of its own, :meth:`reach`) share the host: the job's group on ``lo`` reaches
-        them all."""
+        address it (shard 0's). The group follows from the address the switch reaches the workers from
+        (``ina.wire.multicast_group``), which is the one the workers address it at where they joined it."""
         if not self.enabled:
             return None, "multicast turned off (--no-multicast)"
         groups = groups or [None] * len(addrs)
         if None in groups:
             return None, f"rank(s) {[r for r, g in enumerate(groups) if g is None][:8]} did not join a group"
         hosts = [h for h, _ in addrs]
-        loopback = [ipaddress.ip_address(h).is_multicast for h in hosts]
-        if any(loopback):
-            if not all(loopback):
-                return None, "some workers are on the switch's host (loopback), some not"
-            hosts = [h for h, _ in (sources or addrs)]
-        elif len(set(hosts)) != len(hosts) or any(ipaddress.ip_address(h).is_loopback for h in hosts):
+        if len(set(hosts)) != len(hosts) or any(ipaddress.ip_address(h).is_loopback for h in hosts):
             return None, "workers share a host"
         try:
             via = {h: egress_address(h) for h in hosts}
         except OSError as e:
             return None, f"no route to the workers: {e}"
-        if not any(loopback) and any(h == a for h, a in via.items()):   # a multicast would not loop back
+        if any(h == a for h, a in via.items()):        # the switch's own address: a multicast would not loop back
             return None, "a worker is on the switch's host"
         local = set(via.values())
         if len(local) != 1 or (self.interface is not None and local != {self.interface}):
@@ -151,8 +111,9 @@ class Multicast:
             return None, (f"rank(s) {missing[:8]} did not join group {group}:{gport} (this switch's for job {job} "
                           f"from {source}; they joined {sorted(set(groups) - {group})[:4]})")
         if self.interface is None:
-            self._egress(source)
-        return group, f"group {group}:{gport} from {self.interface}{' on lo' if any(loopback) else ''}"
+            self.interface = source
+            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.interface))
+        return group, f"group {group}:{gport} from {self.interface}"
 
     def install(self, block: int, n_workers: int, slots: int, delivered: np.ndarray, shards: int = 1) -> int:
         """The address index of block ``block``'s group (its job sends there); remembers its workers and

@@ -422,12 +422,9 @@ class Switch:
         return -1
 
     def install_job(self, job: int, n_workers: int, slots: int, elements: int, raw: bool, addrs: list,
-                    shards: int = 1, shard: int = 0, created: float | None = None, groups: list | None = None,
-                    sources: list | None = None) -> Job:
+                    shards: int = 1, shard: int = 0, created: float | None = None, groups: list | None = None) -> Job:
         """Allocate a slot range and a job-table entry (data-plane thread). ``groups``: the multicast group
-        each worker joined (results go to the job's group where all did, multicast.py); ``sources``: where
-        each worker's packets come from where that is not its address (None), as over loopback, where a
-        worker's address is its own group (multicast.py).
+        each worker joined (results go to the job's group where all did, multicast.py).
 
         ``slots`` is the job's pool; with ``shards`` > 1 this switch holds pool indices p with
         p % shards == shard, i.e. ceil((slots - shard) / shards) of them.
@@ -450,17 +447,14 @@ class Switch:
         if lo < 0:
             raise ValueError(f"not enough free slots for job {job}: asked for {slots}, "
                              f"{self.free_slots()} of {self.cfg.slots} are free (not necessarily contiguous)")
-        sources = [s or a for s, a in zip(sources or [None] * len(addrs), addrs)]
-        self.multicast.reach(addrs, sources)      # ranks reached by their own group: refused if it cannot
         block = self._free_blocks.pop(0)
         info = Job(job, n_workers, lo, slots, elements, raw, block, list(addrs), pool_slots, shards, shard)
         if created is not None:
             info.created = created
-        for r, ((h, p), src) in enumerate(zip(addrs, sources)):
-            self.addrs[info.addr_base + r] = B.sockaddr(h, p)[0]
-            a = B.sockaddr(*src)[0]
+        for r, (h, p) in enumerate(addrs):
+            self.addrs[info.addr_base + r] = a = B.sockaddr(h, p)[0]
             self.state.peers[info.addr_base + r] = D.source_key(int(a["addr"]), int(a["port"]))
-        group, how = self.multicast.choose(job, addrs, groups, self.port - shard, sources)
+        group, how = self.multicast.choose(job, addrs, groups, self.port - shard)
         if group is not None:
             info.results_from = self.multicast.interface
             info.group_addr = self.multicast.install(block, n_workers, slots, self.state.delivered, shards)

@@ -533,8 +533,7 @@ def test_a_stale_result_of_a_chunk_not_yet_sent_is_not_taken(tmp_path):
         return y, cl.stats.stale_results
 
     try:
-        # unicast: a multicast data socket takes datagrams from the switch only (ina.multicast.accept_only)
-        out = client_threads(sw.port, 2, 77, body, elements=128, slots=4, timeout=20.0, timeline=True, multicast=False)
+        out = client_threads(sw.port, 2, 77, body, elements=128, slots=4, timeout=20.0, timeline=True)
     finally:
         rc = sw.terminate()
     assert rc == 0, sw.log()[-3000:]

@@ -2,8 +2,8 @@
 
 Real switch and real clients in the emulated hosts of ina.net.Topology (namespaces, a Linux bridge with
 IGMP snooping, shaped links): with multicast the sums stay exact, a worker that misses multicast results
-gets them by unicast replay, two concurrent jobs' groups reach only their own workers, and workers that
-join no group get a unicast copy each (loopback: test_multicast_loopback.py).
+gets them by unicast replay, two concurrent jobs' groups reach only their own workers, and on loopback
+the switch falls back to a unicast copy per worker.
 """
 from __future__ import annotations
 
@@ -216,10 +216,9 @@ def test_a_worker_on_the_switchs_own_host_gets_unicast(tmp_path):
     assert "unicast: a worker is on the switch's host" in (tmp_path / "switch.log").read_text()
 
 
-def test_workers_that_join_no_group_get_unicast_copies(tmp_path):
-    """Workers told not to join (``multicast=False``; loopback here, test_multicast_loopback.py has the
-    group there) join no group: the switch sends a unicast copy per worker (stats say so) and the sums are
-    exact."""
+def test_on_loopback_the_switch_sends_unicast_copies(tmp_path):
+    """Workers reached over loopback join no group: the switch falls back to a unicast copy per worker
+    (stats say so) and the sums are exact."""
     op = {"shape": [50_000], "seed": 15}
     sw = SwitchProc(log_path=tmp_path / "switch.log")
     try:
@@ -227,7 +226,7 @@ def test_workers_that_join_no_group_get_unicast_copies(tmp_path):
             x = make_input(op, r)
             cl.allreduce(x, codec="bfp32")
             return x, cl.multicast
-        out = client_threads(sw.port, 3, 7, body, multicast=False)
+        out = client_threads(sw.port, 3, 7, body, multicast=True)
         st = stats(sw.port)
     finally:
         sw.terminate()

@@ -152,7 +152,7 @@ def _nc_round(clients, job, chunk, elements, codes):
         c.sock.settimeout(10.0)
     for r, c in enumerate(clients):
         pkt = header(job=job, rank=r, slot=slot_of_chunk(chunk, 4), ptype=1, codec=1, count=elements, chunk=chunk)
-        c.send_sock.sendto(pkt + bytes([codes[r]]) * elements, ("127.0.0.1", c.switch[1]))
+        c.sock.sendto(pkt + bytes([codes[r]]) * elements, ("127.0.0.1", c.switch[1]))
     return clients[0].sock.recv(65536)[HEADER_SIZE:]
 
 

@@ -400,7 +400,7 @@ def test_fuzz_bad_packets_counted_by_reason_while_allreduce_runs(switch, tmp_pat
                 if (pool, shadow) in outstanding:     # self-clocking: the set's last result first
                     results.wait_for(outstanding[(pool, shadow)])
                 for pkt in model.scenario(kind, pool, shadow, seed):     # from the rank's joined socket
-                    fakes[int(hdr(pkt)["rank"])].send_sock.sendto(pkt, dst)
+                    fakes[int(hdr(pkt)["rank"])].sock.sendto(pkt, dst)
                 outstanding[(pool, shadow)] = model.last
 
         outstanding = {}
@@ -513,7 +513,7 @@ def _multicast_job_switch():
     sw = Switch(SwitchConfig(host="127.0.0.1", port=0, slots=8, elements=16))
     sw.multicast.enabled = True
     sw.multicast.interface = "127.0.0.1"           # as if the workers were reached through a multicast route
-    sw.multicast.choose = lambda job, addrs, groups, port, *rest: ("239.255.0.1", "a group")
+    sw.multicast.choose = lambda job, addrs, groups, port: ("239.255.0.1", "a group")
     try:
         info = sw.install_job(11, 2, 8, 16, False, [("127.0.0.1", 9), ("127.0.0.1", 9)])
         assert info.group_addr >= 0
@@ -654,8 +654,8 @@ def test_register_overflow_saturates_and_is_flagged(switch, switch32, bits):
             7: (4, [100, -100, 3], [100, -100, -5], [200, -200, -2], False),
         }
         for chunk, (pt, a, b, _, _) in rounds.items():
-            fakes[0].send_sock.sendto(_data(40, 0, chunk, 4, pt, a, 8, exponent=3), dst)    # from the joined sockets
-            fakes[1].send_sock.sendto(_data(40, 1, chunk, 4, pt, b, 8, exponent=-2), dst)
+            fakes[0].sock.sendto(_data(40, 0, chunk, 4, pt, a, 8, exponent=3), dst)    # from the joined sockets
+            fakes[1].sock.sendto(_data(40, 1, chunk, 4, pt, b, 8, exponent=-2), dst)
         got = ResultCollector(fakes[0].sock)
         for chunk in rounds:
             got.wait_for(chunk)
@@ -685,7 +685,7 @@ def test_client_raises_on_overflow(switch32, tmp_path):
                 client={"elements": 8, "slots": 8, "timeout": 10.0}, name="ovf")
     rogue = Client(("127.0.0.1", switch32.port), rank=1, world_size=2, job=41, elements=8, slots=8, timeout=30)
     try:
-        s = rogue.send_sock            # the rogue sends from the address it joined from
+        s = rogue.sock                 # the rogue sends from the address it joined from
         dst = ("127.0.0.1", switch32.port)
         s.sendto(header(job=41, rank=1, slot=0, ptype=0, count=0, exponent=0, chunk=0), dst)   # exponent round
         for chunk in range(1, 6):     # 40 elements = 5 chunks of 8
