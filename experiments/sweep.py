@@ -32,7 +32,9 @@ variable-length codecs, labelled NOT switch-feasible).
 
 Outputs in ``--out`` (default ``results/sweep-<timestamp>``): ``results.json`` + ``results.csv``
 (raw, one record per configuration), ``*.png`` plots and ``report.md``. A re-run with the same
-``--out`` skips configurations already in ``results.json``.
+``--out`` skips configurations already in ``results.json``. Every allreduce row carries its CPU floor
+(the processes' measured CPU per allreduce over the cores, against the ideal and the measured time)
+and is flagged CPU-bound by the rule of ``experiments/sweep_cpu.py``.
 """
 from __future__ import annotations
 
