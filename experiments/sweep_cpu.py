@@ -60,6 +60,11 @@ RULE = (f"CPU floor = the job's measured CPU per allreduce (every worker's proce
         f"time/ideal measures the emulator's CPU, not the link.")
 
 
+#: the rule in a few words, for the terminal's notes and the plots' legends
+SHORT_RULE = (f"the processes' measured CPU per allreduce over the cores is at least {CPU_BOUND_SHARE:g} of the "
+              f"time or {CPU_BOUND_RATIO:g}x the ideal")
+
+
 def cpu_cores() -> int:
     """The cores this process (and the workers and switch it starts, which inherit its affinity) may run on."""
     try:

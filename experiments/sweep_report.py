@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .sweep_cpu import CPU_BOUND_SHARE, RULE, describe
+from .sweep_cpu import CPU_BOUND_SHARE, RULE, SHORT_RULE, describe
 from .sweep_methods import is_host_method, method_label
 
 #: marks a CPU-bound row's cells in the speed-up tables, the terminal's headline and the plots
@@ -202,8 +202,7 @@ def _log_y(ax) -> None:
         lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
 
 
-CPU_NOTE = (f"{CPU_MARK}: CPU-bound (the processes' CPU floor\n>= {CPU_BOUND_SHARE:g} of the time or >= the ideal;\n"
-            "it measures the CPU, not the link)")
+CPU_NOTE = f"{CPU_MARK}: CPU-bound: " + SHORT_RULE.replace(" is at", "\nis at").replace(" per allreduce", "\nper allreduce")
 
 
 def _mark_cpu_bound(ax, pts) -> bool:
@@ -486,7 +485,8 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
 def _md_cpu_bound(ar) -> list[str]:
     """The sentence under the table: what the CPU floor columns mean, which rows are CPU-bound and
     the dilation that would put each under the link's pace."""
-    L = [f"**CPU floor** (derived from measured CPU, not measured time): {RULE} (experiments/sweep_cpu.py). "
+    L = [f"**CPU floor** (derived from measured CPU, not measured time): {RULE} The rule's code: "
+         "experiments/sweep_cpu.py. "
          "'CPU floor/ideal': the floor over the link-bound ideal; 'CPU-bound': the rule's verdict and the floor "
          "over the measured time; '–': no CPU figures in the record.", ""]
     bound = [r for r in ar if r.get("cpu_bound")]
@@ -636,9 +636,8 @@ def headline(meta, records) -> list[str]:
         L.append(f"{method_label(m):<{w}}" + "".join(f"  {c:>14}" for c in cells) + (f"  {at}" if acc else ""))
     L += ["", "How to read it:"] + ["  " + s for s in HEADLINE_NOTES]
     if any(r.get("cpu_bound") for r in ar):
-        L.append(f"  *: CPU-bound: the processes' measured CPU per allreduce, spread over the cores, is at least "
-                 f"{CPU_BOUND_SHARE:g} of the time or at least the ideal: the row measures this machine's CPU, not the "
-                 f"link (report.md: the rule and the dilation that would fix it; --dilation auto).")
+        L += [f"  *: CPU-bound: {SHORT_RULE}: the row measures this machine's CPU,",
+              "    not the link (report.md: the rule, and the dilation that would fix it; --dilation auto)."]
     if acc:
         L.append("  accuracy: final test accuracy on scikit-learn digits, in parentheses the difference to Gloo in "
                  "points (one test image = 0.185 points).")
