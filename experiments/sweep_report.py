@@ -493,14 +493,16 @@ def _md_cpu_bound(ar) -> list[str]:
     if bound:
         L += [f"**CPU-bound rows: {len(bound)} of {len(ar)}** ("
               + "; ".join(f"{method_label(r['method'])}, {r['workers']} workers, {rate_name(r['rate'])}, "
-                          f"{r['elements']:,} elements: floor {r['cpu_floor_ratio']:.2f}x the ideal, "
-                          f"{r['cpu_floor_share']:.2f} of the time" for r in bound)
+                          f"{r['elements']:,} elements: floor "
+                          + (f"{r['cpu_floor_ratio']:.2f}x the ideal, " if r.get("cpu_floor_ratio") is not None else "")
+                          + f"{r['cpu_floor_share']:.2f} of the time" for r in bound)
               + "). Their time/ideal and speedups measure this machine's CPU (the emulator), not the emulated link. "
               "To put such a row under the link's pace, run it time-dilated: `--dilation auto` (its probe refuses "
               "a factor at which the run is CPU-bound by the rule above) or `--target-rates <rate> --dilation K` "
               "with K at least the one in the table ('K >='; the smallest factor at which the floor measured here "
               f"would be under {CPU_BOUND_SHARE:g} of the ideal: necessary, not sufficient, since per-packet "
-              "wake-ups cost real time too: docs/performance.md, \"Time dilation\").", ""]
+              "wake-ups cost real time too: docs/performance.md, \"Time dilation\"). Unshaped rows have no link pace to "
+              "reach and cannot be dilated.", ""]
     return L
 
 

@@ -15,7 +15,7 @@ def _rec(method="ina:nc", n=4, rate="1gbit", worker_cpu=6.1e-3, switch_cpu=8.2e-
          ideal=13.6e-3, time=29.6e-3, dilation=1.0, **kw):
     """An allreduce record as run_bench writes it (times in the target's time, CPU in real seconds)."""
     return {"workload": "allreduce", "method": method, "workers": n, "rate": rate, "elements": 1_700_000,
-            "reps": reps, "time_median": time, "ideal_time": ideal, "bound_ratio": time / ideal,
+            "reps": reps, "time_median": time, "ideal_time": ideal, "bound_ratio": time / ideal if ideal else None,
             "worker_cpu_per_allreduce": worker_cpu, "cpu_cores": cores, "dilation": dilation,
             "switch_counters": {"busy_cpu_ns": round(switch_cpu * reps * 1e9), "harvested": 10},
             "wire_up_bytes_per_worker": 1.7e6, "wire_down_bytes_per_worker": 1.7e6, "wire_drops": 0,
