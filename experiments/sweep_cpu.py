@@ -29,10 +29,12 @@ plane (control plane; the host aggregator of the host-aggregated codecs), and as
 spreading over the cores.
 
 What to do with a CPU-bound row: time dilation (experiments/dilation.py) shapes the links at
-rate/K and divides the times by K, while the CPU seconds stay as they are, so the floor's ratio to
-the ideal falls by K. :func:`min_dilation` gives the smallest K at which the floor measured here
-would be under ``CPU_BOUND_SHARE`` of the ideal: a necessary condition, not a sufficient one (per-
-chunk wake-ups on shared cores cost real time beyond the CPU: docs/performance.md, "Time dilation");
+rate/K and divides the times by K but not the CPU seconds, so the floor's ratio to the ideal falls
+by up to K. :func:`min_dilation` gives the smallest K at which the floor measured here
+would be under ``CPU_BOUND_SHARE`` of the ideal: a lower bound, necessary and not sufficient. The CPU
+per allreduce grows at slower shaped rates (packets arrive one by one, a wake-up and a system call
+each: 8 workers' nc took 5-6x the CPU at 1 Gbit/s dilated x64 as in real time), and per-chunk
+wake-ups on shared cores cost real time beyond the CPU (docs/performance.md, "Time dilation").
 ``--dilation auto`` measures instead and refuses a K whose run is CPU-bound by this rule.
 """
 from __future__ import annotations

@@ -500,8 +500,9 @@ def _md_cpu_bound(ar) -> list[str]:
               "To put such a row under the link's pace, run it time-dilated: `--dilation auto` (its probe refuses "
               "a factor at which the run is CPU-bound by the rule above) or `--target-rates <rate> --dilation K` "
               "with K at least the one in the table ('K >='; the smallest factor at which the floor measured here "
-              f"would be under {CPU_BOUND_SHARE:g} of the ideal: necessary, not sufficient, since per-packet "
-              "wake-ups cost real time too: docs/performance.md, \"Time dilation\"). Unshaped rows have no link pace to "
+              f"would be under {CPU_BOUND_SHARE:g} of the ideal if the CPU per allreduce stayed as measured: a lower "
+              "bound, since the CPU per allreduce grows at slower shaped rates and per-packet wake-ups cost real time "
+              "too: docs/performance.md, \"The CPU floor in the sweep's outputs\"). Unshaped rows have no link pace to "
               "reach and cannot be dilated.", ""]
     return L
 
