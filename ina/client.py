@@ -62,7 +62,8 @@ class ClientStats(WorkerStats):
     retransmissions: int = 0          # every resend: fast + probe + timeout retransmissions
     fast_retransmissions: int = 0     # resent because results of later chunks arrived first
     probe_retransmissions: int = 0    # resent after a silence of the probe timeout (tail losses)
-    timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
+    timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net): its probes
+    timeout_go_back: int = 0          # of these, the rest of a lane's timed-out chunks, resent once its probe was answered
     repeat_retransmissions: int = 0   # of all these, resends of a chunk resent before in its stream (any rule)
     fast_replayed: int = 0            # resends by each rule that the switch answered with a replay (the round
     probe_replayed: int = 0           # had completed: a result lost on the way back was recovered); the others

@@ -140,6 +140,12 @@ class LossDetector:
         self.last_arrival = 0.0                    # when the newest result arrived (or the stream began)
         self.probes = 0                            # tail probes since then (the probe timer's backoff)
         self.probe_base = 0.0                      # when the probe timer last started: an arrival or a probe
+        self.timeouts = 0                          # rule 4's timeout probes since the last result (its backoff)
+        self.rto_base = 0.0                        # when rule 4's timer last started: an arrival or a timeout probe
+        lanes = int(self.lane.max()) + 1 if n else 1
+        self.rto_probe = np.full(lanes, -1, np.int64)   # each lane's last timeout probe, its chunk (-1: none)
+        self.answer = np.zeros(lanes, np.int64)    # what became of it: RK.ARMED (no result yet), QUIET, NOW
+        self.went_back = 0                         # chunks the last lost() found by rule 4's go-back
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
         """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the
@@ -147,7 +153,7 @@ class LossDetector:
         lost), so its result may come back before those of chunks sent here earlier without a loss."""
         chunks = np.asarray(chunks, np.int64)
         if self._next_seq == 1:
-            self.last_arrival = self.probe_base = now
+            self.last_arrival = self.probe_base = self.rto_base = now
         w = np.asarray(witness, bool).reshape(-1)
         self.unsent -= RK.mark_sent(chunks, now, w, w.size == 1, self._next_seq, self.sent_at, self.seq, self.later,
                                     self.witness)
@@ -168,8 +174,21 @@ class LossDetector:
     def arrived(self, now: float) -> None:
         """A result arrived: the tail probe's timer restarts and its backoff resets (the count of later
         results is :meth:`delivered`'s, or the client's compiled receive pass's)."""
-        self.last_arrival = self.probe_base = now
-        self.probes = 0
+        self.last_arrival = self.probe_base = self.rto_base = now
+        self.probes = self.timeouts = 0
+
+    def answered(self, chunks: np.ndarray, replayed: np.ndarray) -> None:
+        """Results of ``chunks`` arrived (``replayed``: with the REPLAY flag): a lane's timeout probe
+        among them arms its go-back (rule 4), at once for a replay, after a quiet window for a result."""
+        for m in np.flatnonzero(self.rto_probe >= 0):
+            hit = np.flatnonzero(chunks == self.rto_probe[m])
+            if hit.size and self.answer[m] == RK.ARMED:
+                self.answer[m] = RK.NOW if replayed[hit[0]] else RK.QUIET
+
+    @property
+    def rto_probing(self) -> bool:
+        """Whether a timeout probe is out (the receive path calls :meth:`answered` only then)."""
+        return bool((self.rto_probe >= 0).any())
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
              pto: float | None = None, rttvar: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -182,15 +201,22 @@ class LossDetector:
         none = pending[:0]
         if not len(pending):
             return none, none, none
+        self.went_back = 0
         probe_due = self._probe_due(now, pto, max_rto, pending.size)
-        if not probe_due and now - self.last_arrival <= min(rto, max_rto) and not self.later[pending].any():
+        rto_due = now - self.rto_base > min(rto * 2.0 ** self.timeouts, max_rto)
+        if not probe_due and not rto_due and not self.later[pending].any() and not self.rto_probing:
             return none, none, none       # no evidence, no silence: the common turn
         kind = self._kind[:pending.size]
         if not RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.lane, self.unsent,
                             np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
-                            probe_due, self.last_arrival, kind):
+                            probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind):
             return none, none, none
-        return pending[kind == RK.FAST], pending[kind == RK.PROBE], pending[kind == RK.TIMEOUT]
+        timed_out = (kind == RK.TIMEOUT) | (kind == RK.GO_BACK)
+        self.went_back = int(np.count_nonzero(kind == RK.GO_BACK))
+        if self.went_back < np.count_nonzero(timed_out):      # timeout probes went out: the timer backs off
+            self.timeouts += 1
+            self.rto_base = now
+        return pending[kind == RK.FAST], pending[kind == RK.PROBE], pending[timed_out]
 
     def _probe_at(self, pto: float, max_rto: float) -> float:
         """When the probe timer fires: ``pto`` after it last started, doubled per probe of this silence."""

@@ -94,21 +94,69 @@ def test_reordering_window_needs_a_later_result_and_an_age_above_srtt():
     assert fast.tolist() == [0, 1, 2] and late.size == 0
 
 
-def test_tail_timeout_backs_off_per_chunk():
-    ld = LossDetector(2)
-    ld.sent(np.arange(2), now=0.0)
-    pending = np.arange(2)
+def test_the_timeout_probes_the_oldest_chunk_of_each_lane_and_backs_off():
+    """Rule 4 after a silence of the RTO resends one chunk per switch shard (lane), the least resent,
+    oldest first: a probe of the silence, not the window; the next one after twice the RTO, at most max_rto."""
+    ld = LossDetector(8, lanes=np.arange(8) % 2)
+    ld.sent(np.arange(8), now=0.0)
+    pending = np.arange(8)
     _, _, late = ld.lost(pending, now=0.009, srtt=0.001, rto=0.01, max_rto=1.0)
     assert late.size == 0
     _, _, late = ld.lost(pending, now=0.011, srtt=0.001, rto=0.01, max_rto=1.0)
-    assert late.tolist() == [0, 1]             # nothing sent after them: only the timeout sees it
-    ld.resent(np.array([0]), now=0.011)
+    assert late.tolist() == [0, 1] and ld.went_back == 0
+    ld.resent(late, now=0.011, rules=(late[:0], late[:0], late))
     _, _, late = ld.lost(pending, now=0.030, srtt=0.001, rto=0.01, max_rto=1.0)
-    assert late.tolist() == [1]                # chunk 0 waits 2 x rto after its first resend
+    assert late.size == 0                      # the silence's timer doubled: 0.011 + 0.02
     _, _, late = ld.lost(pending, now=0.032, srtt=0.001, rto=0.01, max_rto=1.0)
-    assert late.tolist() == [0, 1]
-    _, _, late = ld.lost(pending, now=0.011 + 0.015, srtt=0.001, rto=0.01, max_rto=0.012)
-    assert 0 in late.tolist()                  # the backoff never exceeds max_rto
+    assert late.tolist() == [2, 3]             # the least resent, oldest send first
+    ld.resent(late, now=0.032, rules=(late[:0], late[:0], late))
+    _, _, late = ld.lost(pending, now=0.032 + 0.013, srtt=0.001, rto=0.01, max_rto=0.012)
+    assert late.tolist() == [4, 5]             # the backoff never exceeds max_rto
+
+
+def _timed_out_window(n=6, lanes=None):
+    ld = LossDetector(n, lanes=lanes)
+    ld.sent(np.arange(n), now=0.0)
+    _, _, late = ld.lost(np.arange(n), now=0.011, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [0]
+    ld.resent(late, now=0.011, rules=(late[:0], late[:0], late))
+    return ld
+
+
+def test_a_replayed_timeout_probe_sends_the_rest_of_the_timed_out_chunks_at_once():
+    """The probe's result came back as a replay: its round had completed and the result was lost on
+    the way back, so the chunks timed out with it were lost alike: all of them go out at once (go-back),
+    one round trip after the probe, not one timeout each."""
+    ld = _timed_out_window()
+    ld.answered(np.array([0]), np.array([True]))
+    ld.arrived(0.012)
+    _, _, late = ld.lost(np.arange(1, 6), now=0.012, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [1, 2, 3, 4, 5] and ld.went_back == 5
+    ld.resent(late, now=0.012, rules=(late[:0], late[:0], late))
+    _, _, late = ld.lost(np.arange(1, 6), now=0.0125, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.size == 0                      # once
+
+
+def test_a_timeout_probe_answered_by_a_result_goes_back_only_after_a_quiet_window():
+    """The probe's result came back fresh: either the resend completed the round (this rank's data
+    packets were lost: the others will not come) or a late peer did (the others follow at once). The
+    rest goes out once no result came for the reordering window; results flowing keep them waiting."""
+    ld = _timed_out_window()
+    ld.answered(np.array([0]), np.array([False]))
+    ld.arrived(0.012)
+    window = LossDetector.reordering_window(0.001, 0.0)
+    _, _, late = ld.lost(np.arange(1, 6), now=0.012 + window * 0.9, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.size == 0
+    _, _, late = ld.lost(np.arange(1, 6), now=0.012 + window * 1.1, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [1, 2, 3, 4, 5] and ld.went_back == 5
+    ld = _timed_out_window()                   # a late peer: the others' results follow the probe's
+    ld.answered(np.array([0]), np.array([False]))
+    for k in range(1, 6):
+        now = 0.012 + k * window * 0.5
+        ld.delivered(np.array([k]), np.arange(k + 1, 6), now=now)
+        _, _, late = ld.lost(np.arange(k + 1, 6), now=now + window * 0.4, srtt=0.001, rto=0.01, max_rto=1.0)
+        assert late.size == 0, k
+    assert not ld.rto_probing
 
 
 def test_replays_are_counted_by_the_rule_of_the_chunks_last_resend():
@@ -263,7 +311,7 @@ def test_a_silence_with_more_chunks_out_than_the_duplicate_threshold_is_a_stall_
         ld.sent(np.arange(window), now=0.0)
         assert ld.next_deadline(np.arange(window), srtt=None, rttvar=0.0, pto=0.001, max_rto=1.0) == np.inf
     probes, timeouts = _probes_in_a_silence(20, silence=1.5)
-    assert probes == 0 and timeouts == 20                # the safety net resends them all, once
+    assert probes == 0 and timeouts == 1                 # the safety net probes the silence, once
     assert _probes_in_a_silence(DUPTHRESH)[0] > 0        # as few as the threshold: a tail, probed
 
 
