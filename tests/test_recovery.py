@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -250,6 +251,84 @@ def test_tail_loss_is_recovered_by_the_probe_not_the_timeout(tmp_path):
     for m in out.values():
         assert m["probe_timeout_s"] < 0.25, m["probe_timeout_s"]   # measured, far below the safety net
     _check_exact(out, ops, N)
+
+
+WINDOW_RUN = {"elements": 64, "slots": 16, "timeout": 30.0, "rto": 0.5, "min_rto": 0.02, "max_rto": 1.0}
+WINDOW_OP = {"codec": "bfp32", "shape": [64 * 16], "seed": 77}     # one window: 16 chunks, all out at once
+
+
+def _one_window_late(tmp_path, job, rank, before_data):
+    """N ranks (threads) at a real switch, two allreduces of one window each; ``before_data(sw)`` runs in
+    ``rank`` just before its second data stream goes out. Returns each rank's (counters of the second
+    allreduce, its seconds from that rank's hook on, result)."""
+    import dataclasses
+    import time
+
+    from sw_harness import client_threads, make_input
+    from ina.wire import PayloadType
+    sw = SwitchProc("--slots", "64", "--elements", "64", log_path=tmp_path / "switch.log")
+    t_hook = []
+
+    def body(r, cl):
+        x = make_input(WINDOW_OP, r)
+        cl.allreduce(x.copy(), codec="bfp32")                       # warm-up: round trips measured
+        if r == rank:
+            stream = cl._stream
+
+            def hooked(n, ptype, *a, **k):
+                if ptype != PayloadType.NONE and not t_hook:
+                    t_hook.append(time.monotonic())
+                    before_data(sw)
+                return stream(n, ptype, *a, **k)
+            cl._stream = hooked
+        before = dataclasses.asdict(cl.stats)
+        y = cl.allreduce(x.copy(), codec="bfp32")
+        end = time.monotonic()
+        after = dataclasses.asdict(cl.stats)
+        return {k: after[k] - before[k] for k in after}, end, y
+    try:
+        out = client_threads(sw.port, N, job, body, **WINDOW_RUN)
+    finally:
+        sw.terminate()
+    ref = bfp_reference(expected_inputs(WINDOW_OP, N))
+    for r, (_, _, y) in enumerate(out):
+        assert np.array_equal(y.view(np.uint32), ref.view(np.uint32)), r
+    return [(d, end - t_hook[0]) for d, end, _ in out]
+
+
+def test_a_peer_late_beyond_the_rto_costs_one_resend_per_lane_and_backoff_step_not_the_window(tmp_path):
+    """Rank 3 sends its data window 1.2 s late (it computes; rto 0.5 s): its peers, their 16 chunks out,
+    each probe the silence once at 0.5 s (the next step would be at 1.5 s), not the window; the probe's
+    answer (when rank 3's packets arrive) is followed by the others' results: nothing goes back."""
+    late = threading.Event()
+    per_rank = _one_window_late(tmp_path, 11, 3, lambda sw: late.wait(1.2))   # the late peer's work, emulated
+    for r, (d, secs) in enumerate(per_rank[:3]):
+        assert 1 <= d["timeout_retransmissions"] <= 2, (r, d)      # (2: a loaded machine's late turn)
+        assert d["timeout_go_back"] == 0 and d["fast_retransmissions"] == 0, (r, d)
+
+
+def test_a_whole_window_of_results_lost_on_the_way_back_costs_one_rto_and_a_round_trip(tmp_path):
+    """Every result of a window is lost at egress (loss 1.0 from before rank 0's data stream until all
+    were dropped): each rank's timeout probe comes back as a replay, and the other 15 chunks go out at
+    once (go-back): recovered one RTO (0.5 s) and a round trip after the window went out, results exact."""
+    from sw_harness import control, stats, wait_until
+    restored = []
+
+    def lose_the_window(sw):
+        control(sw.port, {"op": "impair", "egress": {"loss": 1.0}})
+
+        def restore():        # once the window's results (and the last chunk's tail copy) were all dropped
+            wait_until(lambda: stats(sw.port)["impairments"]["egress"]["dropped"] >= N * 17, 10,
+                       "the window's results to be dropped")
+            control(sw.port, {"op": "impair", "egress": {"loss": 0.0}})
+            restored.append(True)
+        threading.Thread(target=restore, daemon=True).start()
+    per_rank = _one_window_late(tmp_path, 12, 0, lose_the_window)
+    assert restored
+    for r, (d, secs) in enumerate(per_rank):
+        assert d["timeout_retransmissions"] == 16 and d["timeout_go_back"] == 15, (r, d)
+        assert d["timeout_replayed"] == 16, (r, d)
+        assert secs < 0.5 + 0.3, (r, secs, d)       # one RTO, then a round trip (a loaded machine's margin)
 
 
 def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
