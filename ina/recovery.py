@@ -68,9 +68,22 @@ processes run):
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
    ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
-   for as long (TCP restarts its retransmission timer with every acknowledgement).
+   for as long (TCP restarts its retransmission timer with every acknowledgement). As TCP's timeout,
+   it resends one chunk per switch shard (lane), the least resent, oldest first: a *timeout probe*
+   of the silence; the timer doubles with every probe of the same silence (at most ``max_rto``) and
+   restarts with the next result. A silence that long is most often a peer that has not sent yet (a
+   rank computing its gradients late, in DDP): resending the whole window (up to 64 chunks, 5.5 ms of
+   a 100 Mbit/s uplink, and 64 reads at the switch) every step bought nothing, each resend only read.
+   The rest of the lane's timed-out chunks (those sent before the probe) go out at once (*go-back*)
+   only on evidence that they were lost: the probe's result comes back as a replay (the round had
+   completed; its result, and so likely its neighbours', was lost on the way back), or comes back
+   fresh and no other result follows for the reordering window (the probe completed the round: this
+   rank's data packets were lost; had a late peer completed it, the other results would follow). So a
+   window lost whole costs one RTO and a round trip, not one timeout per chunk. The follow-up is
+   explicit, not left to rule 2: the probe's result is no witness for chunks sent before it (Karn).
 
-The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*) apart,
+The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*, of which
+``timeout_go_back`` went back after a probe) apart,
 and per rule the resends the switch answered with a replay (``LossDetector.rule`` keeps the rule of a
 chunk's last resend): the round had completed, so the resend recovered a result lost on the way back.
 The other resends waited for a packet that had not reached the switch: this rank's own lost data
