@@ -159,6 +159,7 @@ class LossDetector:
         self.rto_probe = np.full(lanes, -1, np.int64)   # each lane's last timeout probe, its chunk (-1: none)
         self.answer = np.zeros(lanes, np.int64)    # what became of it: RK.ARMED (no result yet), QUIET, NOW
         self.went_back = 0                         # chunks the last lost() found by rule 4's go-back
+        self.rto_probing = False                   # a lane has a timeout probe (the receive calls answered() only then)
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
         """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the
@@ -198,10 +199,6 @@ class LossDetector:
             if hit.size and self.answer[m] == RK.ARMED:
                 self.answer[m] = RK.NOW if replayed[hit[0]] else RK.QUIET
 
-    @property
-    def rto_probing(self) -> bool:
-        """Whether a timeout probe is out (the receive path calls :meth:`answered` only then)."""
-        return bool((self.rto_probe >= 0).any())
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
              pto: float | None = None, rttvar: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -223,7 +220,9 @@ class LossDetector:
         if not RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.lane, self.unsent,
                             np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
                             probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind):
+            self.rto_probing = bool((self.rto_probe >= 0).any())
             return none, none, none
+        self.rto_probing = bool((self.rto_probe >= 0).any())
         timed_out = (kind == RK.TIMEOUT) | (kind == RK.GO_BACK)
         self.went_back = int(np.count_nonzero(kind == RK.GO_BACK))
         if self.went_back < np.count_nonzero(timed_out):      # timeout probes went out: the timer backs off
