@@ -87,6 +87,9 @@ def switch_counts(host: str, port: int) -> dict:
             # the data plane's CPU time (less disturbed by a loaded machine than wall time)
             "cpu_ns": st["timing"]["busy_cpu_ns"], "tx_cpu_ns": st["timing"]["tx_cpu_ns"], "bursts": st["timing"]["bursts"],
             "tail_repeats": st["counters"].get("tail_repeats", 0),
+            # what the send stage handed the kernel: packets, sendmmsg messages (a GSO run counts once),
+            # and group sends sent as per-worker copies (a lost copy breaks the group send)
+            **{k: st["counters"].get(k, 0) for k in ("rx_packets", "tx_packets", "tx_messages", "multicast_as_copies")},
             **{f"{k}_ns": v for k, v in st["timing"]["stage_ns"].items()}}
 
 
@@ -109,6 +112,7 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
     y = x.copy()
     st0 = cl.stats.as_dict()
     tails, turns, times, resent = [], 0, [], []
+    idle, encode, decode = 0, 0.0, 0.0
     cpu0 = time.process_time()
     for _ in range(reps):
         y[:] = x
@@ -121,11 +125,16 @@ def worker_block(cl, x: np.ndarray, reps: int) -> dict:
         if "last_result" in tl and "last_send" in tl:
             tails.append(tl["last_result"] - tl["last_send"])
         turns += tl.get("rx_bursts", 0)
+        idle += tl.get("idle_turns", 0)
+        encode += tl.get("encode_s", 0.0)
+        decode += tl.get("decode_s", 0.0)
         h.update(y.tobytes())
     st = cl.stats.as_dict()
     return {"time_per_allreduce_s": sum(times) / reps, "times_s": times, "resent": resent,
             "digest": h.hexdigest(), "tail_s": float(np.mean(tails or [0.0])),
             "cpu_per_allreduce_s": (time.process_time() - cpu0) / reps, "turns_per_allreduce": turns / reps,
+            "idle_turns_per_allreduce": idle / reps, "encode_per_allreduce_s": encode / reps,
+            "decode_per_allreduce_s": decode / reps,
             **{k: st.get(k, 0) - st0.get(k, 0) for k in COUNTERS}}
 
 
@@ -257,6 +266,8 @@ class Side:
                 "tail": float(np.mean([g["tail_s"] for g in got])), "digest": digests.pop(),
                 "worker_cpu": float(np.mean([g["cpu_per_allreduce_s"] for g in got])),
                 "turns": float(np.mean([g["turns_per_allreduce"] for g in got])),
+                **{k: float(np.mean([g[f"{k}_per_allreduce{u}"] for g in got]))
+                   for k, u in (("idle_turns", ""), ("encode", "_s"), ("decode", "_s"))},
                 "counters": {k: sum(g[k] for g in got) for k in COUNTERS},
                 "switch": {k: sw1[k] - sw0[k] for k in sw1}}
 
@@ -325,9 +336,16 @@ def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], r
            "vs_lossless_best": float(times.min() / min(b["time"] for b in ref)),
            "tail_s": float(np.median([b["tail"] for b in blocks])),
            "switch_cpu_per_allreduce_s": switch["cpu_ns"] / 1e9 / (reps * len(blocks)),
+           # the median block's, per allreduce: a first block's one-off costs (a kernel's compile) left out
+           "switch_median_per_allreduce": {k: float(np.median([b["switch"][k] for b in blocks])) / reps
+                                           for k in blocks[0]["switch"]},
            "worker_cpu_per_allreduce_s": float(np.median([b["worker_cpu"] for b in blocks])),
            # a rank's loop turns that took results (the data stream's), per allreduce: a loss's CPU follows them
            "turns_per_allreduce": float(np.median([b["turns"] for b in blocks])),
+           # turns whose receive took nothing, and the worker's encoding and decoding time (a rank's mean)
+           "idle_turns_per_allreduce": float(np.median([b["idle_turns"] for b in blocks])),
+           "worker_encode_per_allreduce_s": float(np.median([b["encode"] for b in blocks])),
+           "worker_decode_per_allreduce_s": float(np.median([b["decode"] for b in blocks])),
            "exact": all(b["digest"] == ref[0]["digest"] for b in blocks),
            **counters, "switch": switch, "needed_resends": needed_resends(switch, n)}
     if path_ref:      # against the impairment path's own cost: what the losses alone add

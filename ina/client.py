@@ -186,11 +186,12 @@ class Client(Worker):
         tl = self._timeline = Timeline() if self.record_timeline else None
         try:
             exponent = c.scale_exponent(x32, **kw)     # raises ValueError on NaN/Inf before anything is sent
-            proposals = np.array([exponent, *c.negotiated()], np.int64)
-            bad = proposals[(proposals < -32768) | (proposals > 32767)]
-            if bad.size:
-                raise ValueError(f"negotiated value(s) {bad.tolist()} of codec {codec!r} do not fit the 16-bit "
+            values = (exponent, *c.negotiated())
+            bad = [v for v in values if not -32768 <= v <= 32767]
+            if bad:
+                raise ValueError(f"negotiated value(s) {bad} of codec {codec!r} do not fit the 16-bit "
                                  "exponent field")
+            proposals = np.array(values, np.int64)
             seed = c.next_seed()
             first = None if kw or sparse else self._first_window(c, x32, self._context(proposals, seed))
             # one payload-less packet per value: the switch's max register returns the max over workers;
@@ -383,7 +384,7 @@ class Client(Worker):
                     pkt_len = np.asarray(pkt_len)[order]
         self.tx.send(pkts, rows, pkt_len, self.switch_addrs, shard)
         self.stats.packets_sent += len(rows)
-        self.stats.bytes_sent += int(np.sum(pkt_len)) if np.ndim(pkt_len) else int(pkt_len) * len(rows)
+        self.stats.bytes_sent += int(np.sum(pkt_len)) if isinstance(pkt_len, np.ndarray) else int(pkt_len) * len(rows)
 
     def stall_message(self, n_chunks, n_done, c0) -> str:
         """Why a stream made no progress for ``timeout`` seconds, as far as the switch can tell."""

@@ -119,20 +119,35 @@ def tail_copy_wanted(sparse: bool, payload: bool, n_chunks: int, tail_copy_from:
     return not sparse and (not payload or n_chunks >= tail_copy_from)
 
 
-def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats) -> np.ndarray:
+def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np.ndarray, stats,
+                top: int | None = None) -> np.ndarray:
     """The ring ``rows`` of ``chunks`` (first sends of a dense stream of ``n_chunks`` that
     :func:`tail_copy_wanted`), with a second copy of the stream's last chunk, flagged TAIL in ``headers``
     (ina.wire.header_view of the ring), counted in ``stats.tail_copies``. Nothing sent after the last
     chunk can show its loss (a negotiation round is one chunk): a copy makes its loss on the way to the switch take both (p^2), and the TAIL
     flag makes the switch multicast its result twice for the way back. The switch absorbs one copy (the
-    other meets the worker's bit set and is dropped: switch_model/tail.py)."""
-    if chunks.max() < n_chunks - 1:
+    other meets the worker's bit set and is dropped: switch_model/tail.py). ``top``: the largest of ``chunks``
+    when the caller knows it."""
+    if (chunks.max() if top is None else top) < n_chunks - 1:
         return rows
     last = chunks == n_chunks - 1
     tail = rows[last]
     headers["flags"][tail] |= int(Flag.TAIL)
     stats.tail_copies += tail.size
     return np.concatenate([rows, tail])
+
+
+_loaded = [False]
+
+
+def _load_loss_rules() -> None:
+    """Load (or compile) ``find_lost`` with the first stream, not at the first loss: it runs only on evidence
+    of one, and its first call took tens of ms from numba's cache (a second without: every rank's window
+    timed out waiting for the rank compiling it)."""
+    _loaded[0] = True
+    one, none = np.zeros(1, np.int64), np.zeros(1)
+    RK.find_lost(one, 0.0, none, one, one, one, one, 0, np.nan, 0.0, np.inf, 1.0, np.nan, False, 0.0, False,
+                 np.full(1, -1, np.int64), one.copy(), one.copy())
 
 
 class LossDetector:
@@ -160,6 +175,9 @@ class LossDetector:
         self.answer = np.zeros(lanes, np.int64)    # what became of it: RK.ARMED (no result yet), QUIET, NOW
         self.went_back = 0                         # chunks the last lost() found by rule 4's go-back
         self.rto_probing = False                   # a lane has a timeout probe (the receive calls answered() only then)
+        if not _loaded[0]:
+            _load_loss_rules()
+
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
         """``chunks`` went out (first time or again) at ``now``, in this order. ``witness`` False: the

@@ -33,6 +33,7 @@ class Timeline:
         self.marks: dict[str, float] = {}
         self.encode_s = self.decode_s = 0.0
         self.rx_bursts = self.results = 0
+        self.idle_turns = 0       # the data stream's loop turns whose receive took nothing (a wait ran out)
         self.guess_held: bool | None = None     # None: no first window was tried while negotiating
 
     def mark(self, name: str) -> None:
@@ -43,5 +44,5 @@ class Timeline:
     def to_dict(self) -> dict:
         d = {name: round(self.marks[name], 6) for name in MARKS if name in self.marks}
         d.update(t0=self.t0, encode_s=round(self.encode_s, 6), decode_s=round(self.decode_s, 6),
-                 rx_bursts=self.rx_bursts, results=self.results, guess_held=self.guess_held)
+                 rx_bursts=self.rx_bursts, idle_turns=self.idle_turns, results=self.results, guess_held=self.guess_held)
         return d

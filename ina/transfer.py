@@ -30,6 +30,17 @@ _NO_ROWS = np.zeros(0, np.int64)
 _RESEND, _RESEND_GROUP_SEEN = int(Flag.RETRANSMIT), int(Flag.RETRANSMIT | Flag.GROUP_SEEN)
 
 
+def burst_scratch(cl) -> tuple:
+    """The client's receive-burst scratch arrays (made on its first stream)."""
+    scratch = getattr(cl, "_burst_scratch", None)
+    if scratch is None:
+        burst = cl.rx.burst
+        scratch = cl._burst_scratch = (np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool),
+                                       np.zeros(burst),
+                                       (np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool)))
+    return scratch
+
+
 class Transfer:
     """One :meth:`ina.client.Client._stream` call: its packet ring, the state of its chunks and the loop's steps."""
 
@@ -50,12 +61,10 @@ class Transfer:
         self.res_pv = payload_view(cl.rx.buf, result_type, E) if E else None    # the receive ring's payloads
         self.exps = np.zeros(n_chunks, np.int64)
         self.done = np.zeros(n_chunks, bool)
-        burst = cl.rx.burst                        # a receive burst's fresh results (rows, positions, REPLAY)
-        self.fresh_idx, self.fresh_jj, self.fresh_replay = np.zeros(burst, np.int64), np.zeros(burst, np.int64), \
-            np.zeros(burst, bool)
-        self.rtt_scratch = np.zeros(burst)
-        # the chunks a burst's results free (dense streams): positions, ring rows, witness (SK.take_burst)
-        self.nxt = (np.zeros(burst, np.int64), np.zeros(burst, np.int64), np.zeros(burst, bool))
+        # a receive burst's fresh results (rows, positions, REPLAY), round-trip scratch, and the chunks a burst's
+        # results free (dense streams: positions, ring rows, witness): SK.take_burst's outputs, written before
+        # they are read in every turn, so one set per client serves all its streams (one runs at a time)
+        self.fresh_idx, self.fresh_jj, self.fresh_replay, self.rtt_scratch, self.nxt = burst_scratch(cl)
         ld = self.ld = LossDetector(n_chunks, self.lanes())
         self.ld_arrays = (ld.tries, ld.sent_at, ld.seq, ld.witness, ld.lane, ld.later)
         self.ring = (self.pkts, 0 if sparse else self.S, n_chunks, self.R, c0, cl.chunk_modulus, self.exps_in,
@@ -112,13 +121,13 @@ class Transfer:
             return
         if rows is None:
             rows = self.load(chunks)
-            if not np.all(witness):               # sent after a replay: later than at the peers (ina.wire.Flag.LATE)
+            if witness is not True and not np.all(witness):   # sent after a replay: later than at the peers (Flag.LATE)
                 self.hv["flags"][rows[~np.broadcast_to(witness, rows.shape)]] |= int(Flag.LATE)
             top = int(chunks.max())               # sparse rounds come in any order
         elif self.E:
             self.encoder.load(self.pkts, self.pv, rows, chunks)
         if self.tail_copy and top == self.n_chunks - 1:
-            rows = tail_copies(rows, chunks, self.n_chunks, self.hv, self.cl.stats)     # ina.recovery
+            rows = tail_copies(rows, chunks, self.n_chunks, self.hv, self.cl.stats, top)     # ina.recovery
         self.send_rows(rows if resends is None or not resends.size else np.concatenate([resends, rows]))
         self.ld.sent(chunks, time.monotonic(), witness)
         self.n_sent += chunks.size
@@ -146,6 +155,8 @@ class Transfer:
             self.drained = k < cl.rx.burst        # a full burst: more results may wait in the socket
             if not k:
                 self.spacing.idle()
+                if self.tl:
+                    self.tl.idle_turns += 1
             else:
                 self.receive(k, now)
             if self.n_done < n_chunks:

@@ -230,6 +230,16 @@ class Impairment:
     def active(self) -> bool:
         return self._on or self.held.n > 0
 
+    def untouched(self, n: int) -> bool:
+        """Whether the next ``n`` packets go on as they are, nothing held: then their draws are taken (as
+        :meth:`apply` would) and the caller skips :meth:`apply` and its arrays (a burst's fixed cost, about
+        3 us, on every burst while the impairments are on). False: call :meth:`apply`, nothing drawn yet."""
+        j = self._at + n
+        if not self._on or self.held.n or j > len(self._u) or self._next < j:
+            return False
+        self._at = j
+        return True
+
     @property
     def holding(self) -> bool:
         """Packets are held back (delay, reordering, or more than a burst's worth was due)."""

@@ -219,7 +219,7 @@ class Switch:
     def stage_ingress(self, n: int):
         """Ingress impairments over the burst as arrays (impair.py). At most a burst's worth goes on
         (the parse scratch holds ``burst`` packets); the rest stays held, due at the next poll."""
-        if not self.ingress.active:
+        if not self.ingress.active or self.ingress.untouched(n):
             return self.rx.buf, self.rx.lens, n
         src = self.state.src
         buf, rows, lens, tags = self.ingress.apply(self.rx.buf, np.arange(n), self.rx.lens[:n], src[:n],

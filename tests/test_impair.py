@@ -226,6 +226,28 @@ def test_survivors_draws_the_fates_apply_would():
     assert a.loss_only and not Impairment(ImpairmentConfig(loss=0.05, duplicate=0.01), width=WIDTH).loss_only
 
 
+@pytest.mark.parametrize("cfg", [ImpairmentConfig(loss=0.01, seed=4),
+                                 ImpairmentConfig(loss=0.01, duplicate=0.01, reorder=0.01, seed=5)])
+def test_untouched_bursts_skip_apply_and_the_same_packets_are_impaired(cfg):
+    """The switch's ingress asks ``untouched`` before ``apply`` (a burst nothing happens to skips apply's
+    arrays): the same seeded fates, so the same packets are dropped, copied and held, in the same order."""
+    a, b = Impairment(cfg, width=WIDTH), Impairment(cfg, width=WIDTH)
+    got_a, got_b, skipped = [], [], 0
+    for i, (buf, rows, lens, tags) in enumerate(_bursts(300)):
+        n = 1 + i % BURST                       # bursts of every size, a draw block's end crossed
+        now = i * 1e-3
+        out = b.apply(buf.copy(), rows[:n], lens[:n].copy(), tags[:n].copy(), now, 1 << 30)   # (rearranges them)
+        got_b.extend(out[3].tolist())
+        if a.untouched(n):
+            skipped += 1
+            got_a.extend(tags[:n].tolist())
+        else:
+            got_a.extend(a.apply(buf, rows[:n], lens[:n], tags[:n], now, 1 << 30)[3].tolist())
+    assert got_a == got_b and 0 < skipped < 300
+    assert (a.dropped, a.duplicated, a.reordered) == (b.dropped, b.duplicated, b.reordered) and a.dropped > 0
+    assert not Impairment(ImpairmentConfig(), width=WIDTH).untouched(1)       # off: apply decides (held packets)
+
+
 def test_egress_loss_keeps_each_workers_results_in_the_bursts_order():
     """Egress loss on a multicasting job: a result that lost a copy goes as its surviving unicast copies, the
     others as one multicast each, and every worker still gets the burst's results in the burst's order (three

@@ -46,6 +46,30 @@ def test_duplicate_threshold_marks_the_gap_lost_and_nothing_else():
     assert fast.size == 0 and late.size == 0
 
 
+def test_the_loss_rules_are_loaded_with_the_first_stream_not_at_the_first_loss():
+    """The compiled rules run only on evidence of a loss: loaded at the first stream, the first loss of a
+    process finds them ready (it used to pay numba's cache load, or a compile that stalled every rank)."""
+    import subprocess
+    code = """
+import numpy as np
+from ina import recovery_kernels as RK
+from ina.recovery import LossDetector
+assert not RK.find_lost.signatures
+ld = LossDetector(10)
+loaded = list(RK.find_lost.signatures)
+ld.sent(np.arange(10), now=0.0)
+ld.delivered(np.array([1, 2, 3]), np.array([0, 4, 5, 6, 7, 8, 9]), now=1e-4)
+for srtt, pto in ((None, None), (1e-4, 2e-4)):
+    fast, _, _ = ld.lost(np.array([0, 4, 5, 6, 7, 8, 9]), now=1e-4, srtt=srtt, rto=float("inf"), max_rto=1.0, pto=pto,
+                         rttvar=0.0)
+    assert fast.tolist() == [0], fast
+assert loaded and RK.find_lost.signatures == loaded, (loaded, RK.find_lost.signatures)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_a_sharded_switchs_interleaved_results_are_no_evidence_across_shards():
     """Two switch shards (chunk c served by shard c % 2) answer in order each, but one process may run
     ahead of the other: results of the other shard's later chunks say nothing of a chunk's loss; results

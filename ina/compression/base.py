@@ -72,6 +72,8 @@ def to_numpy_f32(x) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     mod = type(x).__module__
     if mod.startswith("torch"):
+        if x.device.type == "cpu" and x.dtype is _torch().float32 and x.is_contiguous():
+            return x.detach().numpy().reshape(-1)    # the tensor's own memory, as below, in two calls not five
         return x.detach().reshape(-1).to(device="cpu", dtype=_torch().float32).contiguous().numpy()
     return np.ascontiguousarray(np.asarray(x, dtype=np.float32)).reshape(-1)
 
