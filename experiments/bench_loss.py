@@ -72,7 +72,7 @@ SETTINGS = {                      # name: impairment of each direction
 TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
 COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
             "repeat_retransmissions",
-            "fast_replayed", "probe_replayed", "timeout_replayed", "duplicate_results", "coalesce_pause_s",
+            "fast_replayed", "probe_replayed", "timeout_replayed", "timeout_go_back", "duplicate_results", "coalesce_pause_s",
             "tail_copies")
 
 

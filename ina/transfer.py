@@ -218,6 +218,8 @@ class Transfer:
         ld = self.ld
         if n_rep:                                 # resends the switch answered with a replay, by rule
             ld.count_replayed(jj[replayed], self.cl.stats)
+        if ld.rto_probing:                        # a timeout probe's answer arms its lane's go-back (rule 4)
+            ld.answered(jj, replayed)
         samples, fastest, median, _ = rtts        # Karn: no samples from retransmitted chunks
         if samples:
             # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
@@ -282,6 +284,7 @@ class Transfer:
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size
+            cl.stats.timeout_go_back += self.ld.went_back
             cl.stats.retransmissions += lost.size
         cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto, per_pkt), now)
         return rows
