@@ -195,7 +195,7 @@ class Transfer:
         stats.duplicate_results += ok - fresh
         stats.stale_results += other
         self.overflow += overflow
-        self.spacing.sample(k, now, fresh > 0 and rtts[3])       # Karn: round trips only of chunks never resent
+        self.spacing.sample(k, now, fresh > 0 and rtts[3], fresh > 0 and n_rep == fresh)   # Karn: round trips only of chunks never resent
         if fresh:
             self.complete(fresh, n_rep, rtts, pending, n_new, top, now)
         stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, cl.coalesce)

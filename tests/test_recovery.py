@@ -734,6 +734,24 @@ def test_a_stall_at_a_streams_end_does_not_carry_into_the_next_streams_timers():
     assert slow.settled() == pytest.approx(SPACING)    # a slow link's spacing is handed on as it is
 
 
+def test_gaps_that_ended_with_a_replay_are_no_sample_of_the_timers_spacing():
+    """A tail of results lost on the way back is recovered one probe per silence, each ended by the probe's
+    replay: those gaps are the recovery, not the link's pace. Taken, FIRST_SAMPLES of them in a row
+    restarted the timers' estimate at the silence's length, the next stream's probe timeout grew fourfold
+    (stream after stream: 2 ms, 51 ms, 0.32 s, 3.5 s, end to end); skipped, the estimate stays the link's."""
+    sp, now = ArrivalSpacing(), 0.0
+    for _ in range(20):
+        now += 2e-5
+        sp.sample(1, now)
+    for _ in range(6):
+        now += 5e-3                                     # a probe's silence, then its replay
+        sp.sample(1, now, recovered=True, replayed=True)
+    assert sp.for_timers() == pytest.approx(2e-5) and sp.settled() <= 2e-5 * 1.01
+    for _ in range(6):
+        now += 5e-3                                     # a stall's gaps (the link's or a pause: results as usual)
+        sp.sample(1, now)
+    assert sp.for_timers() == pytest.approx(5e-3)        # ... still restart it
+
 
 # ------------------------------------------------------------------------------------------------
 # tail copies: the last chunk of a stream (a negotiation packet is one) goes out twice, its result too
