@@ -72,8 +72,10 @@ processes run):
    in flight that never has results of later chunks to show a loss). The longer silence, the
    measured round trip and the time the pending results take through the link, lets such a loss
    go unprobed no longer than the stall it is told from, and before the timeout (rule 4, at least
-   20 ms) on a quiet machine (round trips that vary lengthen both). Each probe resends one chunk, whose result is no evidence against the others
-   (Karn), so k chunks lost together cost k such silences until at most 3 are pending;
+   20 ms) on a quiet machine (round trips that vary lengthen both). Each probe resends one chunk, and its
+   answer, even a replay, sends no other (rule 4's go-back is the timeout's alone), so k results lost
+   together at a stream's end cost k such silences (the tail-loss tests: k = 4, 6, 11 recovered by k
+   probes, no timeout);
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
    ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
@@ -90,6 +92,9 @@ processes run):
    rank's data packets were lost; had a late peer completed it, the other results would follow). So a
    window lost whole costs one RTO and a round trip, not one timeout per chunk. The follow-up is
    explicit, not left to rule 2: the probe's result is no witness for chunks sent before it (Karn).
+   Rule 3's probes of the same silence come first (its timeouts are below the RTO), and any result,
+   a probe's replay too, restarts the RTO's silence: the timeout fires when a silence outlasts it with
+   rule 3's probes unanswered (a late peer: the switch only reads them; or the probes lost too).
 
 The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*, of which
 ``timeout_go_back`` went back after a probe) apart,
