@@ -358,7 +358,8 @@ def _one_window(tmp_path, job, before_second, **run):
 def test_a_peer_late_beyond_the_rto_costs_one_resend_per_lane_and_backoff_step_not_the_window(tmp_path):
     """Rank 3 sends its data window 1.2 s late (it computes; rto 0.5 s): its peers, their 16 chunks out,
     each probe the silence once at 0.5 s (the next step would be at 1.5 s), not the window; the probe's
-    answer (when rank 3's packets arrive) is followed by the others' results: nothing goes back."""
+    answer (when rank 3's packets arrive) is followed by the others' results: nothing goes back. (Rule 3's
+    probes of the silence, backed off from a few ms on, come before; the switch only reads them.)"""
     from ina.wire import PayloadType
     late = threading.Event()
 
