@@ -13,20 +13,23 @@ block); its ratio is the median over the rounds of its block's time over the los
 the same round (the spread of these ratios is reported too: a wide one means a noisy machine), with an
 interval of that median (``vs_lossless_ci``, order statistics: no assumption about the noise; at least 95%
 coverage from 6 rounds on, its actual coverage 1 - 2 F(k) in ``vs_lossless_ci_coverage`` and the table)
-and the lossless blocks' own round-to-round spread. Every round draws the same drops (re-seeded alike),
-so the interval covers the machine's noise for that one loss pattern, not the spread between patterns. Many short rounds (20 by default, 10 allreduces of 20,000
+and the lossless blocks' own round-to-round spread. Each round draws its own drops: round i's impairment
+seed is derived from ``--seed`` and i (:func:`round_seed`; fixed, so a run with the same ``--seed`` draws
+the same patterns), and every setting and both trees of that round use it. So the interval covers the
+spread between loss patterns as well as the machine's noise, and a paired tree meets the same drops as
+this one round by round. Many short rounds (20 by default, 10 allreduces of 20,000
 elements or one of 1.7 M per block) pair every block with a lossless one run moments apart.
 ``expected_vs_clean`` is the overhead the allreduces that resent a chunk explain, measured inside each
 block (their share times their median excess over the block's allreduces without a resend): set
 against ``vs_lossless`` it tells a loss's cost from the machine's noise (null in the JSON, nan in the
 table, where every allreduce resends, as at 1.7 M elements).
 ``vs_lossless_best`` is the ratio of the fastest blocks (each setting's least disturbed block over the
-lossless setting's): on a loaded machine the better estimate of what a quiet one would show, since
-every round of a setting draws the same impairment sequence (re-seeded alike each round).
+lossless setting's): on a loaded machine an estimate of what a quiet one would show, biased low, since
+the fastest block is also the luckiest round's loss pattern.
 
 Loss, duplication and reordering are the switch's user-space impairments (this kernel has no
 netem), applied in both directions (worker -> switch and switch -> worker) with the given
-probability each, seeded (the same seed in every round). Every result is compared bit for bit with the lossless run's: a
+probability each, seeded (each round its own seed: :func:`round_seed`). Every result is compared bit for bit with the lossless run's: a
 mismatch fails the benchmark. The client counters say how each loss was recovered: fast
 retransmissions (a later chunk's result arrived first), tail probes or timeouts, and how many of them
 resent a chunk resent before (``repeat_retransmissions``); ``needed_resends`` is what the switch's drop
@@ -72,7 +75,7 @@ SETTINGS = {                      # name: impairment of each direction
 TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
 COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
             "repeat_retransmissions",
-            "fast_replayed", "probe_replayed", "timeout_replayed", "duplicate_results", "coalesce_pause_s",
+            "fast_replayed", "probe_replayed", "timeout_replayed", "timeout_go_back", "duplicate_results", "coalesce_pause_s",
             "tail_copies")
 
 
@@ -274,6 +277,13 @@ class Side:
                 "switch": {k: sw1[k] - sw0[k] for k in sw1}}
 
 
+def round_seed(seed: int, i: int) -> int:
+    """Round ``i``'s impairment seed, derived from the run's ``seed`` (numpy's SeedSequence: rounds and base
+    seeds draw unrelated streams), below 2**31 so that the egress's (seed + 1) and the shards' offsets stay
+    in range. Every setting and tree of the round uses it; round to round the loss pattern changes."""
+    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) >> 1
+
+
 def median_interval(x, confidence: float = 0.95) -> tuple[float, float, float]:
     """A distribution-free confidence interval for the median of the sample ``x`` (order statistics,
     the sign test's binomial): (low, high, its actual coverage, at least ``confidence`` when the sample
@@ -353,7 +363,7 @@ def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], r
                                                               "timeout_retransmissions")] for b in blocks],
            "dropped_per_round": [[b["switch"]["ingress_dropped"], b["switch"]["egress_dropped"]] for b in blocks],
            **resend_cost(blocks),
-           # the least disturbed block of each (every round draws the same impairments: the same seed)
+           # the least disturbed block of each (also the luckiest round's drops: each round draws its own)
            "best_time_per_allreduce_s": float(times.min()),
            "vs_lossless_best": float(times.min() / min(b["time"] for b in ref)),
            "tail_s": float(np.median([b["tail"] for b in blocks])),
@@ -406,7 +416,7 @@ def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
             order = names[i % len(names):] + names[:i % len(names)]          # rotated: no setting always first
             for name in order:
                 for side in (sides if i % 2 == 0 else sides[::-1]):
-                    blocks[side.label, name].append(side.block(elements, r, seed, settings[name]))
+                    blocks[side.label, name].append(side.block(elements, r, round_seed(seed, i), settings[name]))
             log(f"{elements} elements, round {i + 1}/{rounds}: " + ", ".join(
                 f"{label} {name} {b[-1]['time'] * 1e3:.2f} ms" for (label, name), b in blocks.items()))
         for side in sides:
@@ -473,11 +483,17 @@ def main(argv=None) -> int:
         print(json.dumps(finite_or_null({"benchmark": "allreduce_under_loss", "baseline": a.baseline, "baseline_env": a.baseline_env,
                           "links": f"emulated {a.rate} per worker (tbf)" if a.rate else "loopback",
                           "impairments": "switch user-space impairments, both directions",
-                          "codec": "bfp32", "rounds": a.rounds,
+                          "codec": "bfp32", "rounds": a.rounds, "seed": a.seed,
+                          "round_seeds": [round_seed(a.seed, i) for i in range(a.rounds)],
+                          "seeding": "each round its own impairment seed, derived from seed and the round "
+                                     "(round_seed; the egress draws from it + 1), the same for every setting and "
+                                     "tree of the round: the interval covers the loss patterns' spread too",
                           "reference": "the lossless blocks of the same size and round in the same invocation "
                                        "(median of the per-round ratios)",
                           "results": rows}), indent=2, allow_nan=False))
     else:
+        print(f"each round draws its own drops (seeds derived from --seed {a.seed}, the same for every setting "
+              f"and tree of a round): the intervals cover the loss patterns' spread too")
         print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'CI (coverage)':>17} {'spread':>11} "
               f"{'expect':>6} {'best':>5} {'fast':>6} "
               f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "

@@ -62,7 +62,8 @@ class ClientStats(WorkerStats):
     retransmissions: int = 0          # every resend: fast + probe + timeout retransmissions
     fast_retransmissions: int = 0     # resent because results of later chunks arrived first
     probe_retransmissions: int = 0    # resent after a silence of the probe timeout (tail losses)
-    timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net)
+    timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net): its probes
+    timeout_go_back: int = 0          # of these, the rest of a lane's timed-out chunks, resent once its probe was answered
     repeat_retransmissions: int = 0   # of all these, resends of a chunk resent before in its stream (any rule)
     fast_replayed: int = 0            # resends by each rule that the switch answered with a replay (the round
     probe_replayed: int = 0           # had completed: a result lost on the way back was recovered); the others
@@ -341,9 +342,9 @@ class Client(Worker):
     def current_rto(self, queued: float = 0.0) -> float:
         """Retransmission timeout, the safety net of :mod:`ina.recovery`: srtt + 4 rttvar of the chunks'
         measured round trips (RFC 6298 with Karn's rule), at least ``rto`` and at most ``max_rto``. It
-        resends every chunk it finds late, so it stays well above a round trip: a whole window waiting
-        for a slow peer would otherwise be resent again and again (fast retransmission and the tail
-        probe find real losses much sooner). ``queued``: the serialisation time of the chunks in flight
+        stays well above a round trip (fast retransmission and the tail probe find real losses much
+        sooner); when it fires it probes one chunk per switch shard and goes back for the rest only once
+        that one's answer shows them lost (ina.recovery, rule 4). ``queued``: the serialisation time of the chunks in flight
         (their count x the result spacing); the last of a window on a slow link waits that long in the
         link's queue, so the timeout is at least the fastest round trip plus twice that."""
         rtt_floor = 0.0 if math.isinf(self.rtt_min) else self.rtt_min + 2 * queued

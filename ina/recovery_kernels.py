@@ -80,6 +80,8 @@ def _count_below(sorted_keys, key):
 DUPTHRESH = 3          # later results that mark a chunk lost (TCP's three duplicate ACKs)
 REO_FLOOR = 5e-4       # seconds a chunk may trail a later one before it counts as lost (reordering)
 NONE, FAST, PROBE, TIMEOUT = 0, 1, 2, 3     # what a pending chunk is found: not lost, or lost by rule 1-2, 3, 4
+GO_BACK = 4            # found by rule 4's go-back: timed out before the lane's timeout probe, which was answered
+ARMED, QUIET, NOW = 0, 1, 2     # a lane's timeout probe: unanswered; answered (go back after a quiet window); replayed
 
 
 @njit(cache=True)
@@ -116,20 +118,31 @@ def duplicate_thresholds(pending, later, seq, lane, unsent, out):
 
 @njit(cache=True)
 def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttvar, rto, max_rto, pto, probe_due,
-              last_arrival, kind):
+              last_arrival, rto_due, rto_probe, answer, kind):
     """Rules 1 to 4 of ina.recovery over the ``pending`` chunks in one pass: ``kind[q]`` of
-    ``pending[q]`` becomes NONE, FAST, PROBE or TIMEOUT. ``srtt``, ``pto``: NaN when unknown;
-    ``probe_due``: the probe timer fired. Returns whether any chunk was found lost."""
+    ``pending[q]`` becomes NONE, FAST, PROBE, TIMEOUT (rule 4's probe, at most one per lane) or GO_BACK.
+    ``srtt``, ``pto``: NaN when unknown; ``probe_due``: the probe timer fired; ``rto_due``: rule 4's
+    timer fired. ``rto_probe[m]``: the chunk of lane m's last timeout probe (-1: none), ``answer[m]``
+    what became of it (ARMED, QUIET, NOW); a lane that goes back is reset here (-1, ARMED), and a lane
+    probed gets the probe's chunk (the caller resends what is found). Returns whether any chunk was found lost."""
     window = reordering_window(srtt, rttvar) if srtt == srtt else np.nan
     silence = now - last_arrival
+    quiet = silence > (window if window == window else rto)
     found = False
     probe, probe_tries, probe_seq = -1, 0, 0
+    lanes = rto_probe.size
+    back = np.zeros(lanes, np.bool_)        # lanes whose timed-out chunks go back now
+    for m in range(lanes):
+        back[m] = rto_probe[m] >= 0 and (answer[m] == NOW or (answer[m] == QUIET and quiet))
+    best = np.full(lanes, -1, np.int64)     # each lane's timeout probe: the least resent, oldest send first
+    older = np.zeros(lanes, np.bool_)       # a chunk sent before the lane's timeout probe is pending
     for q in range(pending.size):       # rule 1's counts (into kind, scratch until overwritten below): only
         if later[pending[q]] > 0:       # where some chunk has a later result (the common turn has none)
             duplicate_thresholds(pending, later, seq, lane, unsent, kind)
             break
     for q in range(pending.size):
         p = pending[q]
+        m = lane[p]
         age = now - sent_at[p]
         backoff = 2.0 ** tries[p]
         fast = later[p] > 0 and later[p] >= kind[q]
@@ -142,14 +155,28 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
         # as TCP's retransmission timer, restarted by every result
         limit = min(rto * backoff, max_rto)
         kind[q] = NONE
+        if rto_probe[m] >= 0 and seq[p] < seq[rto_probe[m]]:
+            older[m] = True
         if fast:
             kind[q] = FAST
-        elif age > limit and silence > limit:
-            kind[q] = TIMEOUT
+        elif back[m]:
+            if seq[p] < seq[rto_probe[m]]:
+                kind[q] = GO_BACK
+        elif rto_due and age > limit and silence > limit:
+            b = best[m]
+            if b < 0 or tries[p] < tries[pending[b]] or (tries[p] == tries[pending[b]] and seq[p] < seq[pending[b]]):
+                best[m] = q
         elif probe_due and age > pto and (probe < 0 or tries[p] < probe_tries
                                           or (tries[p] == probe_tries and seq[p] < probe_seq)):
             probe, probe_tries, probe_seq = q, tries[p], seq[p]     # the least resent, oldest send first
         found = found or kind[q] != NONE
+    for m in range(lanes):
+        if back[m] or (answer[m] != ARMED and not older[m]):    # gone back, or nothing left to go back for
+            rto_probe[m], answer[m] = -1, ARMED
+        elif best[m] >= 0:
+            kind[best[m]] = TIMEOUT
+            rto_probe[m], answer[m] = pending[best[m]], ARMED
+            found = True
     if probe >= 0:
         kind[probe] = PROBE
         found = True

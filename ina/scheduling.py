@@ -87,7 +87,7 @@ class RunQueueDelay:
         return self.delay
 
     def timeout_floor(self) -> float:
-        """The retransmission timeout's floor (it resends every late chunk): TIMEOUT_FLOOR_WAITS waits, so
+        """The retransmission timeout's floor: TIMEOUT_FLOOR_WAITS waits, so
         that it comes after the probe's first four (at 1, 3, 7 and 15 waits with its backoff), as a 20 ms
         timeout leaves a 1 ms probe."""
         return TIMEOUT_FLOOR_WAITS * self.delay

@@ -195,7 +195,7 @@ class Transfer:
         stats.duplicate_results += ok - fresh
         stats.stale_results += other
         self.overflow += overflow
-        self.spacing.sample(k, now, fresh > 0 and rtts[3])       # Karn: round trips only of chunks never resent
+        self.spacing.sample(k, now, fresh > 0 and rtts[3], fresh > 0 and n_rep == fresh)   # Karn: round trips only of chunks never resent
         if fresh:
             self.complete(fresh, n_rep, rtts, pending, n_new, top, now)
         stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, cl.coalesce)
@@ -218,6 +218,8 @@ class Transfer:
         ld = self.ld
         if n_rep:                                 # resends the switch answered with a replay, by rule
             ld.count_replayed(jj[replayed], self.cl.stats)
+        if ld.rto_probing:                        # a timeout probe's answer arms its lane's go-back (rule 4)
+            ld.answered(jj, replayed)
         samples, fastest, median, _ = rtts        # Karn: no samples from retransmitted chunks
         if samples:
             # a negotiation round waits for the slowest rank: no srtt sample, but the fastest round trip
@@ -282,6 +284,7 @@ class Transfer:
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size
             cl.stats.timeout_retransmissions += late.size
+            cl.stats.timeout_go_back += self.ld.went_back
             cl.stats.retransmissions += lost.size
         cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto, per_pkt), now)
         return rows

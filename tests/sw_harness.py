@@ -194,6 +194,50 @@ def client_threads(port: int, world: int, job: int, body, join_timeout: float = 
     return out
 
 
+class LostResults:
+    """Results lost on the way back, chosen by position, not drawn: wraps ``cl.receive`` (the receive the
+    client's transfer calls) so that, while :meth:`arm` ed, every data result (a payload, not a REPLAY)
+    of a chunk beyond the first ``keep`` chunks whose results arrived is dropped on arrival, as the way back
+    would lose it; replays (the switch's answers to this rank's resends) and negotiation results pass.
+    ``dropped``: how many were. The switch is untouched: it sent them, so a resend finds its round
+    complete and is answered with a replay, exactly as after a loss at its egress."""
+
+    def __init__(self, cl: Client):
+        self.cl, self.keep, self.armed, self.dropped, self.kept = cl, 0, False, 0, set()
+        receive = cl.receive
+
+        def filtered() -> int:
+            n = receive()
+            return self._filter(n) if n and self.armed else n
+        cl.receive = filtered
+
+    def arm(self, keep: int) -> None:
+        """From now on, let the results of ``keep`` chunks through and drop the first sends' of the rest."""
+        self.keep, self.kept, self.armed = keep, set(), True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _filter(self, n: int) -> int:
+        from ina.wire import Flag, MsgType, PayloadType, header_view
+        rx = self.cl.rx
+        h = header_view(rx.buf[:n])
+        lost = np.zeros(n, bool)
+        for i in range(n):
+            if (h["msg_type"][i] != MsgType.RESULT or h["payload_type"][i] == PayloadType.NONE
+                    or h["flags"][i] & Flag.REPLAY):
+                continue
+            chunk = int(h["chunk"][i])
+            if chunk not in self.kept and len(self.kept) < self.keep:
+                self.kept.add(chunk)
+            lost[i] = chunk not in self.kept
+        k = int(np.count_nonzero(~lost))
+        if k < n:
+            rx.buf[:k], rx.lens[:k] = rx.buf[:n][~lost], rx.lens[:n][~lost]
+            self.dropped += n - k
+        return k
+
+
 def join_all(port: int, job: int, n: int, **kw) -> list:
     """n Clients of one job joined from threads of this process (the join is a rendezvous)."""
     out, errs = [None] * n, [None] * n

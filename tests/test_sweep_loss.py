@@ -68,6 +68,37 @@ def test_bench_loss_writes_an_undefined_value_as_null_and_refuses_zero_rounds(ca
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_bench_loss_draws_each_rounds_drops_from_a_seed_of_its_own_the_same_for_every_setting_and_tree(monkeypatch):
+    """Each round's impairment seed is derived from --seed and the round (fixed: the same run draws the same
+    patterns), distinct from round to round, and shared by every setting and both trees of the round (so a
+    paired tree meets the same drops); the warm-up keeps the base seed."""
+    import experiments.bench_loss as bl
+
+    class Row(dict):
+        def __missing__(self, key):
+            return 0
+
+    class FakeSide:
+        def __init__(self, label):
+            self.label, self.seeds = label, []
+
+        def block(self, elements, reps, seed, imp):
+            self.seeds.append((len(self.seeds), seed, tuple(imp.items())))
+            return {"time": 1.0, "worker_cpu": 1.0}
+    monkeypatch.setattr(bl, "summarise", lambda *a, **k: Row(exact=True))
+    sides = [FakeSide("this"), FakeSide("baseline")]
+    settings = {"lossless": {}, "loss 1%": {"loss": 0.01}}
+    bl._run_all(sides, 4, [1000], {1000: 2}, 3, 7, settings)
+    for side in sides:
+        warm, *blocks = side.seeds
+        assert warm[1] == 7
+        assert [b[1] for b in blocks] == [bl.round_seed(7, i) for i in range(3) for _ in settings]
+    assert sides[0].seeds == sides[1].seeds
+    seeds = [bl.round_seed(7, i) for i in range(20)]
+    assert len(set(seeds)) == 20 and all(0 <= x < 2**31 for x in seeds)
+    assert seeds == [bl.round_seed(7, i) for i in range(20)] and seeds[:3] != [bl.round_seed(8, i) for i in range(3)]
+
+
 def test_only_switch_traffic_runs_at_a_loss():
     plan = [("allreduce", 2, "100mbit", 1000, "gloo"), ("allreduce", 2, "100mbit", 1000, "ina:bfp32"),
             ("throughput", 2, "100mbit", 1000, "ina:bfp32"), ("allreduce", 2, "100mbit", 1000, "ina:3lc"),
