@@ -189,7 +189,9 @@ class _Lane:
                 fut.set_result(result)
                 return
         except BaseException as e:  # noqa: BLE001 - a disagreement or a Gloo error: this allreduce only
-            fut.set_exception(e)
+            # without its traceback: the future (which gc cannot look into) would keep its frames, whose hook
+            # closures keep the process group (and Gloo's threads) alive; the message names what went wrong
+            fut.set_exception(e.with_traceback(None))
             return
         if self._error is not None:
             fut.set_exception(self._error)
