@@ -282,7 +282,8 @@ def compute_only(warmup: int, steps: int) -> float:
 def run_config(kind: str, codec: str | None, switch: str | None, topo, a, switch_pid: int | None = None) -> dict:
     prefix = topo.prefix if topo else None
     out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k == "INA_TOKEN"}  # the switch's token
+    # the switch's token, and INA_AHEAD=0 (the next allreduce's negotiation not sent ahead: to measure against it)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k in ("INA_TOKEN", "INA_AHEAD")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if switch_pid is not None and codec is not None:     # rank 0 reads the switch's CPU over the timed steps
         env["BENCH_SWITCH_PID"] = str(switch_pid)
