@@ -74,6 +74,7 @@ class Rider:
         if t.n_done == t.n_chunks:
             return
         wait = cl._rx_wait            # the stream's own next deadline stays the receive's bound
+        t.drained = stream.drained    # (a full burst: results may still wait in the socket)
         if k:
             t.take(k, now)
         if t.n_done < t.n_chunks and not t.checked:
