@@ -47,11 +47,8 @@ def test_negotiations_sent_ahead_give_the_sequential_sums(tmp_path, ahead):
     try:
         ops = [{"codec": "bfp32", **op} for op in OPS]
         out = Workers(tmp_path, sw.port, N, job=4, ops=ops, client=CLIENT, loop=2, ahead=ahead).wait(timeout=100)
-        drops = sw.stats()["drops"]
     finally:
         sw.terminate()
-    # sent only once the slot protocol lets their chunk ids go: the switch dropped none of them as early
-    assert drops["slot_busy"] == 0 and drops["retransmit_pending"] == 0, drops
     check_exact({r: {"results": m["results"][:len(ops)]} for r, m in out.items()}, ops)
     check_exact({r: {"results": m["results"][len(ops):]} for r, m in out.items()}, ops)
     for r, m in out.items():
