@@ -94,18 +94,6 @@ def interleaving_hook(ina_hook, mode: dict):
     return hook
 
 
-class AheadSwitch(dict):
-    """``--interleave-ahead``'s ``mode``: its "ina" half of a pair runs with the lane's INA_AHEAD on, the other off."""
-
-    def __init__(self, config):
-        super().__init__(ina=True)
-        self.config = config
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self.config.ahead = bool(value)
-
-
 def interleaved_steps(model, opt, x, y, warmup: int, steps: int, mode: dict, windows: list, on_timed):
     """``steps`` pairs of steps, one through the INA hook and one through Gloo (``mode``: the hook's switch, see
     :func:`interleaving_hook`), their order alternating from pair to pair: (INA step times, Gloo step times),
@@ -190,10 +178,8 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
 
     torch.set_num_threads(1)
     model = make_net()
-    # --interleave: DDP's steps alternate between the INA hook and Gloo's allreduce, pair by pair; --interleave-ahead:
-    # between the INA hook with and without the next bucket's negotiation sent ahead (INA_AHEAD)
-    interleave, mode = kind == "ddp-ina" and os.environ.get("BENCH_INTERLEAVE") in ("1", "ahead"), {"ina": True}
-    by_ahead = interleave and os.environ.get("BENCH_INTERLEAVE") == "ahead"
+    # --interleave: DDP's steps alternate between the INA hook and Gloo's allreduce, pair by pair
+    interleave, mode = kind == "ddp-ina" and os.environ.get("BENCH_INTERLEAVE") == "1", {"ina": True}
     if kind == "horovod":
         import horovod.torch as hvd  # noqa: PLC0415
 
@@ -215,10 +201,8 @@ def worker(kind: str, out: str, warmup: int, steps: int) -> None:
             from gloo_patch.torch_backend import InaHookState, ina_allreduce_hook  # noqa: PLC0415
             hook = InaHookState()
             hook.lane.client.record_timeline = True      # the codec's encode/decode time per bucket
-            model.register_comm_hook(hook, interleaving_hook(ina_allreduce_hook, mode) if interleave and not by_ahead
+            model.register_comm_hook(hook, interleaving_hook(ina_allreduce_hook, mode) if interleave
                                      else ina_allreduce_hook)
-            if by_ahead:
-                mode = AheadSwitch(hook.lane.config)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = batch(rank)
     windows: list = []
@@ -298,15 +282,12 @@ def compute_only(warmup: int, steps: int) -> float:
 def run_config(kind: str, codec: str | None, switch: str | None, topo, a, switch_pid: int | None = None) -> dict:
     prefix = topo.prefix if topo else None
     out = Path(tempfile.mkdtemp(prefix="bench_fw_")) / "r0.json"
-    # the switch's token, and INA_AHEAD=0 (the next allreduce's negotiation not sent ahead: to measure against it)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k in ("INA_TOKEN", "INA_AHEAD")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INA_") or k == "INA_TOKEN"}  # the switch's token
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     if switch_pid is not None and codec is not None:     # rank 0 reads the switch's CPU over the timed steps
         env["BENCH_SWITCH_PID"] = str(switch_pid)
     if getattr(a, "interleave", False) and kind == "ddp-ina":
         env["BENCH_INTERLEAVE"] = "1"
-    if getattr(a, "interleave_ahead", False) and kind == "ddp-ina":
-        env["BENCH_INTERLEAVE"] = "ahead"
     if codec is not None:   # "nc" or "nc@<bucket bytes>" (Horovod's INA_BUCKET_BYTES; 0: no overlap); "gloo@N": DDP, no INA
         codec, _, bucket = codec.partition("@")
         if codec != "gloo":
@@ -428,9 +409,6 @@ def main(argv=None) -> int:
                     help="DDP with INA: the steps alternate between the INA hook and Gloo's allreduce in one run "
                          "(pairs of steps, the order alternating; row 'interleaved': the per-pair ratio's median and "
                          "quartiles), a paired ratio on a loaded machine")
-    ap.add_argument("--interleave-ahead", action="store_true",
-                    help="DDP with INA: the steps alternate between the next bucket's negotiation sent ahead and not "
-                         "(INA_AHEAD 1/0) in one run; row 'interleaved': the with/without ratio per pair")
     ap.add_argument("--worker", choices=("horovod", "ddp", "ddp-ina"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

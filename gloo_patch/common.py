@@ -108,7 +108,6 @@ class InaConfig:
     elements: int = 1024
     seed: int | None = None
     sparse: bool = False
-    ahead: bool = True       # the next allreduce's negotiation (and agreement) while the current one streams
 
     @classmethod
     def from_env(cls, switch: str | tuple | None = None, codec: str | None = None,
@@ -130,7 +129,6 @@ class InaConfig:
             elements=_env_int("INA_ELEMENTS", 1024, 1, 65535),
             seed=_env_int("INA_SEED", None, 0, 2**31 - 1),
             sparse=bool(_env_int("INA_SPARSE", 0, 0, 1)),
-            ahead=bool(_env_int("INA_AHEAD", 1, 0, 1)),
         )
 
     def client_kwargs(self) -> dict:

@@ -114,7 +114,6 @@ class _Lane:
         self.config, self.rank, self.size, self.job = config, rank, size, job
         self.client = Client(switch=config.switch, rank=rank, world_size=size, job=job, **config.client_kwargs())
         self._q: queue.SimpleQueue = queue.SimpleQueue()     # the hand-off to the lane: no Condition per item
-        self._held: collections.deque = collections.deque()  # [item, early outcome] taken off it by _following
         self._error: BaseException | None = None
         # (submitted, started, finished, lane CPU s, codec CPU s, decided) of the last allreduces,
         # time.perf_counter(): how much of the switch time ran while the caller still computed (DDP: backward), see
@@ -126,66 +125,28 @@ class _Lane:
         self._t.start()
 
     def submit(self, tensors: list[torch.Tensor], average: bool, result, key=None,
-               agree: Callable[[], str | None] | None = None,
-               fallback: Callable[[str], None] | None = None) -> torch.futures.Future:
+               decide: Callable[[], bool] | None = None) -> torch.futures.Future:
         """Queue an allreduce of ``tensors``; ``key`` names them for codecs with error feedback (a
-        residual per (key, i)); without one such codecs are stateless. ``agree()``, if given, runs on the lane
-        first (the agreement, off the caller's thread; possibly while the allreduce before streams, see
-        :meth:`_following`): why the allreduce goes another way, or None for the switch; ``fallback(why)`` then
-        does it that way (Gloo), on the lane, in submission order. What either raises reaches the future, the
-        lane stays usable."""
+        residual per (key, i)); without one such codecs are stateless. ``decide()``, if given, runs on the
+        lane first (the agreement, off the caller's thread): True if it did the allreduce another way
+        (Gloo), False to go through the switch; what it raises reaches the future, the lane stays usable."""
         fut, ready = staging.handoff(tensors)     # CUDA: a CUDA-aware future, events of the caller's streams
-        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter(), agree, fallback))
+        self._q.put((tensors, average, result, fut, key, ready, time.perf_counter(), decide))
         return fut
 
     def _run(self) -> None:
         while True:
-            if self._held:          # taken off the queue by _following, maybe with its agreement's outcome
-                item, early = self._held.popleft()
-            else:
-                item, early = self._q.get(), None
+            item = self._q.get()
             if item is None:
                 return
-            self._one(*item, early=early)
+            self._one(*item)
 
-    def _following(self):
-        """The client's next allreduce on this lane once it is known, for the client to send its exponent
-        negotiation ahead while the current allreduce streams (:mod:`ina.ahead`): (tensor, codec) of the next
-        queued item, once its agreement (run here, now) said it goes through the switch; None while nothing is
-        queued, or if the next item does not (Gloo, an error: :meth:`_one` acts on the outcome, in order) or
-        cannot go ahead (CUDA tensors, whose producers' streams :meth:`_one` waits for first)."""
-        if not self._held:
-            try:
-                self._held.append([self._q.get_nowait(), None])
-            except queue.Empty:
-                return None
-        entry = self._held[0]
-        item = entry[0]
-        if item is None or entry[1] is not None or item[5] or self._error is not None:
-            return None
-        agree = item[7]
-        try:
-            entry[1] = (agree() if agree is not None else None, None, time.perf_counter())
-        except BaseException as e:  # noqa: BLE001 - a disagreement, a round given up: the item's future gets it
-            entry[1] = (None, e, time.perf_counter())
-            return None
-        return (item[0][0], self.config.codec) if entry[1][0] is None else None
-
-    def _one(self, tensors, average, result, fut, key, ready, submitted, agree, fallback, early=None) -> None:
-        """One queued allreduce: the agreement's decision (``early``: (why, error, when), taken while the
-        allreduce before streamed), then the switch, or the fallback."""
+    def _one(self, tensors, average, result, fut, key, ready, submitted, decide) -> None:
+        """One queued allreduce: the agreement's decision, then the switch (or what ``decide`` did)."""
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             staging.wait_ready(ready)     # CUDA: the caller's streams wrote the tensors (Gloo or switch reads them)
-            if early is not None:
-                why, err, decided = early
-                if err is not None:
-                    raise err
-            else:
-                why = agree() if agree is not None else None
-                decided = time.perf_counter()
-            if why is not None:
-                fallback(why)
+            if decide is not None and decide():
                 fut.set_result(result)
                 return
         except BaseException as e:  # noqa: BLE001 - a disagreement or a Gloo error: this allreduce only
@@ -193,6 +154,7 @@ class _Lane:
             # closures keep the process group (and Gloo's threads) alive; the message names what went wrong
             fut.set_exception(e.with_traceback(None))
             return
+        decided = time.perf_counter()
         if self._error is not None:
             fut.set_exception(self._error)
             return
@@ -200,10 +162,8 @@ class _Lane:
             codec_s, marks = 0.0, ()
             with torch.no_grad():
                 for i, t in enumerate(tensors):
-                    following = None if not self.config.ahead else self._following if i + 1 == len(tensors) else \
-                        (lambda i=i: (tensors[i + 1], self.config.codec))
                     self.client.allreduce(t, codec=self.config.codec, average=average,
-                                          key=None if key is None else (key, i), following=following)
+                                          key=None if key is None else (key, i))
                     tl = self.client.last_timeline if self.client.record_timeline else None
                     codec_s += tl["encode_s"] + tl["decode_s"] if tl else 0.0
                     if i == 0:      # the first allreduce's start and the end of its exponent negotiation
@@ -215,7 +175,7 @@ class _Lane:
             self._error = e
             log.error("[ina rank %d] allreduce through switch %s:%d failed, job %d: %s", self.rank,
                       *self.config.switch, self.job, e)
-            fut.set_exception(e)
+            fut.set_exception(e.with_traceback(None))     # (without its frames: see above)
 
     def unusable(self) -> bool:
         return self._error is not None
@@ -521,19 +481,18 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     what = f"[ina rank {state.rank}] DDP bucket {index}"
     pending = state.agree_later([buf], what, last=bucket.is_last())
 
-    def agree() -> str | None:
+    def decide() -> bool:
         why = pending() or tensors_not_offloadable([buf])
         if why is None:
             state.fallbacks.offloaded(1, buf.numel())
-        return why
-
-    def fallback(why: str) -> None:
+            return False
         state.fallbacks.fallback("DDP bucket", why, f"bucket {index}")
         dist.all_reduce(buf, group=state.fallback_group)   # on the lane, on a group of its own (_fallback_group)
         buf.div_(state.size)
+        return True
 
     if not state.per_parameter:     # the whole bucket, one allreduce, no residual (the key names it, unused)
-        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", agree=agree, fallback=fallback)
+        return state.lane.submit([buf], True, buf, key=f"ddp-bucket-{index}", decide=decide)
     # the residual of an error-feedback codec belongs to the bucket's parameters: DDP rebuilds its buckets
     # after the first iteration, so the index alone may name other parameters (or another size) later;
     # the parameters' shapes name the layout the same way on every rank (the host aggregator checks).
@@ -543,7 +502,7 @@ def ina_allreduce_hook(state: InaHookState, bucket: dist.GradBucket) -> torch.fu
     params = bucket.parameters()
     layout = ",".join("x".join(map(str, p.shape)) for p in params)
     parts = list(buf.split([p.numel() for p in params]))
-    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", agree=agree, fallback=fallback)
+    return state.lane.submit(parts, True, buf, key=f"ddp-bucket-{index}:{layout}", decide=decide)
 
 
 HookFn = Callable[[InaHookState, dist.GradBucket], torch.futures.Future]

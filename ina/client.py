@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import ahead as ahead_mod
 from . import burst as B
 from . import chunk_encoding, compression, lifetime, staging
 from . import multicast as mcast
@@ -74,8 +73,6 @@ class ClientStats(WorkerStats):
     stale_results: int = 0
     sparse_header_only: int = 0       # sparse streaming: rounds this worker took part in with 24 bytes (zero chunk)
     sparse_chunks_skipped: int = 0    # sparse streaming: chunks zero at every worker (no packet, no round)
-    negotiations_ahead: int = 0       # exponent negotiations sent while the allreduce before streamed (ina.ahead)
-    negotiated_ahead: int = 0         # ... whose maxima were back when their allreduce began
 
 
 class Client(Worker):
@@ -149,7 +146,6 @@ class Client(Worker):
             raise ValueError(f"first_chunk {first_chunk} out of range 0..{self.chunk_modulus - 1} (the chunk ids of a "
                              f"job with {self.slots} slots)")
         self._next_chunk = int(first_chunk)
-        self.ahead: ahead_mod.Ahead | None = None     # the next allreduce's negotiation, sent ahead (ina.ahead)
         self.srtt: float | None = None      # smoothed round-trip time of a chunk (Jacobson/Karn), seconds
         self.rttvar = 0.0
         self.rtt_min = math.inf             # the fastest chunk round trip seen (nothing queued ahead of it)
@@ -160,8 +156,7 @@ class Client(Worker):
                  port, self.slots, self.elements, f"multicast to {group}" if self.multicast else "unicast")
 
     # ----------------------------------------------------------------------------------------------
-    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None, sparse: bool | None = None,
-                  following=None):
+    def allreduce(self, tensor, codec: str = "nc", average: bool = False, key=None, sparse: bool | None = None):
         """Sum (or average) ``tensor`` over the job's workers through the switch, in place.
 
         ``tensor`` is a torch tensor (any float dtype, shape and device) or a numpy float array.
@@ -172,18 +167,8 @@ class Client(Worker):
         pass the same value); None: the client's ``sparse`` (which host-aggregated codecs ignore).
         Results are decoded straight into a contiguous float32 host tensor's memory: if the allreduce
         raises after packets went out, such a tensor holds partial sums (as with Gloo's ring).
-        ``following()``, if given, is asked near the end of the data stream which allreduce of this client comes
-        next ((tensor, codec name), or None while not known): that one's exponent negotiation is then sent from
-        inside this stream (:mod:`ina.ahead`). Name only an allreduce every rank will make next (its negotiation
-        pairs with theirs on the same chunk ids), then make it next, with the same tensor and codec; another
-        allreduce next raises :class:`AllreduceError` and leaves the client unusable.
         """
         self._check_usable()
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and not (ahead.tensor is tensor and ahead.codec == codec and not sparse):
-            self._break(f"an allreduce of job {self.job} other than the one named as following came next "
-                        f"(its exponent negotiation went ahead on chunk ids from {ahead.transfer.c0})")
-            self._check_usable()
         c = self.codec(codec)
         if not c.switch_summable:
             if sparse:
@@ -199,27 +184,29 @@ class Client(Worker):
         chunk0 = self._next_chunk
         tl = self._timeline = Timeline() if self.record_timeline else None
         try:
-            # raises ValueError on NaN/Inf before anything is sent
-            proposals = ahead.proposals if ahead else self.proposals(c, x32, **kw)
-            self.stats.negotiated_ahead += bool(ahead and ahead.done())
+            exponent = c.scale_exponent(x32, **kw)     # raises ValueError on NaN/Inf before anything is sent
+            values = (exponent, *c.negotiated())
+            bad = [v for v in values if not -32768 <= v <= 32767]
+            if bad:
+                raise ValueError(f"negotiated value(s) {bad} of codec {codec!r} do not fit the 16-bit "
+                                 "exponent field")
+            proposals = np.array(values, np.int64)
             seed = c.next_seed()
-            first = None if kw or sparse or (ahead and ahead.done()) else \
-                self._first_window(c, x32, self._context(proposals, seed))
+            first = None if kw or sparse else self._first_window(c, x32, self._context(proposals, seed))
             # one payload-less packet per value: the switch's max register returns the max over workers;
             # the first data window is encoded meanwhile, under this worker's own proposals
-            encode = functools.partial(first.encode, self._packet_waiting) if first else None
-            maxima = ahead.finish(encode) if ahead else \
-                self._stream(proposals.size, PayloadType.NONE, c.wire_id, proposals, meanwhile=encode)
+            maxima = self._stream(proposals.size, PayloadType.NONE, c.wire_id, proposals,
+                                  meanwhile=functools.partial(first.encode, self._packet_waiting) if first else None)
             if tl:
                 tl.mark("negotiated")
             ctx = self._context(maxima, seed)
             self.run_queue.sample()
-            out = self._reduce(c, x32, ctx, kw, sparse, first if first and first.take(ctx) else None, following)
+            out = self._reduce(c, x32, ctx, kw, sparse, first if first and first.take(ctx) else None)
         except AllreduceError as e:
             self._break(str(e))
             raise
         except BaseException as e:
-            if self._next_chunk != chunk0 or ahead:     # packets went out: the switch holds partial rounds of ours
+            if self._next_chunk != chunk0:     # packets went out: the switch holds partial rounds of ours
                 self._break(f"{type(e).__name__} during an allreduce of job {self.job} (chunk ids from "
                             f"{chunk0}): {e}")
             raise
@@ -255,27 +242,6 @@ class Client(Worker):
         self.stats.elements += int(np.prod(np.shape(tensor)))
         return tensor
 
-    def proposals(self, c, x32: np.ndarray, **kw) -> np.ndarray:
-        """This worker's values for an allreduce's exponent negotiation: its scale exponent of ``x32`` (raises
-        ValueError on NaN/Inf), then the codec's further values, each checked to fit the 16-bit field."""
-        values = (c.scale_exponent(x32, **kw), *c.negotiated())
-        bad = [v for v in values if not -32768 <= v <= 32767]
-        if bad:
-            raise ValueError(f"negotiated value(s) {bad} of codec {c.name!r} do not fit the 16-bit exponent field")
-        return np.array(values, np.int64)
-
-    def negotiates(self, c, tensor) -> bool:
-        """Whether the negotiation of an allreduce of ``tensor`` with codec ``c`` (no key, the client's ``sparse``)
-        may go ahead (:mod:`ina.ahead`): a switch-summable codec without error feedback (its exponent does not
-        depend on a residual the allreduce before may change), dense streaming, a tensor not empty."""
-        return c.switch_summable and not c.keeps_residuals and not self.sparse and int(np.prod(np.shape(tensor))) > 0
-
-    def take_ids(self, n: int) -> int:
-        """Take the job's next ``n`` chunk ids for a stream; returns the first (ids wrap at ``chunk_modulus``)."""
-        c0 = self._next_chunk
-        self._next_chunk = (c0 + n) % self.chunk_modulus
-        return c0
-
     def _context(self, maxima: np.ndarray, seed: int) -> ScaleContext:
         """The encoding context of the negotiated ``maxima`` (exponent, then the codec's further values)."""
         return ScaleContext(int(maxima[0]), self.world_size, self.register_bits, seed=seed,
@@ -294,12 +260,12 @@ class Client(Worker):
         return B.readable(self.rx.fd, 0)
 
     def _reduce(self, c, x32: np.ndarray, ctx: ScaleContext, kw: dict, sparse: bool = False,
-                first: chunk_encoding.FirstWindow | None = None, following=None) -> np.ndarray:
+                first: chunk_encoding.FirstWindow | None = None) -> np.ndarray:
         """Encode, stream and decode, pipelined: chunks are encoded into their packets as they are sent
         (:mod:`ina.chunk_encoding`: one by one for nc, else a block of ``slots`` chunks when its
         first is sent) and each burst of results is decoded as it arrives, so the codec's CPU time
         overlaps the link time instead of adding to it. ``first``: the first window, encoded under
-        ``ctx`` while negotiating. ``following``: see :meth:`allreduce` (dense streams only)."""
+        ``ctx`` while negotiating."""
         n, E, S = x32.size, self.elements, self.slots
         n_chunks = max(1, math.ceil(n / E))
         block = n_chunks if kw else S                      # chunks per encoding block
@@ -336,8 +302,7 @@ class Client(Worker):
                                         ptype=ptype, result_type=res_type, fill_zero=fill_zero)
             encoder = chunk_encoding.BlockEncoder(sparse_mod.encoded_blocks(codes, block), block)   # codes ready
         self._stream(n_chunks, ptype, c.wire_id, ctx.exponent, result_type=res_type, count=n, encoder=encoder,
-                     decode=decode, sparse=streams,
-                     rider=ahead_mod.Rider(self, following, n_chunks) if following and not sparse else None)
+                     decode=decode, sparse=streams)
         return output.flat
 
     # ----------------------------------------------------------------------------------------------
@@ -347,7 +312,7 @@ class Client(Worker):
         return self._next_chunk
 
     def _stream(self, n_chunks: int, ptype: PayloadType, codec_id: int, exponent, result_type=PayloadType.NONE,
-                count: int = 0, encoder=None, decode=None, sparse=None, meanwhile=None, rider=None):
+                count: int = 0, encoder=None, decode=None, sparse=None, meanwhile=None):
         """Send ``n_chunks`` chunks through the job's slots and collect their results.
 
         Without payload (negotiation) ``exponent`` holds one value per chunk and the returned array
@@ -358,12 +323,12 @@ class Client(Worker):
         sent only after c is done, so a row is never reused while its chunk is pending.
         ``sparse(c0)``, if given, makes the :class:`~ina.sparse.SparseStream` of a sparse data stream
         (one round in flight per stream, so the ring's rule holds too). ``meanwhile()``, if given, runs
-        once the first window is out, before the first receive (:meth:`ina.transfer.Transfer.run`); ``rider``:
-        the next allreduce's negotiation, sent from inside this stream (:class:`ina.ahead.Rider`).
+        once the first window is out, before the first receive (:meth:`ina.transfer.Transfer.run`).
         """
-        c0 = self.take_ids(n_chunks)
+        c0 = self._next_chunk
+        self._next_chunk = (c0 + n_chunks) % self.chunk_modulus
         return Transfer(self, c0, n_chunks, ptype, codec_id, exponent, result_type, count, encoder, decode,
-                        sparse(c0) if sparse else None, self._timeline).run(meanwhile, rider)
+                        sparse(c0) if sparse else None, self._timeline).run(meanwhile)
 
     def rtt_sample(self, r: float) -> None:
         """A chunk's round trip ``r`` (seconds) updates srtt and rttvar (Jacobson/Karn)."""

@@ -139,20 +139,13 @@ class Transfer:
             if self.n_sent == self.n_chunks:
                 self.tl.mark("last_send")
 
-    def run(self, meanwhile=None, rider=None) -> np.ndarray:
+    def run(self, meanwhile=None) -> np.ndarray:
         """Send the first window, run ``meanwhile()`` if given (work that needs none of the results:
-        the client encodes its first data window while the negotiation is out), then take results
-        (:meth:`loop`; ``rider``: see there)."""
-        self.send_new(np.arange(min(self.S, self.n_chunks)))
+        the client encodes its first data window while the negotiation is out), then take results."""
+        cl, n_chunks = self.cl, self.n_chunks
+        self.send_new(np.arange(min(self.S, n_chunks)))
         if meanwhile is not None:
             meanwhile()
-        return self.loop(rider)
-
-    def loop(self, rider=None) -> np.ndarray:
-        """Take results (and send what they free) until every chunk is done; returns the chunks' exponents.
-        ``rider.turn(self, k, now)``, if given, runs every loop turn after this stream's part of the burst of
-        ``k`` packets (:class:`ina.ahead.Ahead`: the next allreduce's negotiation, sent from inside this stream)."""
-        cl, n_chunks = self.cl, self.n_chunks
         now = self.last_progress = time.monotonic()
         while self.n_done < n_chunks:
             k = cl.receive()
@@ -166,8 +159,6 @@ class Transfer:
                     self.tl.idle_turns += 1
             else:
                 self.receive(k, now)
-            if rider is not None:
-                rider.turn(self, k, now)
             if self.n_done < n_chunks:
                 if not self.checked:
                     self.retransmit_lost(now)
@@ -181,30 +172,16 @@ class Transfer:
                                  "register saturated, so the sum is not exact (the inputs exceed the negotiated scale)")
         return self.exps
 
-    def _take_burst(self, k: int, now: float) -> tuple:
-        """SK.take_burst of this stream over the receive ring's first ``k`` packets."""
-        cl, sp = self.cl, self.sparse
-        scan = (cl.job, self.c0, cl.chunk_modulus, self.max_sent + 1, sp.result_len if sp else self.res_len,
-                sp.skip_len if sp else -1, bool(sp), bool(self.E))
-        return SK.take_burst(cl.rx.buf, cl.rx.lens, k, scan, self.done, self.exps, self.fresh_idx, self.fresh_jj,
-                             self.fresh_replay, self.ld_arrays, now, self.rtt_scratch, self.low, self.max_sent,
-                             self.ring, self.nxt)
-
-    def take(self, k: int, now: float) -> None:
-        """Take this stream's results from a burst of ``k`` packets that another stream received and counted
-        (a negotiation sent ahead, :mod:`ina.ahead`: that stream counted them as stale)."""
-        fresh, ok, _, _, _, _, _, n_rep, rtts, pending, n_new, top, self.low = self._take_burst(k, now)
-        self.cl.stats.stale_results -= ok
-        self.cl.stats.duplicate_results += ok - fresh
-        if fresh:
-            self.complete(fresh, n_rep, rtts, pending, n_new, top, now)
-
     def receive(self, k: int, now: float) -> None:
         """Take a burst of ``k`` received packets: results of this transfer, aborts, stale packets."""
         cl, stats, sp, buf = self.cl, self.cl.stats, self.sparse, self.cl.rx.buf
         stats.packets_received += k
+        scan = (cl.job, self.c0, cl.chunk_modulus, self.max_sent + 1, sp.result_len if sp else self.res_len,
+                sp.skip_len if sp else -1, bool(sp), bool(self.E))
         fresh, ok, other, nbytes, abort, overflow, mismatch, n_rep, rtts, pending, n_new, top, self.low = \
-            self._take_burst(k, now)
+            SK.take_burst(buf, cl.rx.lens, k, scan, self.done, self.exps, self.fresh_idx, self.fresh_jj,
+                          self.fresh_replay, self.ld_arrays, now, self.rtt_scratch, self.low, self.max_sent, self.ring,
+                          self.nxt)
         stats.bytes_received += nbytes
         if fresh > n_rep and cl.multicast:
             self.group_results += fresh - n_rep

@@ -226,7 +226,7 @@ class Workers:
 
     def __init__(self, tmp: Path, port: int, n: int, job: int, ops: list, client: dict | None = None,
                  ranks=None, loop: int = 1, name: str | None = None, stop_file: str | None = None,
-                 start_file: str | None = None, warmup_ops: int | None = None, ahead=()):
+                 start_file: str | None = None, warmup_ops: int | None = None):
         self.tmp = Path(tmp)
         self.n = n
         self.job = job
@@ -240,7 +240,7 @@ class Workers:
         for r in launched:
             base = self.tmp / f"{self.name}-rank{r}"
             spec = {"port": port, "rank": r, "world_size": n, "job": job, "ops": ops,
-                    "client": client or {}, "loop": loop, "stop_file": stop_file, "start_file": start_file, "warmup_ops": warmup_ops, "ahead": list(ahead), "out": str(base) + ".npz",
+                    "client": client or {}, "loop": loop, "stop_file": stop_file, "start_file": start_file, "warmup_ops": warmup_ops, "out": str(base) + ".npz",
                     "meta": str(base) + ".json", "progress": str(base) + ".progress", "up": up}
             Path(str(base) + ".spec.json").write_text(json.dumps(spec))
             log = open(str(base) + ".log", "wb")

@@ -74,17 +74,10 @@ def main(spec_path: str) -> int:
         ops = spec["ops"]
         loop = int(spec.get("loop", 1))
         it = 0
-        # "ahead": ranks that name each op's successor as ``following`` (its negotiation goes ahead: ina.ahead); their
-        # inputs of a pass are made before it
-        ahead = spec["rank"] in spec.get("ahead", ())
         while loop == 0 or it < loop:
-            made = [to_tensor(make_input(op, spec["rank"]), op) for op in ops] if ahead else None
-            for i, op in enumerate(ops):
-                t = made[i] if ahead else to_tensor(make_input(op, spec["rank"]), op)
-                nxt = (lambda i=i: (made[i + 1], ops[i + 1].get("codec", "bfp32")) if i + 1 < len(ops) else None) \
-                    if ahead else None
-                ret = client.allreduce(t, codec=op.get("codec", "bfp32"), average=bool(op.get("average", False)),
-                                       following=nxt)
+            for op in ops:
+                t = to_tensor(make_input(op, spec["rank"]), op)
+                ret = client.allreduce(t, codec=op.get("codec", "bfp32"), average=bool(op.get("average", False)))
                 assert ret is t, "allreduce must return the caller's tensor"
                 if spec.get("keep_results", True):
                     results.append(to_f32(t))
