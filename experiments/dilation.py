@@ -11,7 +11,8 @@ encode/decode run at this machine's real speed, so under dilation they look K ti
 codecs' share is put back explicitly (:func:`codec_time` measures encode+decode at real speed; the
 end-to-end figure is ``time/K - codec/K + codec at the device speed``, assuming the codec work does
 not overlap the transfer: an upper bound); the per-packet costs are what the ``auto`` probe keeps
-small: it picks the smallest K at which a run agrees with the run at 2K (:func:`auto_factor`).
+small: it picks the smallest K at which a run agrees with the run at 2K and is not CPU-bound by the
+sweep's CPU-floor rule (experiments/sweep_cpu.py) (:func:`auto_factor`).
 """
 from __future__ import annotations
 
@@ -172,27 +173,34 @@ def probe_factors_for(target: str, first_rate: str = PROBE_FIRST_RATE, steps: in
 def auto_factor(target: str, probe, factors=None, within: float = PROBE_WITHIN,
                 agree: float = PROBE_AGREE) -> tuple[float, list]:
     """K for ``target`` from a measured CPU-headroom probe. ``probe(rate, K)`` runs a short allreduce
-    dilated xK (links shaped at ``rate`` = target/K) and returns its median time / link-bound ideal.
-    The rule: the smallest K of ``factors`` (default :func:`probe_factors_for`: K0, 2 K0, 4 K0 ...) such that the runs at
-    target/K and target/2K agree (their time/ideal ratios within ``agree``, 5%: the consistency a
-    dilated result must have) and the run at K is within ``within`` (25%) of its ideal. A run the
-    emulator's per-packet costs hold back takes about the same real time at K and 2K, so its
-    time/ideal halves from K to 2K; a link-bound one keeps it. Returns (K, the probe's [rate, ratio,
-    K] steps); raises if no pair of the factors agrees."""
+    dilated xK (links shaped at ``rate`` = target/K) and returns its record (a dict with ``bound_ratio``,
+    median time / link-bound ideal, and the CPU floor's fields of experiments/sweep_cpu.py) or just
+    that ratio. The rule: the smallest K of ``factors`` (default :func:`probe_factors_for`: K0, 2 K0,
+    4 K0 ...) such that the runs at target/K and target/2K agree (their time/ideal ratios within
+    ``agree``, 5%: the consistency a dilated result must have), the run at K is within ``within``
+    (25%) of its ideal, and the run at K is not CPU-bound by the sweep's rule (its processes' CPU
+    floor under half its time and under its ideal: ``sweep_cpu.cpu_bound``, the one rule the
+    report's flag uses). A run the emulator's per-packet costs hold back takes about the same real time
+    at K and 2K, so its time/ideal halves from K to 2K; a link-bound one keeps it. Returns (K, the
+    probe's [rate, ratio, K, CPU floor / time] steps); raises if no pair of the factors passes."""
+    from .sweep_cpu import cpu_bound
     factors = list(factors or probe_factors_for(target))
-    steps, prev = [], None
+    steps, prev, bound = [], None, None
     for k in factors:
         rate = Dilation(k).shaped_rate(target)
-        ratio = probe(rate, k)
-        steps.append([rate, ratio, k])
+        got = probe(rate, k)
+        rec = got if isinstance(got, dict) else {"bound_ratio": got}
+        ratio = rec.get("bound_ratio")
+        steps.append([rate, ratio, k, rec.get("cpu_floor_share")])
         if prev is not None and prev[1] is not None and ratio is not None and prev[1] <= 1 + within \
-                and abs(ratio / prev[1] - 1) <= agree:
+                and abs(ratio / prev[1] - 1) <= agree and not bound:
             return prev[2], steps
-        prev = steps[-1]
+        prev, bound = steps[-1], cpu_bound(rec)
     tried = ", ".join(f"{k:g}" for k in factors)
     raise DilationError(f"auto dilation for {target}: no two successive factors of {tried} "
                         f"agreed within {agree:.0%} with the first within {within:.0%} of its link-bound ideal "
-                        f"(probe [rate, time/ideal, K]: {steps}); give --dilation K")
+                        f"and not CPU-bound (probe [rate, time/ideal, K, CPU floor/time]: {steps}); "
+                        f"give --dilation K")
 
 
 def parse_dilation(text: str | None) -> float | str | None:
@@ -377,7 +385,7 @@ def probe_factors(topo, n: int, plan: list, args, out, meta: dict, bar=None) -> 
                         bar.set_postfix_str(f"dilation probe {m} n={n} {rate} x{kp:g} {el:,}")
                     topo.set_rate("workers", r)
                     set_switch_delay(topo.switch.ip, SWITCH_PORT, args, Dilation(kp))
-                    return run_bench(group, topo, m, n, r, el, pa, job, job, Dilation(kp), rate)["bound_ratio"]
+                    return run_bench(group, topo, m, n, r, el, pa, job, job, Dilation(kp), rate)
                 factors = probe_factors_for(rate)
                 km, steps = auto_factor(rate, probe, factors[start:], args.probe_within, args.probe_agree)
                 start = factors.index(km)          # later methods start at the factor this one passed

@@ -32,7 +32,9 @@ variable-length codecs, labelled NOT switch-feasible).
 
 Outputs in ``--out`` (default ``results/sweep-<timestamp>``): ``results.json`` + ``results.csv``
 (raw, one record per configuration), ``*.png`` plots and ``report.md``. A re-run with the same
-``--out`` skips configurations already in ``results.json``.
+``--out`` skips configurations already in ``results.json``. Every allreduce row carries its CPU floor
+(the processes' measured CPU per allreduce over the cores, against the ideal and the measured time)
+and is flagged CPU-bound by the rule of ``experiments/sweep_cpu.py``.
 """
 from __future__ import annotations
 
@@ -167,6 +169,7 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     the time of ``target`` (rate x K): see experiments/dilation.py. ``extra``: further fields of the
     worker's bench command, kept in the record (experiments/bench_sparse.py: sparse, block_sparsity)."""
     from .dilation import Dilation, codec_time
+    from .sweep_cpu import add_cpu_floor, cpu_cores
     dil = dil or Dilation()
     reps = args.reps
     bps = rate_bps(rate)
@@ -193,7 +196,7 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
            "wire_drops": c1["drops"] - c0["drops"],
            "switch_link_tx_bytes": (c1["sw_tx"] - c0["sw_tx"]) / reps,
            "rel_error": max(r["rel_error"] for r in res), "wall": time.monotonic() - t0,
-           "worker_cpu_per_allreduce": sum(sum(r["cpu_times"]) for r in res) / (n * reps),
+           "worker_cpu_per_allreduce": sum(sum(r["cpu_times"]) for r in res) / (n * reps), "cpu_cores": cpu_cores(),
            "switch_counters": {k: s1[k] - s0.get(k, 0) for k in s1 if isinstance(s1[k], int) and s1[k] - s0.get(k, 0)}}
     if s1.get("multicast_fallback_jobs", {}).get(job):       # the group did not reach a worker (warm-up included)
         rec["multicast_fallback"] = s1["multicast_fallback_jobs"][job]
@@ -214,8 +217,8 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     rec.update(profile=args.profile, rto=cmd["rto"], max_rto=cmd["max_rto"], worker_timeout=args.worker_timeout,
                **(extra or {}))
     target = target or rate
-    return dil.apply(rec, target, ideal_time(method, n, elements, target),
-                     codec_time(method, n, elements, args.codec_gbps))
+    return add_cpu_floor(dil.apply(rec, target, ideal_time(method, n, elements, target),
+                                   codec_time(method, n, elements, args.codec_gbps)))
 
 
 def run_train(group: WorkerGroup, method: str, n: int, rate: str, args, job: int, cid: int) -> dict:

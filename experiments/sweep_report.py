@@ -4,7 +4,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .sweep_cpu import CPU_BOUND_SHARE, RULE, SHORT_RULE, describe
 from .sweep_methods import is_host_method, method_label
+
+#: marks a CPU-bound row's cells in the speed-up tables, the terminal's headline and the plots
+CPU_MARK = "†"
 
 RATE_ORDER = {"10mbit": 0, "100mbit": 1, "1gbit": 2, "unlimited": 3}
 RATE_LABEL = {"10mbit": "10 Mbit/s", "100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unshaped"}
@@ -198,17 +202,31 @@ def _log_y(ax) -> None:
         lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
 
 
+CPU_NOTE = f"{CPU_MARK}: CPU-bound: " + SHORT_RULE.replace(" is at", "\nis at").replace(" per allreduce", "\nper allreduce")
+
+
+def _mark_cpu_bound(ax, pts) -> bool:
+    """Mark each (x, y, record) point whose record is CPU-bound with CPU_MARK; True if any was."""
+    hit = False
+    for x, y, r in pts:
+        if r.get("cpu_bound"):
+            ax.annotate(CPU_MARK, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=10, color="black")
+            hit = True
+    return hit
+
+
 def _plot_speedup(out, ar, methods, rates, n, big, made):
     from .plot_style import style
     fig, axs = _figure()
     ax = axs[0][0]
-    shown = []
+    shown, cpu = [], False
     for i, m in enumerate(methods):
-        pts = [(k + _dodge(i, len(methods)), r["speedup_vs_gloo"]) for k, rate in enumerate(rates)
-               if (r := _rec(ar, m, n, rate, big)) and r.get("speedup_vs_gloo") is not None]
-        if pts:
-            ax.plot(*zip(*pts), **style(m).kw())
+        recs = [(k + _dodge(i, len(methods)), r) for k, rate in enumerate(rates)
+                if (r := _rec(ar, m, n, rate, big)) and r.get("speedup_vs_gloo") is not None]
+        if recs:
+            ax.plot([x for x, _ in recs], [r["speedup_vs_gloo"] for _, r in recs], **style(m).kw())
             shown.append(m)
+            cpu |= _mark_cpu_bound(ax, [(x, r["speedup_vs_gloo"], r) for x, r in recs])
     ax.set_xticks(range(len(rates)), [rate_name(r) for r in rates])
     _log_y(ax)
     ax.axhline(1, color="grey", lw=0.8)
@@ -216,7 +234,7 @@ def _plot_speedup(out, ar, methods, rates, n, big, made):
     ax.set_ylabel("allreduce speedup vs Gloo ring fp32")
     ax.set_title(f"{n} workers, {big:,} elements; switch profile {_SHOWN['profile']}")
     ax.grid(True, which="major", alpha=0.3)
-    _finish(fig, out, "speedup_vs_bandwidth.png", shown, made)
+    _finish(fig, out, "speedup_vs_bandwidth.png", shown, made, note=CPU_NOTE if cpu else "")
 
 
 def _plot_bytes_time(out, ar, methods, rates, n, big, made):
@@ -251,7 +269,7 @@ def _plot_scaling(out, ar, methods, rates, big, made):
     srates = [r for r in ("10mbit", "100mbit") if r in rates] or rates[:1]
     fig, axs = _figure(len(srates), width=5.0)
     core = [m for m in methods if m in ("gloo", "ina:bfp32", "ina:nc", "ina:nc-det", "ina:nd")] or methods
-    shown = []
+    shown, cpu = [], False
     for ax, rate in zip(axs[0], srates):
         for m in core:          # the seed codecs' scaling is in the tables
             pts = sorted((x["workers"], x["time_median"], x["ideal_time"]) for x in ar
@@ -260,6 +278,8 @@ def _plot_scaling(out, ar, methods, rates, big, made):
                 st = style(m)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], **st.kw())
                 shown.append(m)
+                cpu |= _mark_cpu_bound(ax, [(x["workers"], x["time_median"], x) for x in ar if x["method"] == m
+                                            and x["rate"] == rate and x["elements"] == big])
                 if pts[0][2] is not None and m in ("gloo", "ina:nc", "ina:bfp32"):
                     ax.plot([p[0] for p in pts], [p[2] for p in pts], "-.", color=st.colour, lw=0.9, alpha=0.7)
         ax.set_xticks(ns)
@@ -269,7 +289,7 @@ def _plot_scaling(out, ar, methods, rates, big, made):
         ax.set_title(f"{rate_name(rate)} per link, {big:,} elements", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
     _finish(fig, out, "scaling_workers.png", list(dict.fromkeys(shown)), made,
-            note="thin dash-dot: link-bound ideal")
+            note="thin dash-dot: link-bound ideal" + ("\n" + CPU_NOTE if cpu else ""))
 
 
 def _plot_throughput(out, tp, methods, rates, n, made):
@@ -433,13 +453,18 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
             row = []
             for rate in rates:
                 r = _rec(ar, m, n, rate, el)
-                row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else ""))
+                row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else "")
+                           + (CPU_MARK if r and r.get("cpu_bound") else ""))
             L.append(f"| {method_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
         L.append("")
+        if any((r := _rec(ar, m, n, rate, el)) and r.get("cpu_bound") for m in methods for rate in rates):
+            L += [f"{CPU_MARK}: CPU-bound row (below, \"CPU-bound rows\"): it measures this machine's CPU, not the "
+                  "link.", ""]
     L += ["## All allreduce measurements", "",
           "| workers | rate | elements | method | time (s) | ideal (s) | time/ideal | speedup | up MB/worker | "
-          "down MB/worker | bytes vs ring | drops | rel. error | codec CPU (ms) | end-to-end (s) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "down MB/worker | bytes vs ring | drops | rel. error | codec CPU (ms) | end-to-end (s) | CPU floor/ideal | "
+          "CPU-bound (floor/time) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(ar, key=lambda r: (r["workers"], _rk(r["rate"]), r["elements"], r["method"] != "gloo",
                                        r["method"])):
         g = next((x for x in ar if x["method"] == "gloo" and x["workers"] == r["workers"] and x["rate"] == r["rate"]
@@ -451,8 +476,34 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
                  f"{_fmt(r.get('speedup_vs_gloo'), '.2f')} | {_mb(r['wire_up_bytes_per_worker'])} | "
                  f"{_mb(r['wire_down_bytes_per_worker'])} | {_fmt(bvr, '.3f')} | {r['wire_drops']} | "
                  f"{_fmt(r['rel_error'], '.2g')} | {_fmt(_ms(r.get('codec_time_cpu')), '.3g')} | "
-                 f"{_fmt(r.get('time_end_to_end'), '.4f')} |")
+                 f"{_fmt(r.get('time_end_to_end'), '.4f')} | {_fmt(r.get('cpu_floor_ratio'), '.2f')} | "
+                 f"{describe(r)} |")
     L.append("")
+    return L + _md_cpu_bound(ar)
+
+
+def _md_cpu_bound(ar) -> list[str]:
+    """The sentence under the table: what the CPU floor columns mean, which rows are CPU-bound and
+    the dilation that would put each under the link's pace."""
+    L = [f"**CPU floor** (derived from measured CPU, not measured time): {RULE} The rule's code: "
+         "experiments/sweep_cpu.py. "
+         "'CPU floor/ideal': the floor over the link-bound ideal; 'CPU-bound': the rule's verdict and the floor "
+         "over the measured time; '–': no CPU figures in the record.", ""]
+    bound = [r for r in ar if r.get("cpu_bound")]
+    if bound:
+        L += [f"**CPU-bound rows: {len(bound)} of {len(ar)}** ("
+              + "; ".join(f"{method_label(r['method'])}, {r['workers']} workers, {rate_name(r['rate'])}, "
+                          f"{r['elements']:,} elements: floor "
+                          + (f"{r['cpu_floor_ratio']:.2f}x the ideal, " if r.get("cpu_floor_ratio") is not None else "")
+                          + f"{r['cpu_floor_share']:.2f} of the time" for r in bound)
+              + "). Their time/ideal and speedups measure this machine's CPU (the emulator), not the emulated link. "
+              "To put such a row under the link's pace, run it time-dilated: `--dilation auto` (its probe refuses "
+              "a factor at which the run is CPU-bound by the rule above) or `--target-rates <rate> --dilation K` "
+              "with K at least the one in the table ('K >='; the smallest factor at which the floor measured here "
+              f"would be under {CPU_BOUND_SHARE:g} of the ideal if the CPU per allreduce stayed as measured: a lower "
+              "bound, since the CPU per allreduce grows at slower shaped rates and per-packet wake-ups cost real time "
+              "too: docs/performance.md, \"The CPU floor in the sweep's outputs\"). Unshaped rows have no link pace to "
+              "reach and cannot be dilated.", ""]
     return L
 
 
@@ -549,7 +600,7 @@ HEADLINE_NOTES = [
     "speedup: Gloo ring fp32's allreduce time / the method's (same workers, size and link rate); > 1 is faster.",
     "(x.xx): time vs ideal = measured time / link-bound ideal: the ring 2(n-1)/n x 4 bytes x N / rate, INA",
     "  N x its widest payload width / rate, headers excluded; 1.00 = the link is the only cost; unshaped: no ideal.",
-    "At 1 Gbit/s and unshaped the 2-core CPU is measured, not the link (Gloo's C++ ring wins there).",
+    "Unshaped rows measure the CPU, not a link (Gloo's C++ ring wins there); shaped rows whose CPU sets the pace: *.",
     "host-aggregated rows are NOT switch-feasible: variable-length messages summed on a CPU by the switch service;",
     "  their ideal is the link time of the bytes they actually sent.",
 ]
@@ -580,12 +631,16 @@ def headline(meta, records) -> list[str]:
         for rate in rates:
             r = _rec(ar, m, n, rate, el)
             sp = r.get("speedup_vs_gloo") if r else None
-            cells.append(f"{_fmt(sp, '.2f')}x ({_fmt(r['bound_ratio'], '.2f', '-')})" if sp is not None else "-")
+            cells.append(f"{_fmt(sp, '.2f')}x ({_fmt(r['bound_ratio'], '.2f', '-')})" + ("*" if r.get("cpu_bound") else "")
+                         if sp is not None else "-")
         a = acc.get(m)
         at = (f"{a['final_accuracy'] * 100:.2f}% ({(a['final_accuracy'] - base['final_accuracy']) * 100:+.2f})"
               if a and base else (f"{a['final_accuracy'] * 100:.2f}%" if a else "-"))
         L.append(f"{method_label(m):<{w}}" + "".join(f"  {c:>14}" for c in cells) + (f"  {at}" if acc else ""))
     L += ["", "How to read it:"] + ["  " + s for s in HEADLINE_NOTES]
+    if any(r.get("cpu_bound") for r in ar):
+        L += [f"  *: CPU-bound: {SHORT_RULE}: the row measures this machine's CPU,",
+              "    not the link (report.md: the rule, and the dilation that would fix it; --dilation auto)."]
     if acc:
         L.append("  accuracy: final test accuracy on scikit-learn digits, in parentheses the difference to Gloo in "
                  "points (one test image = 0.185 points).")

@@ -122,6 +122,23 @@ def test_auto_factor_rule():
     assert auto_factor("300mbit", lambda r, k: 1.0)[0] == 1
 
 
+def test_auto_factor_refuses_a_factor_whose_run_is_cpu_bound():
+    """The probe's runs carry the CPU floor (experiments/sweep_cpu.py): a K whose run agrees with 2K and
+    is within 25% of its ideal still fails while the processes' CPU floor is half its time or more (the
+    report's CPU-bound rule), so auto never picks a K the report would flag."""
+    from experiments.sweep_cpu import cpu_bound
+
+    def rec(ratio, share):
+        r = {"bound_ratio": ratio, "cpu_floor_share": share, "cpu_floor_ratio": share * ratio}
+        return dict(r, cpu_bound=cpu_bound(r))
+    by_k = {10: rec(1.2, 0.8), 20: rec(1.18, 0.42), 40: rec(1.17, 0.21), 80: rec(1.16, 0.1)}
+    k, steps = auto_factor("10gbit", lambda r, k: by_k[k])
+    assert k == 20 and [s[3] for s in steps] == [0.8, 0.42, 0.21]      # 10 agreed with 20 but was CPU-bound
+    assert auto_factor("10gbit", lambda r, k: by_k[k]["bound_ratio"])[0] == 10     # ratios alone: the old rule
+    with pytest.raises(DilationError, match="not CPU-bound"):
+        auto_factor("10gbit", lambda r, k: rec(1.1, 0.6), factors=[10, 20, 40])
+
+
 def test_codec_time_counts_cpu_time_not_waiting():
     """The codec's encode + decode is timed in the thread's CPU time: time the thread spends not
     computing (descheduled on a loaded machine; here: asleep) is not counted, computing is."""

@@ -40,6 +40,14 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     ratio = ar["ina:nc"]["wire_up_bytes_per_worker"] / ar["gloo"]["wire_up_bytes_per_worker"]
     assert 0.2 < ratio < 0.35, ratio
     assert ar["gloo"]["rel_error"] < 1e-5                      # the ring's sum is the true sum
+    # the CPU floor from the measured CPU (experiments/sweep_cpu.py): the ring's 2 workers at 100 Mbit/s use a
+    # small share of the cores (not CPU-bound); every row has the floor and the verdict of the rule
+    from experiments.sweep_cpu import cpu_floor
+    for r in ar.values():
+        assert r["cpu_cores"] >= 1 and r["worker_cpu_per_allreduce"] > 0
+        assert {k: r[k] for k in cpu_floor(r)} == cpu_floor(r)
+    assert ar["gloo"]["cpu_bound"] is False and ar["gloo"]["cpu_floor_share"] < 0.5
+    assert ar["ina:nc"]["switch_counters"]["busy_cpu_ns"] > 0
     # results multicast by default (each once, the bridge copies them), and the outputs say so
     assert data["meta"]["results_delivery"].startswith("IP multicast")
     assert ar["ina:nc"]["switch_counters"]["multicast_results"] == ar["ina:nc"]["switch_counters"]["harvested"] > 0
@@ -66,6 +74,8 @@ def test_tiny_sweep_outputs_and_resume(tmp_path):
     assert "How to read it" in head and "time vs ideal" in head and str(out / "report.md") in head
     report = (out / "report.md").read_text()
     assert "Speedup over Gloo ring fp32" in report and "INA nc" in report and "](speedup_vs_bandwidth.png)" in report
+    assert "| CPU floor/ideal | CPU-bound (floor/time) |" in report and "**CPU floor** (derived from measured CPU" in report
+    assert f"| {ar['gloo']['cpu_floor_ratio']:.2f} | no {ar['gloo']['cpu_floor_share']:.2f} |" in report
     assert "INA results: IP multicast to the job's group" in report
     assert data["meta"]["switch_shards"] >= 1
     assert f"; {data['meta']['switch_shards']} switch process(es) (--switch-cores auto)" in report
