@@ -454,7 +454,8 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
             row = []
             for rate in rates:
                 r = _rec(ar, m, n, rate, el)
-                row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else "")
+                row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f")
+                           + ("x" if r and r.get("speedup_vs_gloo") is not None else "")
                            + (CPU_MARK if r and r.get("cpu_bound") else ""))
             L.append(f"| {method_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
         L.append("")
