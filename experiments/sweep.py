@@ -205,6 +205,8 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     if "client" in res[0]:
         rec["client_bytes_sent_per_worker"] = sum(r["client"]["bytes_sent"] for r in res) / (n * reps)
         rec["client_retransmissions"] = sum(r["client"]["retransmissions"] for r in res)
+        rec["client_probe_retransmissions"] = sum(r["client"]["probe_retransmissions"] for r in res)
+        rec["client_stall_probes"] = sum(r["client"]["stall_probes"] for r in res)   # rule 3's longer wait's probes
         rec["timelines_all"] = [r.get("timelines") for r in res]   # [rank][rep]: skew and start phase per rep
         rec["timeline_rank0"] = next((r["timeline"] for r in res if r.get("timeline")), None)   # its last timed one
     if (is_host_method(method) or method == "powersgd") and bps:
