@@ -129,8 +129,10 @@ def _switch_counters(topo) -> dict:
         log.warning("switch stats unavailable: %s", e)
         return {}
     tm = st.get("timing", {})         # the stage clock: where the switch's time went (docs/performance.md)
+    procs = {"process_cpu_ns": tm["process_cpu_ns"] + st.get("host_aggregator", {}).get("process_cpu_ns", 0)} \
+        if "process_cpu_ns" in tm else {}     # every process of the switch (shards, host aggregator): sweep_cpu
     return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()},
-            **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()},
+            **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()}, **procs,
             **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts") if k in tm},
             "multicast_fallback_jobs": {f["job"]: f["why"] for f in st.get("multicast_fallbacks", [])}}
 

@@ -229,7 +229,8 @@ class ShardGroup:
             others = self._remote("stats")
             st["per_shard"] = [{"port": p, "harvested": s_["counters"]["harvested"],
                                 "rx_packets": s_["counters"]["rx_packets"], "busy_ns": s_["timing"]["busy_ns"],
-                                "wait_ns": s_["timing"]["wait_ns"], "impairments": s_["impairments"]}
+                                "wait_ns": s_["timing"]["wait_ns"], "process_cpu_ns": s_["timing"]["process_cpu_ns"],
+                                "impairments": s_["impairments"]}
                                for p, s_ in zip(self.ports, [dict(st, counters=dict(st["counters"]))] + others)]
             st["impairments"] = merged_impairments([st["impairments"]] + [o["impairments"] for o in others])
             for other in others:

@@ -217,3 +217,28 @@ def test_stats_and_a_run_time_impair_report_every_shards_impairments(tmp_path):
         assert all(e["impairments"]["ingress"]["dropped"] > 0 for e in st["per_shard"]), st["per_shard"]
     finally:
         assert sw.terminate() == 0, sw.log()
+
+
+def test_the_stats_give_the_cpu_of_every_process_of_the_switch(tmp_path):
+    """The switch's stats give the CPU of its processes, every thread (control plane included), summed over
+    the shards (``timing.process_cpu_ns``, each shard's in ``per_shard``) and the host aggregator's apart:
+    over an allreduce they grow by at least the data planes' busy CPU (the sweep's CPU floor takes the
+    larger: experiments/sweep_cpu.py)."""
+    sw = SwitchProc("--slots", "64", "--elements", "128", "--cores", "2", log_path=tmp_path / "switch.log")
+    try:
+        st0 = sw.stats()
+        xs = [np.full(128 * 60, r + 1, np.float32) for r in range(2)]     # 60 chunks: both shards
+
+        def body(r, cl):
+            for _ in range(3):
+                cl.allreduce(xs[r].copy(), codec="bfp32")
+        client_threads(sw.port, 2, 80, body, elements=128, slots=16, timeout=60.0)
+        st1 = sw.stats()
+        for st in (st0, st1):
+            each = [sh["process_cpu_ns"] for sh in st["per_shard"]]
+            assert st["timing"]["process_cpu_ns"] == sum(each) and all(c > 0 for c in each), (st["timing"], each)
+            assert st["host_aggregator"]["process_cpu_ns"] > 0
+        procs, busy = (st1["timing"][k] - st0["timing"][k] for k in ("process_cpu_ns", "busy_cpu_ns"))
+        assert procs >= busy > 0, (procs, busy)
+    finally:
+        assert sw.terminate() == 0, sw.log()
