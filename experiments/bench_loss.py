@@ -16,8 +16,11 @@ coverage from 6 rounds on, its actual coverage 1 - 2 F(k) in ``vs_lossless_ci_co
 and the lossless blocks' own round-to-round spread. Each round draws its own drops: round i's impairment
 seed is derived from ``--seed`` and i (:func:`round_seed`; fixed, so a run with the same ``--seed`` draws
 the same patterns), and every setting and both trees of that round use it. So the interval covers the
-spread between loss patterns as well as the machine's noise, and a paired tree meets the same drops as
-this one round by round. Many short rounds (20 by default, 10 allreduces of 20,000
+spread between loss patterns as well as the machine's noise. A paired tree gets the same seed as this
+one round by round, hence the same sequence of draws (one per packet, in the order the switch sees
+them), not the same dropped packets: which packet meets which draw depends on what each tree sends, so
+the two trees drop the same packets only until their traffic first differs (a resend, a packet more or
+less, another order), and their patterns diverge after it. Many short rounds (20 by default, 10 allreduces of 20,000
 elements or one of 1.7 M per block) pair every block with a lossless one run moments apart.
 ``expected_vs_clean`` is the overhead the allreduces that resent a chunk explain, measured inside each
 block (their share times their median excess over the block's allreduces without a resend): set
@@ -31,7 +34,8 @@ Loss, duplication and reordering are the switch's user-space impairments (this k
 netem), applied in both directions (worker -> switch and switch -> worker) with the given
 probability each, seeded (each round its own seed: :func:`round_seed`). Every result is compared bit for bit with the lossless run's: a
 mismatch fails the benchmark. The client counters say how each loss was recovered: fast
-retransmissions (a later chunk's result arrived first), tail probes or timeouts, and how many of them
+retransmissions (a later chunk's result arrived first), tail probes (of which ``stall_probes`` probed a
+silence with more than 3 chunks out: rule 3's longer wait, ina.recovery.probe_timeout) or timeouts, and how many of them
 resent a chunk resent before (``repeat_retransmissions``); ``needed_resends`` is what the switch's drop
 counts make necessary (a lost data packet: one resend per worker, none
 can tell whose packet it was; a lost result: one), so resends above it are spurious, or answer a
@@ -73,7 +77,7 @@ SETTINGS = {                      # name: impairment of each direction
     "loss 2% + dup 2% + reorder 2%": {"loss": 0.02, "duplicate": 0.02, "reorder": 0.02},
 }
 TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
-COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
+COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "stall_probes", "timeout_retransmissions",
             "repeat_retransmissions",
             "fast_replayed", "probe_replayed", "timeout_replayed", "timeout_go_back", "duplicate_results", "coalesce_pause_s",
             "tail_copies")
@@ -279,9 +283,10 @@ class Side:
 
 def round_seed(seed: int, i: int) -> int:
     """Round ``i``'s impairment seed, derived from the run's ``seed`` (numpy's SeedSequence: rounds and base
-    seeds draw unrelated streams), below 2**31 so that the egress's (seed + 1) and the shards' offsets stay
-    in range. Every setting and tree of the round uses it; round to round the loss pattern changes."""
-    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) >> 1
+    seeds draw unrelated streams; a 32-bit value). Any integer >= 0 would do: the seed travels as a JSON
+    integer and seeds ``np.random.default_rng``, as do the egress's (seed + 1) and the shards' offsets.
+    Every setting and tree of the round uses it; round to round the loss pattern changes."""
+    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
 
 
 def median_interval(x, confidence: float = 0.95) -> tuple[float, float, float]:
@@ -436,7 +441,7 @@ def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
                 log(f"{side.label}: {elements} elements, {name}: {row['time_per_allreduce_s'] * 1e3:.2f} ms per "
                     f"allreduce ({row['vs_lossless']:.2f}x lossless, per round {row['vs_lossless_per_round']}), "
                     f"{row.get('vs_impairment_path', 1.0):.2f}x the impairment path alone, "
-                    f"fast {row['fast_retransmissions']}, probes {row['probe_retransmissions']}, "
+                    f"fast {row['fast_retransmissions']}, probes {row['probe_retransmissions']} (stall {row['stall_probes']}), "
                     f"timeouts {row['timeout_retransmissions']}, needed ~{row['needed_resends']}, "
                     f"tail {row['tail_s'] * 1e3:.2f} ms, turns {row['turns_per_allreduce']:.1f}, worker CPU "
                     f"{row['worker_cpu_per_allreduce_s'] * 1e3:.2f} ms, switch CPU "
@@ -496,7 +501,7 @@ def main(argv=None) -> int:
               f"and tree of a round): the intervals cover the loss patterns' spread too")
         print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'CI (coverage)':>17} {'spread':>11} "
               f"{'expect':>6} {'best':>5} {'fast':>6} "
-              f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "
+              f"{'probes':>6} {'stall':>5} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "
               f"{'sCPU ms':>7} exact  this/baseline")
         for r in rows:
             lo, hi = min(r["vs_lossless_per_round"]), max(r["vs_lossless_per_round"])
@@ -504,7 +509,7 @@ def main(argv=None) -> int:
                   f"{r['vs_lossless']:>10.2f} {r['vs_lossless_ci'][0]:>5.2f}-{r['vs_lossless_ci'][1]:<5.2f} "
                   f"({r['vs_lossless_ci_coverage']:>4.0%}) "
                   f"{lo:>5.2f}-{hi:<5.2f} {r['expected_vs_clean']:>6.2f} {r['vs_lossless_best']:>5.2f} {r['fast_retransmissions']:>6} "
-                  f"{r['probe_retransmissions']:>6} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
+                  f"{r['probe_retransmissions']:>6} {r.get('stall_probes', '-'):>5} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
                   f"{r['tail_s'] * 1e3:>7.2f} {r.get('vs_impairment_path', float('nan')):>6.2f} "
                   f"{r['turns_per_allreduce']:>6.1f} {r['worker_cpu_per_allreduce_s'] * 1e3:>7.2f} "
                   f"{r['switch_cpu_per_allreduce_s'] * 1e3:>7.2f} "

@@ -286,7 +286,9 @@ def test_a_tail_loss_of_more_than_three_results_is_recovered_by_probes_not_the_t
     after the round trip plus their serialisation (recovery.probe_timeout), one chunk per silence
     (each replayed: the round had completed), and with 3 or fewer left, after the plain probe timeout:
     every lost result comes back by a probe's replay, none by the 2 s safety-net timeout, each stream
-    well within it, and every result is exact."""
+    well within it, and every result is exact. The client counts the probes of the longer wait apart
+    (``stall_probes``): k - 3 of them at least (with 11, 10, ... 4 chunks out), and 3 at least of the
+    plain probe timeout."""
     import time
 
     from sw_harness import LostResults, client_threads
@@ -317,6 +319,7 @@ def test_a_tail_loss_of_more_than_three_results_is_recovered_by_probes_not_the_t
         assert d["timeout_retransmissions"] == 0, (k, d)
         assert d["probe_retransmissions"] >= k and d["probe_replayed"] >= k, (k, d)   # (more: a loaded machine's
         assert secs < 1.0, (k, secs, d)                                                # spurious probe, replayed)
+        assert d["stall_probes"] >= k - 3 and d["probe_retransmissions"] - d["stall_probes"] >= min(k, 3), (k, d)
 
 
 def _counters_since(before: ClientStats, after: ClientStats) -> dict:
