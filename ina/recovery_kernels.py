@@ -135,6 +135,7 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
     for m in range(lanes):
         back[m] = rto_probe[m] >= 0 and (answer[m] == NOW or (answer[m] == QUIET and quiet))
     best = np.full(lanes, -1, np.int64)     # each lane's timeout probe: the least resent, oldest send first
+    again = np.full(lanes, -1, np.int64)    # ... unless its last one is unanswered and still pending: that one
     older = np.zeros(lanes, np.bool_)       # a chunk sent before the lane's timeout probe is pending
     for q in range(pending.size):       # rule 1's counts (into kind, scratch until overwritten below): only
         if later[pending[q]] > 0:       # where some chunk has a later result (the common turn has none)
@@ -157,6 +158,8 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
         kind[q] = NONE
         if rto_probe[m] >= 0 and seq[p] < seq[rto_probe[m]]:
             older[m] = True
+        if p == rto_probe[m] and answer[m] == ARMED:
+            again[m] = q
         if fast:
             kind[q] = FAST
         elif back[m]:
@@ -174,8 +177,12 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
         if back[m] or (answer[m] != ARMED and not older[m]):    # gone back, or nothing left to go back for
             rto_probe[m], answer[m] = -1, ARMED
         elif best[m] >= 0:
-            kind[best[m]] = TIMEOUT
-            rto_probe[m], answer[m] = pending[best[m]], ARMED
+            # an unanswered timeout probe is sent again (as TCP's RTO resends the same segment): the switch may
+            # drop a rank's first resend of a round (RETRANSMIT_CROSSED, switch_model/alu.py) but replays its
+            # second, so the probe gets its answer; a new chunk per timeout would meet that drop every time
+            q = again[m] if again[m] >= 0 and kind[again[m]] == NONE else best[m]
+            kind[q] = TIMEOUT
+            rto_probe[m], answer[m] = pending[q], ARMED
             found = True
     if probe >= 0:
         kind[probe] = PROBE

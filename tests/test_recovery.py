@@ -122,7 +122,9 @@ def test_reordering_window_needs_a_later_result_and_an_age_above_srtt():
 
 def test_the_timeout_probes_the_oldest_chunk_of_each_lane_and_backs_off():
     """Rule 4 after a silence of the RTO resends one chunk per switch shard (lane), the least resent,
-    oldest first: a probe of the silence, not the window; the next one after twice the RTO, at most max_rto."""
+    oldest first: a probe of the silence, not the window; the next one after twice the RTO, at most
+    max_rto, and of the same chunk while it is unanswered (as TCP's RTO resends the same segment: the
+    switch may drop a rank's first resend of a round as crossing the result, never its second)."""
     ld = LossDetector(8, lanes=np.arange(8) % 2)
     ld.sent(np.arange(8), now=0.0)
     pending = np.arange(8)
@@ -134,10 +136,15 @@ def test_the_timeout_probes_the_oldest_chunk_of_each_lane_and_backs_off():
     _, _, late = ld.lost(pending, now=0.030, srtt=0.001, rto=0.01, max_rto=1.0)
     assert late.size == 0                      # the silence's timer doubled: 0.011 + 0.02
     _, _, late = ld.lost(pending, now=0.032, srtt=0.001, rto=0.01, max_rto=1.0)
-    assert late.tolist() == [2, 3]             # the least resent, oldest send first
+    assert late.tolist() == [0, 1] and ld.went_back == 0     # unanswered: the same probes again
     ld.resent(late, now=0.032, rules=(late[:0], late[:0], late))
     _, _, late = ld.lost(pending, now=0.032 + 0.013, srtt=0.001, rto=0.01, max_rto=0.012)
-    assert late.tolist() == [4, 5]             # the backoff never exceeds max_rto
+    assert late.tolist() == [0, 1]             # the backoff never exceeds max_rto
+    ld.resent(late, now=0.045, rules=(late[:0], late[:0], late))
+    ld.answered(np.array([0]), np.array([True]))     # lane 0's probe replayed: its lane goes back
+    ld.delivered(np.array([0]), np.arange(1, 8), now=0.046)
+    _, _, late = ld.lost(np.arange(1, 8), now=0.046, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [2, 4, 6] and ld.went_back == 3
 
 
 def _timed_out_window(n=6, lanes=None):
