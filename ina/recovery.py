@@ -72,10 +72,14 @@ processes run):
    in flight that never has results of later chunks to show a loss). The longer silence, the
    measured round trip and the time the pending results take through the link, lets such a loss
    go unprobed no longer than the stall it is told from, and before the timeout (rule 4, at least
-   20 ms) on a quiet machine (round trips that vary lengthen both). Each probe resends one chunk, and its
-   answer, even a replay, sends no other (rule 4's go-back is the timeout's alone), so k results lost
-   together at a stream's end cost k such silences (the tail-loss tests: k = 4, 6, 11 recovered by k
-   probes, no timeout);
+   20 ms) on a quiet machine (round trips that vary lengthen both). Each probe resends one chunk. A
+   fresh answer sends no other; a replay (the round had completed: the result was lost on the way
+   back, and likely its neighbours') with ``SHORT_PROBE_MAX_PENDING`` or more chunks left in the
+   probe's lane sends those of them out longer than ``srtt + 4 x rttvar`` at once (rule 4's go-back,
+   counted as it is; the ones sent since are left to the rules): else a replay, ending the silence,
+   restarted both timers, and k results lost together cost k silences (a whole window lost on the way
+   back: 64 probes, 0.66 s at 4 ranks). The tail-loss tests: k = 4, 6, 11 recovered by a probe and a
+   go-back, no timeout;
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
    ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
@@ -90,8 +94,11 @@ processes run):
    completed; its result, and so likely its neighbours', was lost on the way back), or comes back
    fresh and no other result follows for the reordering window (the probe completed the round: this
    rank's data packets were lost; had a late peer completed it, the other results would follow). So a
-   window lost whole costs one RTO and a round trip, not one timeout per chunk. The follow-up is
-   explicit, not left to rule 2: the probe's result is no witness for chunks sent before it (Karn).
+   window lost whole costs one silence and a round trip (rule 3's probe's replay, or, with rule 3
+   held back, rule 4's), not one timeout per chunk. A later result of the lane while it waits for
+   its quiet window disarms it (results follow: a late peer), and the receive waits no longer than
+   that window (:meth:`LossDetector.next_deadline`). The follow-up is explicit, not left to rule 2:
+   the probe's result is no witness for chunks sent before it (Karn).
    Rule 3's probes of the same silence come first (its timeouts are below the RTO), and any result,
    a probe's replay too, restarts the RTO's silence: the timeout fires when a silence outlasts it with
    rule 3's probes unanswered (a late peer: the switch only reads them; or the probes lost too).
