@@ -130,7 +130,8 @@ import numpy as np
 from . import recovery_kernels as RK
 from .wire import Flag
 
-SHORT_PROBE_MAX_PENDING = RK.SHORT_PROBE_MAX_PENDING   # rule 3 probes a silence with more chunks pending than this only later (probe_timeout)
+# rule 3 probes a silence with more chunks pending than this only later (probe_timeout)
+SHORT_PROBE_MAX_PENDING = RK.SHORT_PROBE_MAX_PENDING
 STALL_RTTVARS = 4             # ... after srtt + this x rttvar + the pending chunks' serialisation
 TAIL_COPY_FROM = 16    # data streams of at least this many chunks send their last chunk twice (negotiation: always)
 DUPTHRESH, REO_FLOOR = RK.DUPTHRESH, RK.REO_FLOOR   # rule 1's count of later results, rule 2's floor (seconds)
@@ -210,7 +211,7 @@ class LossDetector:
         self.tail_probe = -1                       # rule 3's last probe, its chunk, until its result arrives (-1: none)
         self.probed_at = 0.0                       # when this silence's first probe (rule 3 or 4) went out (0: none)
         self.went_back = 0                         # chunks the last lost() found by rule 4's go-back
-        self.rto_probing = False                   # a probe awaits its evidence (the receive calls answered() only then)
+        self.rto_probing = False                   # a probe awaits its evidence (answered() is called only then)
         _load_loss_rules()                         # once per process (cached)
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:

@@ -420,8 +420,8 @@ def test_a_tail_of_lost_data_packets_does_not_grow_the_probe_timeout_stream_afte
             if st["armed"] and st["c0"] is not None:
                 h, rows = header_view(pkts), np.asarray(rows)
                 off = (h["chunk"][rows].astype(np.int64) - st["c0"]) % cl.chunk_modulus
-                drop = ((h["flags"][rows] & int(Flag.RETRANSMIT)) == 0) & (h["payload_type"][rows] != PayloadType.NONE) \
-                    & (off >= 12 - k) & (off < 12)
+                first = (h["flags"][rows] & int(Flag.RETRANSMIT)) == 0
+                drop = first & (h["payload_type"][rows] != PayloadType.NONE) & (off >= 12 - k) & (off < 12)
                 if drop.any():
                     keep = ~drop
                     rows, pkt_len = rows[keep], (np.asarray(pkt_len)[keep] if np.ndim(pkt_len) else pkt_len)
@@ -439,7 +439,8 @@ def test_a_tail_of_lost_data_packets_does_not_grow_the_probe_timeout_stream_afte
             st["armed"], st["c0"] = i in lossy, None
             before, t0 = dataclasses.replace(cl.stats), time.monotonic()
             y = cl.allreduce(xs[rank].copy(), codec="bfp32")
-            out.append((y, _counters_since(before, cl.stats), time.monotonic() - t0, max(cl.link_spacing.values(), default=0.0)))
+            spacing = max(cl.link_spacing.values(), default=0.0)
+            out.append((y, _counters_since(before, cl.stats), time.monotonic() - t0, spacing))
         return out
     sw = SwitchProc("--slots", "64", "--elements", "64", log_path=tmp_path / "switch.log")
     try:
@@ -454,7 +455,7 @@ def test_a_tail_of_lost_data_packets_does_not_grow_the_probe_timeout_stream_afte
             assert secs < 1.0, (i, secs, d)
     spacings = [spacing for _, _, _, spacing in per_stream]
     assert spacings[3] <= spacings[1] * 1.5, spacings          # no growth from lossy stream to lossy stream
-    assert spacings[5] < 1e-3, spacings                         # a clean stream's own pace (loopback)
+    assert spacings[5] < 2e-3, spacings                         # the clean streams' own pace (loopback)
 
 
 def test_a_whole_window_of_results_lost_on_the_way_back_is_recovered_by_one_probe_and_a_go_back(tmp_path):
