@@ -161,15 +161,16 @@ from the step's start to that point: forward and backward as they ran beside the
 
 def _phases(timeline, windows) -> list:
     """Per bucket (in submission order within a step): the median of its submitted, started (the lane took it),
-    decided (agreement done: the switch's part starts) and finished times, ms from the step's start."""
+    decided (agreement done: the switch's part starts) and finished times, ms from the step's start; where the
+    lane recorded them, also when the client's allreduce began and when its exponent negotiation was back."""
     rows: dict = {}
+    names = ("submitted", "started", "decided", "finished", "client_began", "negotiated")
     for lo, hi in windows:
         mine = sorted((e for e in timeline if lo <= e[0] <= hi and len(e) > 5), key=lambda e: e[0])
         for i, e in enumerate(mine):
-            rows.setdefault(i, []).append([(e[0] - lo) * 1e3, (e[1] - lo) * 1e3, (e[5] - lo) * 1e3,
-                                           (e[2] - lo) * 1e3])
-    return [{k: round(statistics.median(r[j] for r in rs), 2)
-             for j, k in enumerate(("submitted", "started", "decided", "finished"))} for _, rs in sorted(rows.items())]
+            rows.setdefault(i, []).append([(t - lo) * 1e3 for t in (e[0], e[1], e[5], e[2], *e[6:8])])
+    return [{k: round(statistics.median(r[j] for r in rs), 2) for j, k in enumerate(names) if all(len(r) > j for r in rs)}
+            for _, rs in sorted(rows.items())]
 
 
 def worker(kind: str, out: str, warmup: int, steps: int) -> None:

@@ -16,8 +16,11 @@ coverage from 6 rounds on, its actual coverage 1 - 2 F(k) in ``vs_lossless_ci_co
 and the lossless blocks' own round-to-round spread. Each round draws its own drops: round i's impairment
 seed is derived from ``--seed`` and i (:func:`round_seed`; fixed, so a run with the same ``--seed`` draws
 the same patterns), and every setting and both trees of that round use it. So the interval covers the
-spread between loss patterns as well as the machine's noise, and a paired tree meets the same drops as
-this one round by round. Many short rounds (20 by default, 10 allreduces of 20,000
+spread between loss patterns as well as the machine's noise. A paired tree gets the same seed as this
+one round by round, hence the same sequence of draws (one per packet, in the order the switch sees
+them), not the same dropped packets: which packet meets which draw depends on what each tree sends, so
+the two trees drop the same packets only until their traffic first differs (a resend, a packet more or
+less, another order), and their patterns diverge after it. Many short rounds (20 by default, 10 allreduces of 20,000
 elements or one of 1.7 M per block) pair every block with a lossless one run moments apart.
 ``expected_vs_clean`` is the overhead the allreduces that resent a chunk explain, measured inside each
 block (their share times their median excess over the block's allreduces without a resend): set
@@ -279,9 +282,10 @@ class Side:
 
 def round_seed(seed: int, i: int) -> int:
     """Round ``i``'s impairment seed, derived from the run's ``seed`` (numpy's SeedSequence: rounds and base
-    seeds draw unrelated streams), below 2**31 so that the egress's (seed + 1) and the shards' offsets stay
-    in range. Every setting and tree of the round uses it; round to round the loss pattern changes."""
-    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) >> 1
+    seeds draw unrelated streams; a 32-bit value). Any integer >= 0 would do: the seed travels as a JSON
+    integer and seeds ``np.random.default_rng``, as do the egress's (seed + 1) and the shards' offsets.
+    Every setting and tree of the round uses it; round to round the loss pattern changes."""
+    return int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
 
 
 def median_interval(x, confidence: float = 0.95) -> tuple[float, float, float]:

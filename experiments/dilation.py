@@ -178,9 +178,9 @@ def auto_factor(target: str, probe, factors=None, within: float = PROBE_WITHIN,
     that ratio. The rule: the smallest K of ``factors`` (default :func:`probe_factors_for`: K0, 2 K0,
     4 K0 ...) such that the runs at target/K and target/2K agree (their time/ideal ratios within
     ``agree``, 5%: the consistency a dilated result must have), the run at K is within ``within``
-    (25%) of its ideal, and the run at K is not CPU-bound by the sweep's rule (its processes' CPU
-    floor under half its time and under its ideal: ``sweep_cpu.cpu_bound``, the one rule the
-    report's flag uses). A run the emulator's per-packet costs hold back takes about the same real time
+    (25%) of its ideal, and the run at K is not CPU-bound by the sweep's rule (``sweep_cpu.cpu_bound``,
+    the one rule the report's flag uses: its processes' CPU floor under its ideal, and under half its
+    time unless the run is within 1.1x its ideal). A run the emulator's per-packet costs hold back takes about the same real time
     at K and 2K, so its time/ideal halves from K to 2K; a link-bound one keeps it. Returns (K, the
     probe's [rate, ratio, K, CPU floor / time] steps); raises if no pair of the factors passes."""
     from .sweep_cpu import cpu_bound

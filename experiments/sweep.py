@@ -34,7 +34,8 @@ Outputs in ``--out`` (default ``results/sweep-<timestamp>``): ``results.json`` +
 (raw, one record per configuration), ``*.png`` plots and ``report.md``. A re-run with the same
 ``--out`` skips configurations already in ``results.json``. Every allreduce row carries its CPU floor
 (the processes' measured CPU per allreduce over the cores, against the ideal and the measured time)
-and is flagged CPU-bound by the rule of ``experiments/sweep_cpu.py``.
+and is flagged CPU-bound (or CPU-tight: at its ideal with little CPU to spare) by the rule of
+``experiments/sweep_cpu.py``.
 """
 from __future__ import annotations
 

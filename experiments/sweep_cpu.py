@@ -1,7 +1,8 @@
 """The CPU floor of an allreduce row: does the row measure the emulated link, or this machine's CPU?
 
-The rule, in this one place (:func:`cpu_floor` computes it, :func:`cpu_bound` applies it; the
-sweep's records, CSV, report and plots, and ``--dilation auto``'s probe all use these two):
+The rule, in this one place (:func:`cpu_floor` computes the floor, :func:`verdict` applies the rule and
+:func:`cpu_bound` is its yes/no; the sweep's records, CSV, report and plots, and ``--dilation auto``'s
+probe all use these):
 
     job CPU   = n x worker_cpu_per_allreduce + the switch's busy CPU per allreduce
                 (the workers' process CPU over their timed allreduces, os.times: every thread, Gloo's
@@ -11,16 +12,26 @@ sweep's records, CSV, report and plots, and ``--dilation auto``'s probe all use 
     cpu_floor_ratio = cpu_floor / ideal_time
     cpu_floor_share = cpu_floor / time_median   (= cpu_floor_ratio / time/ideal)
 
-A row is **CPU-bound** when ``cpu_floor_share >= CPU_BOUND_SHARE`` (0.5) or ``cpu_floor_ratio >= 1``.
+A row is **CPU-bound** when ``cpu_floor_ratio >= CPU_BOUND_RATIO`` (1), or when
+``cpu_floor_share >= CPU_BOUND_SHARE`` (0.5) and the row is measurably above its ideal: time/ideal
+(= ratio / share) at least ``CPU_BOUND_ABOVE_IDEAL`` (1.1); an unshaped row (no ideal) by its share
+alone. A row whose share is at least 0.5 but whose time is within 1.1x its ideal is **CPU-tight**,
+not CPU-bound: the link set its pace and its time/ideal measures the link, but a slightly slower (or
+busier) machine would make it CPU-bound. :func:`verdict` holds the rule ("bound", "tight", "no").
 
 Why half: the floor is the time the cores need if the job's CPU were spread perfectly over all of
 them with nothing else running, so a share of 0.5 means the job's own processes kept every core busy
 for at least half the measured time. Every packet of a link-paced allreduce needs a worker or the
 switch to be scheduled the moment it arrives; at that utilisation a wake-up finds the cores taken
-about as often as free, and the CPU explains at least as much of the time as the link does: the
-row's time/ideal no longer says what the link costs. Why also a ratio of 1: on a loaded machine
-(other programs on the same cores) the measured time grows and the share falls, yet a floor at or
-above the link-bound ideal means the link's pace is out of this machine's reach whatever else ran.
+about as often as free, and where the row is also above its ideal the CPU explains as much of the
+excess as the link does. Why the margin: a row at its ideal kept the link's pace whatever its share
+(a stored CI sweep, 425k elements, 2 cores: 2 workers at 1 Gbit/s at 1.01-1.09x their ideal with
+shares 0.72-0.85), and rows whose cores were nearly idle (share under 0.15) measure 0.96-1.11x their
+ideal here (the per-allreduce start and the last round trip; that sweep and docs/performance.md's
+table), so 1.1 is where a row starts to be measurably slower than its link. Why also a ratio of
+1: on a loaded machine (other programs on the same cores) the measured time grows and the share
+falls, yet a floor at or above the link-bound ideal means the link's pace is out of this machine's
+reach whatever else ran.
 
 The floor is derived, not measured: a bound computed from measured CPU seconds. It is a lower
 bound of the CPU's share: it leaves out the kernel's work on the emulated links that is not charged
@@ -46,9 +57,11 @@ import os
 CPU_BOUND_SHARE = 0.5
 #: ... and so is a row whose CPU floor is at least this multiple of its link-bound ideal
 CPU_BOUND_RATIO = 1.0
+#: ... the share makes a shaped row CPU-bound only when its time/ideal is at least this (else: CPU-tight)
+CPU_BOUND_ABOVE_IDEAL = 1.1
 
 #: the fields :func:`add_cpu_floor` writes into a record
-FIELDS = ("job_cpu_per_allreduce", "cpu_floor", "cpu_floor_ratio", "cpu_floor_share", "cpu_bound",
+FIELDS = ("job_cpu_per_allreduce", "cpu_floor", "cpu_floor_ratio", "cpu_floor_share", "cpu_bound", "cpu_tight",
           "cpu_bound_min_dilation")
 
 #: the rule in one sentence, for the report under its table and the terminal's notes
@@ -56,15 +69,17 @@ RULE = (f"CPU floor = the job's measured CPU per allreduce (every worker's proce
         f"plane's busy CPU) / the cores available / the dilation factor K: the least time this machine's "
         f"cores need for it, a bound derived from measured CPU seconds (a lower bound: kernel softirq work on "
         f"the links and the switch's other threads are not counted), not a measured time. A row is CPU-bound "
-        f"when its floor is at least {CPU_BOUND_SHARE:g} of its measured time (its own processes kept every "
-        f"core busy at least half the time: the CPU explains as much of the time as the link) or at least "
-        f"{CPU_BOUND_RATIO:g}x its link-bound ideal (the link's pace is out of this machine's reach); its "
-        f"time/ideal measures the emulator's CPU, not the link.")
+        f"when its floor is at least {CPU_BOUND_RATIO:g}x its link-bound ideal (the link's pace is out of this "
+        f"machine's reach), or at least {CPU_BOUND_SHARE:g} of its measured time (its own processes kept every core "
+        f"busy at least half the time) while the row is at least {CPU_BOUND_ABOVE_IDEAL:g}x its ideal (measurably "
+        f"slower than its link; an unshaped row: the share alone); its time/ideal measures the emulator's CPU, not "
+        f"the link. A row with that share but within {CPU_BOUND_ABOVE_IDEAL:g}x its ideal is CPU-tight: the link "
+        f"set its pace, with little CPU to spare (a slightly slower machine would make it CPU-bound).")
 
 
 #: the rule in a few words, for the terminal's notes and the plots' legends
-SHORT_RULE = (f"the processes' measured CPU per allreduce over the cores is at least {CPU_BOUND_SHARE:g} of the "
-              f"time or {CPU_BOUND_RATIO:g}x the ideal")
+SHORT_RULE = (f"the processes' measured CPU per allreduce over the cores is at least {CPU_BOUND_RATIO:g}x the "
+              f"ideal, or {CPU_BOUND_SHARE:g} of a time at least {CPU_BOUND_ABOVE_IDEAL:g}x the ideal")
 
 
 def cpu_cores() -> int:
@@ -89,18 +104,33 @@ def cpu_floor(rec: dict) -> dict:
     ratio = floor / ideal if ideal else None
     share = floor / t if t else None
     out = {"job_cpu_per_allreduce": job, "cpu_floor": floor, "cpu_floor_ratio": ratio, "cpu_floor_share": share}
-    out["cpu_bound"] = cpu_bound(out)
+    v = verdict({**out, "bound_ratio": t / ideal if t and ideal else None})
+    out["cpu_bound"], out["cpu_tight"] = (None, None) if v is None else (v == "bound", v == "tight")
     out["cpu_bound_min_dilation"] = min_dilation(ratio, k) if out["cpu_bound"] else None
     return out
 
 
-def cpu_bound(fl: dict) -> bool | None:
-    """The rule: CPU-bound if the floor is >= CPU_BOUND_SHARE of the measured time or >= CPU_BOUND_RATIO x
-    the ideal (None: not known). ``fl``: :func:`cpu_floor`'s fields (or a record that has them)."""
+def verdict(fl: dict) -> str | None:
+    """The rule (module docstring): "bound" (CPU-bound), "tight" (CPU-tight: the share is high but the row
+    is within CPU_BOUND_ABOVE_IDEAL of its ideal), "no", or None (not known). ``fl``: :func:`cpu_floor`'s
+    fields, or a record that has them; time/ideal is its ``bound_ratio``, else cpu_floor_ratio / share."""
     share, ratio = fl.get("cpu_floor_share"), fl.get("cpu_floor_ratio")
     if share is None and ratio is None:
         return None
-    return (share is not None and share >= CPU_BOUND_SHARE) or (ratio is not None and ratio >= CPU_BOUND_RATIO)
+    if ratio is not None and ratio >= CPU_BOUND_RATIO:
+        return "bound"
+    if share is None or share < CPU_BOUND_SHARE:
+        return "no"
+    if ratio is None:                    # unshaped: no ideal, no link pace to keep; the share decides
+        return "bound"
+    over = fl.get("bound_ratio") or ratio / share
+    return "bound" if over >= CPU_BOUND_ABOVE_IDEAL else "tight"
+
+
+def cpu_bound(fl: dict) -> bool | None:
+    """True if :func:`verdict` says CPU-bound (None: not known)."""
+    v = verdict(fl)
+    return None if v is None else v == "bound"
 
 
 def min_dilation(ratio: float | None, k: float = 1.0) -> int | None:
@@ -124,11 +154,11 @@ def add_cpu_floor(rec: dict) -> dict:
 
 
 def describe(rec: dict) -> str:
-    """The report's cell: '**yes** 0.78 (K >= 5)', 'no 0.12' or '–' (share of the measured time)."""
+    """The report's cell: '**yes** 0.78 (K >= 5)', 'tight 0.72', 'no 0.12' or '–' (share of the measured time)."""
     if rec.get("cpu_bound") is None:
         return "–"
     share = rec.get("cpu_floor_share")
     s = "–" if share is None else f"{share:.2f}"
     if rec["cpu_bound"]:
         return f"**yes** {s}" + (f" (K >= {rec['cpu_bound_min_dilation']})" if rec.get("cpu_bound_min_dilation") else "")
-    return f"no {s}"
+    return f"tight {s}" if rec.get("cpu_tight") else f"no {s}"

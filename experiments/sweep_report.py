@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .sweep_cpu import CPU_BOUND_SHARE, RULE, SHORT_RULE, describe
+from .sweep_cpu import CPU_BOUND_ABOVE_IDEAL, CPU_BOUND_SHARE, RULE, SHORT_RULE, describe
 from .sweep_methods import is_host_method, method_label
 
 #: marks a CPU-bound row's cells in the speed-up tables, the terminal's headline and the plots
@@ -202,7 +202,8 @@ def _log_y(ax) -> None:
         lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
 
 
-CPU_NOTE = f"{CPU_MARK}: CPU-bound: " + SHORT_RULE.replace(" is at", "\nis at").replace(" per allreduce", "\nper allreduce")
+CPU_NOTE = f"{CPU_MARK}: CPU-bound: " + SHORT_RULE.replace(" is at", "\nis at").replace(" per allreduce", "\nper allreduce").replace(
+    ", or", ",\nor")
 
 
 def _mark_cpu_bound(ax, pts) -> bool:
@@ -453,7 +454,8 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
             row = []
             for rate in rates:
                 r = _rec(ar, m, n, rate, el)
-                row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f") + ("x" if r else "")
+                row.append(_fmt(r.get("speedup_vs_gloo") if r else None, ".2f")
+                           + ("x" if r and r.get("speedup_vs_gloo") is not None else "")
                            + (CPU_MARK if r and r.get("cpu_bound") else ""))
             L.append(f"| {method_label(m)} | " + " | ".join(row) + f" | {_fmt(accd.get(m), '+.2f')} |")
         L.append("")
@@ -483,27 +485,49 @@ def _md_allreduce(ar, acc, methods, rates, sizes) -> list[str]:
 
 
 def _md_cpu_bound(ar) -> list[str]:
-    """The sentence under the table: what the CPU floor columns mean, which rows are CPU-bound and
-    the dilation that would put each under the link's pace."""
+    """The notes under the table: what the CPU floor columns mean, which rows are CPU-bound or CPU-tight
+    (unshaped ones in a phrase, shaped ones in a small table) and the dilation that would put each
+    CPU-bound row under the link's pace."""
     L = [f"**CPU floor** (derived from measured CPU, not measured time): {RULE} The rule's code: "
          "experiments/sweep_cpu.py. "
-         "'CPU floor/ideal': the floor over the link-bound ideal; 'CPU-bound': the rule's verdict and the floor "
-         "over the measured time; '–': no CPU figures in the record.", ""]
+         "'CPU floor/ideal': the floor over the link-bound ideal; 'CPU-bound': the rule's verdict (yes, tight: "
+         "CPU-tight, no) and the floor over the measured time; '–': no CPU figures in the record.", ""]
     bound = [r for r in ar if r.get("cpu_bound")]
+    tight = [r for r in ar if r.get("cpu_tight")]
+    shaped = [r for r in bound + tight if r.get("ideal_time")]
+    unshaped = [r for r in bound if not r.get("ideal_time")]
+    if not shaped and not unshaped:
+        return L
+    head = f"**CPU-bound rows: {len(bound)} of {len(ar)}**"
+    if unshaped:
+        sh = [r["cpu_floor_share"] for r in unshaped]
+        span = f"{min(sh):.2f}" + (f"-{max(sh):.2f}" if max(sh) > min(sh) else "")
+        head += (f", {len(unshaped)} of them unshaped (no link sets their pace: they measure the CPU by definition, "
+                 f"floor {span} of the time; not dilatable)")
+    if tight:
+        head += (f"; **CPU-tight rows: {len(tight)}** (within {CPU_BOUND_ABOVE_IDEAL:g}x their ideal: they measure "
+                 "the link, with little CPU to spare)")
+    L += [head + (". The shaped ones:" if shaped else "."), ""]
+    if shaped:
+        sizes = len({r["elements"] for r in ar}) > 1
+        L += ["| workers | rate | " + ("elements | " if sizes else "") + "method | verdict | time/ideal | "
+              "floor/ideal | floor/time | K >= |",
+              "|---|---|" + ("---|" if sizes else "") + "---|---|---|---|---|---|"]
+        for r in sorted(shaped, key=lambda r: (not r.get("cpu_bound"), r["workers"], _rk(r["rate"]), r["elements"],
+                                               r["method"] != "gloo", r["method"])):
+            L.append(f"| {r['workers']} | {rate_name(r['rate'])} | " + (f"{r['elements']:,} | " if sizes else "")
+                     + f"{method_label(r['method'])} | {'CPU-bound' if r.get('cpu_bound') else 'CPU-tight'} | "
+                     f"{_fmt(r.get('bound_ratio'), '.2f')} | {_fmt(r.get('cpu_floor_ratio'), '.2f')} | "
+                     f"{_fmt(r.get('cpu_floor_share'), '.2f')} | {_fmt(r.get('cpu_bound_min_dilation'), 'd')} |")
+        L.append("")
     if bound:
-        L += [f"**CPU-bound rows: {len(bound)} of {len(ar)}** ("
-              + "; ".join(f"{method_label(r['method'])}, {r['workers']} workers, {rate_name(r['rate'])}, "
-                          f"{r['elements']:,} elements: floor "
-                          + (f"{r['cpu_floor_ratio']:.2f}x the ideal, " if r.get("cpu_floor_ratio") is not None else "")
-                          + f"{r['cpu_floor_share']:.2f} of the time" for r in bound)
-              + "). Their time/ideal and speedups measure this machine's CPU (the emulator), not the emulated link. "
-              "To put such a row under the link's pace, run it time-dilated: `--dilation auto` (its probe refuses "
-              "a factor at which the run is CPU-bound by the rule above) or `--target-rates <rate> --dilation K` "
-              "with K at least the one in the table ('K >='; the smallest factor at which the floor measured here "
+        L += ["CPU-bound rows' time/ideal and speedups measure this machine's CPU (the emulator), not the emulated "
+              "link. To put a shaped one under the link's pace, run it time-dilated: `--dilation auto` (its probe "
+              "refuses a factor at which the run is CPU-bound by the rule above) or `--target-rates <rate> "
+              "--dilation K` with K at least the one in 'K >=' (the smallest factor at which the floor measured here "
               f"would be under {CPU_BOUND_SHARE:g} of the ideal if the CPU per allreduce stayed as measured: a lower "
               "bound, since the CPU per allreduce grows at slower shaped rates and per-packet wake-ups cost real time "
-              "too: docs/performance.md, \"The CPU floor in the sweep's outputs\"). Unshaped rows have no link pace to "
-              "reach and cannot be dilated.", ""]
+              "too: docs/performance.md, \"The CPU floor in the sweep's outputs\").", ""]
     return L
 
 
@@ -639,8 +663,8 @@ def headline(meta, records) -> list[str]:
         L.append(f"{method_label(m):<{w}}" + "".join(f"  {c:>14}" for c in cells) + (f"  {at}" if acc else ""))
     L += ["", "How to read it:"] + ["  " + s for s in HEADLINE_NOTES]
     if any(r.get("cpu_bound") for r in ar):
-        L += [f"  *: CPU-bound: {SHORT_RULE}: the row measures this machine's CPU,",
-              "    not the link (report.md: the rule, and the dilation that would fix it; --dilation auto)."]
+        L += ["  *: CPU-bound, the row measures this machine's CPU, not the link:", f"    {SHORT_RULE}",
+              "    (report.md: the rule, and the dilation that would fix it; --dilation auto)."]
     if acc:
         L.append("  accuracy: final test accuracy on scikit-learn digits, in parentheses the difference to Gloo in "
                  "points (one test image = 0.185 points).")

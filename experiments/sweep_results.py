@@ -27,7 +27,8 @@ def save_results(out: Path, meta: dict, records: list[dict]) -> None:
             "rel_error", "compute_time", "samples_per_s", "steps", "final_accuracy", "train_time", "comm_time",
             "dilation", "dilation_label", "shaped_rate_bps", "profile", "codec_time_cpu", "codec_time_device",
             "time_end_to_end", "worker_cpu_per_allreduce", "cpu_cores", "job_cpu_per_allreduce", "cpu_floor",
-            "cpu_floor_ratio", "cpu_floor_share", "cpu_bound", "cpu_bound_min_dilation", "loss", "impairment"]
+            "cpu_floor_ratio", "cpu_floor_share", "cpu_bound", "cpu_tight", "cpu_bound_min_dilation", "loss",
+            "impairment"]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()

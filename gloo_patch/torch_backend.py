@@ -118,7 +118,8 @@ class _Lane:
         # (submitted, started, finished, lane CPU s, codec CPU s, decided) of the last allreduces,
         # time.perf_counter(): how much of the switch time ran while the caller still computed (DDP: backward), see
         # timeline(); the codec's encode+decode time only with ``client.record_timeline`` on, else 0; decided: when
-        # the agreement had decided (the switch's part is decided..finished)
+        # the agreement had decided (the switch's part is decided..finished); with ``client.record_timeline`` also
+        # when the client's first allreduce of the item began and when its exponent negotiation was back
         self.timeline: collections.deque = collections.deque(maxlen=4096)
         self._t = threading.Thread(target=self._run, name=f"ina-lane-r{rank}-j{job}", daemon=True)
         self._t.start()
@@ -149,27 +150,32 @@ class _Lane:
                 fut.set_result(result)
                 return
         except BaseException as e:  # noqa: BLE001 - a disagreement or a Gloo error: this allreduce only
-            fut.set_exception(e)
+            # without its traceback: the future (which gc cannot look into) would keep its frames, whose hook
+            # closures keep the process group (and Gloo's threads) alive; the message names what went wrong
+            fut.set_exception(e.with_traceback(None))
             return
         decided = time.perf_counter()
         if self._error is not None:
             fut.set_exception(self._error)
             return
         try:
-            codec_s = 0.0
+            codec_s, marks = 0.0, ()
             with torch.no_grad():
                 for i, t in enumerate(tensors):
                     self.client.allreduce(t, codec=self.config.codec, average=average,
                                           key=None if key is None else (key, i))
                     tl = self.client.last_timeline if self.client.record_timeline else None
                     codec_s += tl["encode_s"] + tl["decode_s"] if tl else 0.0
-            self.timeline.append((submitted, started, time.perf_counter(), time.thread_time() - cpu, codec_s, decided))
+                    if i == 0:      # the first allreduce's start and the end of its exponent negotiation
+                        marks = (tl["t0"], tl["t0"] + tl.get("negotiated", 0.0)) if tl else ()
+            self.timeline.append((submitted, started, time.perf_counter(), time.thread_time() - cpu, codec_s, decided,
+                                  *marks))
             fut.set_result(result)
         except BaseException as e:  # noqa: BLE001 - handed to the waiting rank
             self._error = e
             log.error("[ina rank %d] allreduce through switch %s:%d failed, job %d: %s", self.rank,
                       *self.config.switch, self.job, e)
-            fut.set_exception(e)
+            fut.set_exception(e.with_traceback(None))     # (without its frames: see above)
 
     def unusable(self) -> bool:
         return self._error is not None

@@ -124,8 +124,9 @@ def test_auto_factor_rule():
 
 def test_auto_factor_refuses_a_factor_whose_run_is_cpu_bound():
     """The probe's runs carry the CPU floor (experiments/sweep_cpu.py): a K whose run agrees with 2K and
-    is within 25% of its ideal still fails while the processes' CPU floor is half its time or more (the
-    report's CPU-bound rule), so auto never picks a K the report would flag."""
+    is within 25% of its ideal still fails while the processes' CPU floor is half its time or more and
+    the run 1.1x its ideal or more (the report's CPU-bound rule), so auto never picks a K the report would
+    flag; a CPU-tight run (that share, within 1.1x its ideal) passes, as the report does not flag it."""
     from experiments.sweep_cpu import cpu_bound
 
     def rec(ratio, share):
@@ -136,7 +137,8 @@ def test_auto_factor_refuses_a_factor_whose_run_is_cpu_bound():
     assert k == 20 and [s[3] for s in steps] == [0.8, 0.42, 0.21]      # 10 agreed with 20 but was CPU-bound
     assert auto_factor("10gbit", lambda r, k: by_k[k]["bound_ratio"])[0] == 10     # ratios alone: the old rule
     with pytest.raises(DilationError, match="not CPU-bound"):
-        auto_factor("10gbit", lambda r, k: rec(1.1, 0.6), factors=[10, 20, 40])
+        auto_factor("10gbit", lambda r, k: rec(1.2, 0.6), factors=[10, 20, 40])
+    assert auto_factor("10gbit", lambda r, k: rec(1.05, 0.6), factors=[10, 20, 40])[0] == 10
 
 
 def test_codec_time_counts_cpu_time_not_waiting():

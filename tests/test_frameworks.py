@@ -593,6 +593,32 @@ def test_ddp_collectives_offloaded_and_delegated(switch, tmp_path):
     assert "falls back" not in (tmp_path / "err1.txt").read_text()
 
 
+def test_ddp_buckets_queued_on_the_lane_keep_their_outcomes_and_a_failed_one_frees_the_group(switch, tmp_path):
+    """Buckets queued on the hook's lane at once: the sums are exact, a bucket with NaN on one rank gets Gloo's
+    result, one whose shapes differ raises on both ranks, the buckets after them go through the switch, exact; and
+    the process group ends with no Gloo thread left (the failed bucket's future kept its traceback, whose frames
+    held the hook's closures and through them the group)."""
+    procs = launch_ranks(2, [PY, str(TESTS / "_fw_ddp_lane.py"), str(tmp_path)], ina_env(switch, "bfp32"), tmp_path)
+    codes = wait_all(procs, RUN_TIMEOUT, "ddp lane script")
+    assert codes == [0, 0], [(tmp_path / f"err{r}.txt").read_text()[-3000:] for r in range(2)]
+    assert_gloo_threads_joined(tmp_path, 2)
+    res = [json.loads((tmp_path / f"lane{r}.json").read_text()) for r in range(2)]
+    ts = [torch.load(tmp_path / f"lane{r}.pt") for r in range(2)]
+    for r in range(2):
+        out = res[r]["outcomes"]
+        assert [o["ok"] for o in out] == [True, True, True, False, True, True], out
+        assert "ranks disagree on this allreduce" in out[3]["message"], out[3]
+        for i in (0, 1, 4, 5):      # through the switch: the average of the ranks' inputs, exactly
+            want = (ts[0]["inputs"][i] + ts[1]["inputs"][i]) / 2
+            assert torch.equal(ts[r]["bufs"][i], want), (r, i)
+        gloo = (ts[0]["inputs"][2] + ts[1]["inputs"][2]) / 2
+        torch.testing.assert_close(ts[r]["bufs"][2], gloo, rtol=0, atol=0, equal_nan=True)
+        assert torch.isnan(ts[r]["bufs"][2][7])
+        hook = res[r]["hook"]
+        assert hook["offloaded_calls"] == 4 and hook["fallback_reasons"] == {
+            "DDP bucket: NaN/Inf on some rank (Gloo propagates them)": 1}, hook
+
+
 def test_ddp_contract(switch, tmp_path):
     """Backend 'ina' and the DDP hook: a mismatch (shape, int32 vs float32, SUM vs AVG) raises a RuntimeError
     naming every rank's tensor on every rank at once; NaN/Inf propagate exactly as with Gloo; the group keeps

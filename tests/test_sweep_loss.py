@@ -71,7 +71,8 @@ def test_bench_loss_writes_an_undefined_value_as_null_and_refuses_zero_rounds(ca
 def test_bench_loss_draws_each_rounds_drops_from_a_seed_of_its_own_the_same_for_every_setting_and_tree(monkeypatch):
     """Each round's impairment seed is derived from --seed and the round (fixed: the same run draws the same
     patterns), distinct from round to round, and shared by every setting and both trees of the round (so a
-    paired tree meets the same drops); the warm-up keeps the base seed."""
+    paired tree gets the same draws; which packets they drop depends on what it sends); the warm-up keeps
+    the base seed."""
     import experiments.bench_loss as bl
 
     class Row(dict):
@@ -95,7 +96,11 @@ def test_bench_loss_draws_each_rounds_drops_from_a_seed_of_its_own_the_same_for_
         assert [b[1] for b in blocks] == [bl.round_seed(7, i) for i in range(3) for _ in settings]
     assert sides[0].seeds == sides[1].seeds
     seeds = [bl.round_seed(7, i) for i in range(20)]
-    assert len(set(seeds)) == 20 and all(0 <= x < 2**31 for x in seeds)
+    assert len(set(seeds)) == 20 and all(0 <= x < 2**32 for x in seeds)
+    # no range to keep: a seed of any size (the egress's + 1, a shard's offset) seeds the switch's impairments
+    from switch_model.impair import Impairment, ImpairmentConfig
+    from switch_model.shards import shard_seed
+    Impairment(ImpairmentConfig(loss=0.5, seed=shard_seed(2**32 + 1, 3)))
     assert seeds == [bl.round_seed(7, i) for i in range(20)] and seeds[:3] != [bl.round_seed(8, i) for i in range(3)]
 
 
