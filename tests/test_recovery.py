@@ -364,9 +364,7 @@ def test_a_tail_loss_of_more_than_three_results_is_recovered_by_probes_not_the_t
     left in the lane), and those left, if any, are probed after the plain probe timeout: no lost result
     waits for the 2 s safety-net timeout (no timeout probe), each stream well within it, and every
     result is exact."""
-    import time
-
-    from sw_harness import LostResults, client_threads
+    from sw_harness import LostResults
     ops = [{"codec": "bfp32", "shape": [64 * 12], "seed": 300 + i} for i in range(4)]
     inputs = [expected_inputs(op, 1) for op in ops]
     lose = [0, 4, 6, 11]                         # results lost at the end of each stream (the first: warm-up)
@@ -376,18 +374,11 @@ def test_a_tail_loss_of_more_than_three_results_is_recovered_by_probes_not_the_t
         for xs, k in zip(inputs, lose):
             if k:
                 lost.arm(keep=12 - k)
-            before, t0 = dataclasses.replace(cl.stats), time.monotonic()
-            y = cl.allreduce(xs[rank].copy(), codec="bfp32")
-            out.append((y, _counters_since(before, cl.stats), time.monotonic() - t0, lost.dropped))
+            out.append((*_timed_allreduce(cl, xs[rank]), lost.dropped))
             lost.disarm()
             lost.dropped = 0
         return out
-    sw = SwitchProc("--slots", "64", "--elements", "64", log_path=tmp_path / "switch.log")
-    try:
-        per_stream, = client_threads(sw.port, 1, 12, body, join_timeout=60, elements=64, slots=16, timeout=30.0,
-                                     rto=2.0, min_rto=0.002, max_rto=4.0)
-    finally:
-        sw.terminate()
+    per_stream = _one_rank_streams(tmp_path, 12, body)
     for (y, d, secs, dropped), k, xs in zip(per_stream, lose, inputs):
         assert np.array_equal(y.view(np.uint32), bfp_reference(xs).view(np.uint32)), k
         assert dropped == k, (k, dropped)
@@ -405,9 +396,6 @@ def test_a_tail_of_lost_data_packets_does_not_grow_the_probe_timeout_stream_afte
     completes a round and its answer is a fresh result, not a replay. The timers' spacing must not take
     the probes' waits (the probe timeout counts the pending chunks' spacing: it grew 6-fold a stream, to
     10 s for the third), and a clean stream after them starts from a spacing its own results set."""
-    import time
-
-    from sw_harness import client_threads
     from ina.wire import Flag, PayloadType, header_view
     ops = [{"codec": "bfp32", "shape": [64 * 12], "seed": 300 + i} for i in range(6)]
     inputs = [expected_inputs(op, 1) for op in ops]
@@ -437,17 +425,9 @@ def test_a_tail_of_lost_data_packets_does_not_grow_the_probe_timeout_stream_afte
         out = []
         for i, xs in enumerate(inputs):
             st["armed"], st["c0"] = i in lossy, None
-            before, t0 = dataclasses.replace(cl.stats), time.monotonic()
-            y = cl.allreduce(xs[rank].copy(), codec="bfp32")
-            spacing = max(cl.link_spacing.values(), default=0.0)
-            out.append((y, _counters_since(before, cl.stats), time.monotonic() - t0, spacing))
+            out.append((*_timed_allreduce(cl, xs[rank]), max(cl.link_spacing.values(), default=0.0)))
         return out
-    sw = SwitchProc("--slots", "64", "--elements", "64", log_path=tmp_path / "switch.log")
-    try:
-        per_stream, = client_threads(sw.port, 1, 13, body, join_timeout=60, elements=64, slots=16, timeout=30.0,
-                                     rto=2.0, min_rto=0.002, max_rto=4.0)
-    finally:
-        sw.terminate()
+    per_stream = _one_rank_streams(tmp_path, 13, body)
     for i, ((y, d, secs, spacing), xs) in enumerate(zip(per_stream, inputs)):
         assert np.array_equal(y.view(np.uint32), bfp_reference(xs).view(np.uint32)), i
         if i in lossy:
@@ -474,6 +454,27 @@ def test_a_whole_window_of_results_lost_on_the_way_back_is_recovered_by_one_prob
         assert d["probe_retransmissions"] + d["timeout_retransmissions"] - d["timeout_go_back"] <= 3, (r, d)
         assert d["timeout_go_back"] >= 12, (r, d)
         assert secs < 0.3, (r, secs, d)
+
+
+def _timed_allreduce(cl, x) -> tuple:
+    """(the result, the counters it grew, its seconds) of one bfp32 allreduce of ``x`` by ``cl``."""
+    import time
+    before, t0 = dataclasses.replace(cl.stats), time.monotonic()
+    y = cl.allreduce(x.copy(), codec="bfp32")
+    return y, _counters_since(before, cl.stats), time.monotonic() - t0
+
+
+def _one_rank_streams(tmp_path, job, body) -> list:
+    """``body(0, client)``'s result: one rank at a real switch, streams of up to 16 chunks all out at once,
+    the timeout (2 s) far above the probes'."""
+    from sw_harness import client_threads
+    sw = SwitchProc("--slots", "64", "--elements", "64", log_path=tmp_path / "switch.log")
+    try:
+        per_stream, = client_threads(sw.port, 1, job, body, join_timeout=60, elements=64, slots=16, timeout=30.0,
+                                     rto=2.0, min_rto=0.002, max_rto=4.0)
+    finally:
+        sw.terminate()
+    return per_stream
 
 
 def _counters_since(before: ClientStats, after: ClientStats) -> dict:
