@@ -432,7 +432,7 @@ def test_a_tail_of_lost_data_packets_does_not_grow_the_probe_timeout_stream_afte
         assert np.array_equal(y.view(np.uint32), bfp_reference(xs).view(np.uint32)), i
         if i in lossy:
             assert d["probe_retransmissions"] >= 1 and d["timeout_retransmissions"] == 0, (i, d)
-            assert secs < 1.0, (i, secs, d)
+            assert secs < 2.0, (i, secs, d)      # within the safety net (unloaded: 0.3 s; main's third: 10 s)
     spacings = [spacing for _, _, _, spacing in per_stream]
     assert spacings[3] <= spacings[1] * 1.5, spacings          # no growth from lossy stream to lossy stream
     assert spacings[5] < 2e-3, spacings                         # the clean streams' own pace (loopback)
@@ -441,7 +441,8 @@ def test_a_tail_of_lost_data_packets_does_not_grow_the_probe_timeout_stream_afte
 def test_a_whole_window_of_results_lost_on_the_way_back_is_recovered_by_one_probe_and_a_go_back(tmp_path):
     """As below, with the client's default timers (rto 20 ms, min_rto 1 ms): rule 3's probe of the
     silence (16 chunks out) comes back as a replay, and the chunks out longer than the round trip go back
-    at once: a probe or two per rank (not one per lost result), results exact, well within a second."""
+    at once: a probe or two per rank (not one per lost result: 16), results exact, within a second (6-31 ms
+    unloaded; the probe waits srtt + 4 rttvar + 16 spacings, 0.2-0.35 s at load 10)."""
     from sw_harness import LostResults
     lost = {}
 
@@ -453,7 +454,7 @@ def test_a_whole_window_of_results_lost_on_the_way_back_is_recovered_by_one_prob
         assert lost[r].dropped == 17, (r, lost[r].dropped)
         assert d["probe_retransmissions"] + d["timeout_retransmissions"] - d["timeout_go_back"] <= 3, (r, d)
         assert d["timeout_go_back"] >= 12, (r, d)
-        assert secs < 0.3, (r, secs, d)
+        assert secs < 1.0, (r, secs, d)
 
 
 def _timed_allreduce(cl, x) -> tuple:
