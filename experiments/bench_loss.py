@@ -34,7 +34,8 @@ Loss, duplication and reordering are the switch's user-space impairments (this k
 netem), applied in both directions (worker -> switch and switch -> worker) with the given
 probability each, seeded (each round its own seed: :func:`round_seed`). Every result is compared bit for bit with the lossless run's: a
 mismatch fails the benchmark. The client counters say how each loss was recovered: fast
-retransmissions (a later chunk's result arrived first), tail probes or timeouts, and how many of them
+retransmissions (a later chunk's result arrived first), tail probes (of which ``stall_probes`` probed a
+silence with more than 3 chunks out: rule 3's longer wait, ina.recovery.probe_timeout) or timeouts, and how many of them
 resent a chunk resent before (``repeat_retransmissions``); ``needed_resends`` is what the switch's drop
 counts make necessary (a lost data packet: one resend per worker, none
 can tell whose packet it was; a lost result: one), so resends above it are spurious, or answer a
@@ -76,7 +77,7 @@ SETTINGS = {                      # name: impairment of each direction
     "loss 2% + dup 2% + reorder 2%": {"loss": 0.02, "duplicate": 0.02, "reorder": 0.02},
 }
 TARGETS = {"loss 0.1%": 1.1, "loss 1%": 1.5, "loss 2% + dup 2% + reorder 2%": 2.5}    # at most x lossless
-COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "timeout_retransmissions",
+COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", "stall_probes", "timeout_retransmissions",
             "repeat_retransmissions",
             "fast_replayed", "probe_replayed", "timeout_replayed", "timeout_go_back", "duplicate_results", "coalesce_pause_s",
             "tail_copies")
@@ -440,7 +441,7 @@ def _run_all(sides: list, n, sizes, reps, rounds, seed, settings) -> list:
                 log(f"{side.label}: {elements} elements, {name}: {row['time_per_allreduce_s'] * 1e3:.2f} ms per "
                     f"allreduce ({row['vs_lossless']:.2f}x lossless, per round {row['vs_lossless_per_round']}), "
                     f"{row.get('vs_impairment_path', 1.0):.2f}x the impairment path alone, "
-                    f"fast {row['fast_retransmissions']}, probes {row['probe_retransmissions']}, "
+                    f"fast {row['fast_retransmissions']}, probes {row['probe_retransmissions']} (stall {row['stall_probes']}), "
                     f"timeouts {row['timeout_retransmissions']}, needed ~{row['needed_resends']}, "
                     f"tail {row['tail_s'] * 1e3:.2f} ms, turns {row['turns_per_allreduce']:.1f}, worker CPU "
                     f"{row['worker_cpu_per_allreduce_s'] * 1e3:.2f} ms, switch CPU "
@@ -500,7 +501,7 @@ def main(argv=None) -> int:
               f"and tree of a round): the intervals cover the loss patterns' spread too")
         print(f"{'code':<8} {'elements':>9} {'setting':<32} {'ms':>8} {'x lossless':>10} {'CI (coverage)':>17} {'spread':>11} "
               f"{'expect':>6} {'best':>5} {'fast':>6} "
-              f"{'probes':>6} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "
+              f"{'probes':>6} {'stall':>5} {'timeouts':>8} {'needed':>6} {'tail ms':>7} {'x path':>6} {'turns':>6} {'wCPU ms':>7} "
               f"{'sCPU ms':>7} exact  this/baseline")
         for r in rows:
             lo, hi = min(r["vs_lossless_per_round"]), max(r["vs_lossless_per_round"])
@@ -508,7 +509,7 @@ def main(argv=None) -> int:
                   f"{r['vs_lossless']:>10.2f} {r['vs_lossless_ci'][0]:>5.2f}-{r['vs_lossless_ci'][1]:<5.2f} "
                   f"({r['vs_lossless_ci_coverage']:>4.0%}) "
                   f"{lo:>5.2f}-{hi:<5.2f} {r['expected_vs_clean']:>6.2f} {r['vs_lossless_best']:>5.2f} {r['fast_retransmissions']:>6} "
-                  f"{r['probe_retransmissions']:>6} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
+                  f"{r['probe_retransmissions']:>6} {r.get('stall_probes', '-'):>5} {r['timeout_retransmissions']:>8} {r['needed_resends']:>6} "
                   f"{r['tail_s'] * 1e3:>7.2f} {r.get('vs_impairment_path', float('nan')):>6.2f} "
                   f"{r['turns_per_allreduce']:>6.1f} {r['worker_cpu_per_allreduce_s'] * 1e3:>7.2f} "
                   f"{r['switch_cpu_per_allreduce_s'] * 1e3:>7.2f} "

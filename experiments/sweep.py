@@ -130,8 +130,10 @@ def _switch_counters(topo) -> dict:
         log.warning("switch stats unavailable: %s", e)
         return {}
     tm = st.get("timing", {})         # the stage clock: where the switch's time went (docs/performance.md)
+    procs = {"process_cpu_ns": tm["process_cpu_ns"] + st.get("host_aggregator", {}).get("process_cpu_ns", 0)} \
+        if "process_cpu_ns" in tm else {}     # every process of the switch (shards, host aggregator): sweep_cpu
     return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()},
-            **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()},
+            **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()}, **procs,
             **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts") if k in tm},
             "multicast_fallback_jobs": {f["job"]: f["why"] for f in st.get("multicast_fallbacks", [])}}
 
@@ -206,6 +208,8 @@ def run_bench(group: WorkerGroup, topo, method: str, n: int, rate: str, elements
     if "client" in res[0]:
         rec["client_bytes_sent_per_worker"] = sum(r["client"]["bytes_sent"] for r in res) / (n * reps)
         rec["client_retransmissions"] = sum(r["client"]["retransmissions"] for r in res)
+        rec["client_probe_retransmissions"] = sum(r["client"]["probe_retransmissions"] for r in res)
+        rec["client_stall_probes"] = sum(r["client"]["stall_probes"] for r in res)   # rule 3's longer wait's probes
         rec["timelines_all"] = [r.get("timelines") for r in res]   # [rank][rep]: skew and start phase per rep
         rec["timeline_rank0"] = next((r["timeline"] for r in res if r.get("timeline")), None)   # its last timed one
     if (is_host_method(method) or method == "powersgd") and bps:

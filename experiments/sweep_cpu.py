@@ -4,9 +4,13 @@ The rule, in this one place (:func:`cpu_floor` computes the floor, :func:`verdic
 :func:`cpu_bound` is its yes/no; the sweep's records, CSV, report and plots, and ``--dilation auto``'s
 probe all use these):
 
-    job CPU   = n x worker_cpu_per_allreduce + the switch's busy CPU per allreduce
+    job CPU   = n x worker_cpu_per_allreduce + the switch's CPU per allreduce
                 (the workers' process CPU over their timed allreduces, os.times: every thread, Gloo's
-                included; the switch data plane's ``busy_cpu_ns`` over the timed part / repetitions)
+                included; the switch's: the larger of its processes' CPU, ``process_cpu_ns``: every
+                thread of every shard's process and of the host aggregator's, control plane included,
+                and its data planes' ``busy_cpu_ns``, each over the timed part / repetitions; which
+                one is ``switch_cpu_source``. Only for the methods the switch serves (``ina:``): the
+                switch idles through a Gloo row, and that is not the row's CPU)
     cpu_floor = job CPU / cores / K    (cores: os.sched_getaffinity of the launcher, recorded as
                                         ``cpu_cores``; K: the dilation factor, as CPU seconds are real)
     cpu_floor_ratio = cpu_floor / ideal_time
@@ -35,9 +39,9 @@ reach whatever else ran.
 
 The floor is derived, not measured: a bound computed from measured CPU seconds. It is a lower
 bound of the CPU's share: it leaves out the kernel's work on the emulated links that is not charged
-to these processes (softirq: tbf, veth, the bridge) and the switch's threads other than its data
-plane (control plane; the host aggregator of the host-aggregated codecs), and assumes perfect
-spreading over the cores.
+to these processes (softirq: tbf, veth, the bridge), and assumes perfect spreading over the cores.
+Records from before the switch reported its processes' CPU have the data plane's busy CPU alone
+(``switch_cpu_source`` "data plane"), which leaves out the control plane and the host aggregator.
 
 What to do with a CPU-bound row: time dilation (experiments/dilation.py) shapes the links at
 rate/K and divides the times by K but not the CPU seconds, so the floor's ratio to the ideal falls
@@ -61,14 +65,14 @@ CPU_BOUND_RATIO = 1.0
 CPU_BOUND_ABOVE_IDEAL = 1.1
 
 #: the fields :func:`add_cpu_floor` writes into a record
-FIELDS = ("job_cpu_per_allreduce", "cpu_floor", "cpu_floor_ratio", "cpu_floor_share", "cpu_bound", "cpu_tight",
-          "cpu_bound_min_dilation")
+FIELDS = ("job_cpu_per_allreduce", "switch_cpu_per_allreduce", "switch_cpu_source", "cpu_floor", "cpu_floor_ratio",
+          "cpu_floor_share", "cpu_bound", "cpu_tight", "cpu_bound_min_dilation")
 
 #: the rule in one sentence, for the report under its table and the terminal's notes
-RULE = (f"CPU floor = the job's measured CPU per allreduce (every worker's process CPU + the switch data "
-        f"plane's busy CPU) / the cores available / the dilation factor K: the least time this machine's "
-        f"cores need for it, a bound derived from measured CPU seconds (a lower bound: kernel softirq work on "
-        f"the links and the switch's other threads are not counted), not a measured time. A row is CPU-bound "
+RULE = (f"CPU floor = the job's measured CPU per allreduce (every worker's process CPU + the switch's: its "
+        f"processes' CPU, or its data plane's busy CPU if that is larger) / the cores available / the dilation "
+        f"factor K: the least time this machine's cores need for it, a bound derived from measured CPU seconds "
+        f"(a lower bound: kernel softirq work on the links is not counted), not a measured time. A row is CPU-bound "
         f"when its floor is at least {CPU_BOUND_RATIO:g}x its link-bound ideal (the link's pace is out of this "
         f"machine's reach), or at least {CPU_BOUND_SHARE:g} of its measured time (its own processes kept every core "
         f"busy at least half the time) while the row is at least {CPU_BOUND_ABOVE_IDEAL:g}x its ideal (measurably "
@@ -97,17 +101,31 @@ def cpu_floor(rec: dict) -> dict:
     if rec.get("workload") != "allreduce" or rec.get("worker_cpu_per_allreduce") is None or not rec.get("cpu_cores"):
         return {}
     k = rec.get("dilation") or 1
-    switch = (rec.get("switch_counters") or {}).get("busy_cpu_ns", 0) / 1e9 / rec["reps"]
+    switch, source = switch_cpu(rec)
     job = rec["workers"] * rec["worker_cpu_per_allreduce"] + switch
     floor = job / rec["cpu_cores"] / k
     ideal, t = rec.get("ideal_time"), rec.get("time_median")
     ratio = floor / ideal if ideal else None
     share = floor / t if t else None
-    out = {"job_cpu_per_allreduce": job, "cpu_floor": floor, "cpu_floor_ratio": ratio, "cpu_floor_share": share}
+    out = {"job_cpu_per_allreduce": job, "switch_cpu_per_allreduce": switch, "switch_cpu_source": source,
+           "cpu_floor": floor, "cpu_floor_ratio": ratio, "cpu_floor_share": share}
     v = verdict({**out, "bound_ratio": t / ideal if t and ideal else None})
     out["cpu_bound"], out["cpu_tight"] = (None, None) if v is None else (v == "bound", v == "tight")
     out["cpu_bound_min_dilation"] = min_dilation(ratio, k) if out["cpu_bound"] else None
     return out
+
+
+def switch_cpu(rec: dict) -> tuple[float, str]:
+    """(the switch's CPU seconds per allreduce, where they were read: "processes" or "data plane"): for an
+    ``ina:`` method the larger of its processes' CPU (``process_cpu_ns``) and its data planes' busy CPU
+    (the processes' includes it, but a record may lack them); for other methods the data planes' busy CPU
+    alone (the switch idles through them)."""
+    c, reps = rec.get("switch_counters") or {}, rec["reps"]
+    busy = c.get("busy_cpu_ns", 0) / 1e9 / reps
+    procs = c.get("process_cpu_ns")
+    if procs is None or not str(rec.get("method", "")).startswith("ina:") or procs / 1e9 / reps <= busy:
+        return busy, "data plane"
+    return procs / 1e9 / reps, "processes"
 
 
 def verdict(fl: dict) -> str | None:
@@ -148,8 +166,8 @@ def add_cpu_floor(rec: dict) -> dict:
         rec.pop(f, None)
     rec.update(cpu_floor(rec))
     real = rec.get("real_seconds_fields")        # dilated: the job's CPU seconds are real, the floor is / K
-    if real is not None and "job_cpu_per_allreduce" in rec and "job_cpu_per_allreduce" not in real:
-        real.append("job_cpu_per_allreduce")
+    if real is not None:
+        real += [f for f in ("job_cpu_per_allreduce", "switch_cpu_per_allreduce") if f in rec and f not in real]
     return rec
 
 

@@ -24,11 +24,12 @@ def save_results(out: Path, meta: dict, records: list[dict]) -> None:
     cols = ["workload", "method", "aggregation", "workers", "rate", "rate_bps", "elements", "model", "reps", "time_median",
             "time_mean", "time_min", "ideal_time", "bound_ratio", "speedup_vs_gloo", "wire_up_bytes_per_worker",
             "wire_down_bytes_per_worker", "wire_drops", "client_bytes_sent_per_worker", "client_retransmissions",
+            "client_probe_retransmissions", "client_stall_probes",
             "rel_error", "compute_time", "samples_per_s", "steps", "final_accuracy", "train_time", "comm_time",
             "dilation", "dilation_label", "shaped_rate_bps", "profile", "codec_time_cpu", "codec_time_device",
-            "time_end_to_end", "worker_cpu_per_allreduce", "cpu_cores", "job_cpu_per_allreduce", "cpu_floor",
-            "cpu_floor_ratio", "cpu_floor_share", "cpu_bound", "cpu_tight", "cpu_bound_min_dilation", "loss",
-            "impairment"]
+            "time_end_to_end", "worker_cpu_per_allreduce", "cpu_cores", "job_cpu_per_allreduce",
+            "switch_cpu_per_allreduce", "switch_cpu_source", "cpu_floor", "cpu_floor_ratio", "cpu_floor_share",
+            "cpu_bound", "cpu_tight", "cpu_bound_min_dilation", "loss", "impairment"]
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         w.writeheader()

@@ -62,6 +62,7 @@ class ClientStats(WorkerStats):
     retransmissions: int = 0          # every resend: fast + probe + timeout retransmissions
     fast_retransmissions: int = 0     # resent because results of later chunks arrived first
     probe_retransmissions: int = 0    # resent after a silence of the probe timeout (tail losses)
+    stall_probes: int = 0             # of these, probes of a silence with more than 3 chunks out (the longer wait)
     timeout_retransmissions: int = 0  # resent after the retransmission timeout (the safety net): its probes
     timeout_go_back: int = 0          # of these, the rest of a lane's timed-out chunks, resent once its probe was answered
     repeat_retransmissions: int = 0   # of all these, resends of a chunk resent before in its stream (any rule)

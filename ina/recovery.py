@@ -103,7 +103,8 @@ processes run):
    a probe's replay too, restarts the RTO's silence: the timeout fires when a silence outlasts it with
    rule 3's probes unanswered (a late peer: the switch only reads them; or the probes lost too).
 
-The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*) and 4 (*timeouts*, of which
+The client counts rules 1 and 2 (*fast* retransmissions), 3 (*probes*, of which ``stall_probes`` probed
+a silence with more than 3 chunks out, after the longer wait) and 4 (*timeouts*, of which
 ``timeout_go_back`` went back after a probe) apart,
 and per rule the resends the switch answered with a replay (``LossDetector.rule`` keeps the rule of a
 chunk's last resend): the round had completed, so the resend recovered a result lost on the way back.
@@ -162,6 +163,12 @@ def tail_copies(rows: np.ndarray, chunks: np.ndarray, n_chunks: int, headers: np
     return np.concatenate([rows, tail])
 
 
+def long_silence(n_pending: int) -> bool:
+    """Whether rule 3 probes a silence with ``n_pending`` chunks out only later (:func:`probe_timeout`);
+    the client counts such probes as ``stall_probes``."""
+    return n_pending > SHORT_PROBE_MAX_PENDING
+
+
 def probe_timeout(pto: float | None, n_pending: int, srtt: float | None, rttvar: float,
                   spacing: float) -> float | None:
     """Rule 3's probe timeout for a silence with ``n_pending`` chunks out: ``pto`` (the client's probe
@@ -169,7 +176,7 @@ def probe_timeout(pto: float | None, n_pending: int, srtt: float | None, rttvar:
     more (most often a stall, not a loss of them all: see the module's rule 3), ``srtt + STALL_RTTVARS x
     rttvar`` plus their serialisation (``n_pending x spacing``, the time between results), at least ``pto``
     (which holds the run-queue floor); without an srtt, ``pto`` plus their serialisation."""
-    if pto is None or n_pending <= SHORT_PROBE_MAX_PENDING:
+    if pto is None or not long_silence(n_pending):
         return pto
     rtt = pto if srtt is None else srtt + STALL_RTTVARS * rttvar
     return max(pto, rtt + n_pending * spacing)

@@ -20,7 +20,7 @@ from . import sparse as sparse_mod
 from . import stream_kernels as SK
 from .coalescing import ArrivalSpacing
 from .errors import AllreduceError
-from .recovery import LossDetector, tail_copies, tail_copy_wanted
+from .recovery import LossDetector, long_silence, tail_copies, tail_copy_wanted
 from .wire import (HEADER_SIZE, PAYLOAD_WIDTH, Flag, PayloadType, header_view, payload_view, shard_of_slot,
                    slot_of_chunk)
 
@@ -286,6 +286,7 @@ class Transfer:
             self.ld.resent(lost, now, probed=probe.size > 0, rules=(fast, probe, late))
             cl.stats.fast_retransmissions += fast.size
             cl.stats.probe_retransmissions += probe.size
+            cl.stats.stall_probes += probe.size if long_silence(pending.size) else 0
             cl.stats.timeout_retransmissions += late.size
             cl.stats.timeout_go_back += self.ld.went_back
             cl.stats.retransmissions += lost.size

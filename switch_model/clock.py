@@ -42,9 +42,11 @@ class StageClock:
 
 
 def add_timing(into: dict, other: dict) -> None:
-    """Add one shard's ``StageClock.to_dict()`` into another's (the stats of a sharded switch)."""
+    """Add one shard's ``StageClock.to_dict()`` into another's (the stats of a sharded switch; each shard's
+    ``process_cpu_ns``, its process's CPU, too: the sum is the CPU of every shard's process)."""
     for group in ("stage_ns", "burst_sizes"):
         for key, v in other[group].items():
             into[group][key] = into[group].get(key, 0) + v
-    for key in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts"):
-        into[key] += other[key]
+    for key in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts", "process_cpu_ns"):
+        if key in other:
+            into[key] = into.get(key, 0) + other[key]

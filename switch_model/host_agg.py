@@ -129,6 +129,7 @@ class HostAggregator:
             return {"label": HOST_AGG_LABEL, "port": self.port, "seed": self.seed, "max_body": self.max_body,
                     "token_required": r.token is not None,
                     "uptime_s": round(time.monotonic() - self._started, 3),
+                    "process_cpu_ns": time.process_time_ns(),      # this process's CPU (every thread)
                     "counters": {**self._c, **r.counters, "connections_open": len(self._conns),
                                  "jobs_active": r.active_jobs()},
                     "errors": dict(r.errors),

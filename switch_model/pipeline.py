@@ -576,7 +576,8 @@ class Switch:
                        "udp_gso_refused": self.txq.gso_refused, "multicast": self.multicast.enabled},
             "stages": list(STAGES),
             "counters": c,
-            "timing": self.clock.to_dict(),
+            # process_cpu_ns: the CPU of the switch's whole process (every thread: the control plane's too)
+            "timing": {**self.clock.to_dict(), "process_cpu_ns": time.process_time_ns()},
             "drops": drops,
             "rates": {k: round(v, 1) for k, v in self.rates.items()},
             "occupancy": {"slots_allocated": self.cfg.slots - self.free_slots(), "slots_total": self.cfg.slots,

@@ -13,9 +13,10 @@ import multiprocessing as mp
 import os
 import sys
 import threading
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from .clock import add_timing
+from .impair import ImpairmentConfig
 from .pipeline import Switch, SwitchConfig
 
 log = logging.getLogger("ina.switch.shards")
@@ -101,6 +102,24 @@ def shard_config(cfg: SwitchConfig, port: int, k: int) -> SwitchConfig:
     chunk id is served by one shard, and so the shards round as one switch would, bit for bit."""
     return replace(cfg, port=port + k, ingress=replace(cfg.ingress, seed=shard_seed(cfg.ingress.seed, k)),
                    egress=replace(cfg.egress, seed=shard_seed(cfg.egress.seed, k)))
+
+
+def merged_impairments(per_shard: list) -> dict:
+    """The shards' impairments (each shard's ``{"ingress": ..., "egress": ...}``, settings and maybe
+    counters, shard 0 first) as one switch's, as the start-up line gives them: each direction's settings
+    with shard 0's seed, every shard's seed (``shard_seeds``: seed + SHARD_SEED_STEP x shard, at start-up
+    and after a run-time seed alike) and the counters summed. A setting the shards do not share (the
+    control plane changes them all alike: a shard that failed to) is given shard by shard (``per_shard``)."""
+    settings = [f.name for f in fields(ImpairmentConfig)]
+    out = {}
+    for d in ("ingress", "egress"):
+        each = [s[d] for s in per_shard]
+        merged = {**each[0], **{k: sum(e[k] for e in each) for k in each[0] if k not in settings},
+                  "shard_seeds": [e["seed"] for e in each]}
+        if any(e[k] != each[0][k] for e in each for k in settings if k != "seed"):
+            merged["per_shard"] = [{k: e[k] for k in settings} for e in each]
+        out[d] = merged
+    return out
 
 
 def _shard_seeded(changes, k: int):
@@ -192,8 +211,7 @@ class ShardGroup:
             for k, c in enumerate(self._conns, 1):
                 c.send((name, tuple(_shard_seeded(d, k) for d in args),
                         {key: _shard_seeded(d, k) for key, d in kwargs.items()}))
-            self._answers(name)
-            return out
+            return merged_impairments([out] + self._answers(name))
         if name == "remove_job":            # only shard 0 sends the ABORT packets
             remote_kw = {k: v for k, v in kwargs.items() if k != "notify_rank"}
             ok = self.local.dp(name, *args, **kwargs)
@@ -211,8 +229,10 @@ class ShardGroup:
             others = self._remote("stats")
             st["per_shard"] = [{"port": p, "harvested": s_["counters"]["harvested"],
                                 "rx_packets": s_["counters"]["rx_packets"], "busy_ns": s_["timing"]["busy_ns"],
-                                "wait_ns": s_["timing"]["wait_ns"]}
+                                "wait_ns": s_["timing"]["wait_ns"], "process_cpu_ns": s_["timing"]["process_cpu_ns"],
+                                "impairments": s_["impairments"]}
                                for p, s_ in zip(self.ports, [dict(st, counters=dict(st["counters"]))] + others)]
+            st["impairments"] = merged_impairments([st["impairments"]] + [o["impairments"] for o in others])
             for other in others:
                 for group in ("counters", "drops", "rates"):
                     for key, v in other[group].items():

@@ -180,3 +180,65 @@ def test_nc_and_bfp32_results_are_bit_identical_with_one_and_two_shards(tmp_path
         for a, b in zip(got["1"][r], got["2"][r]):
             assert a.tobytes() == b.tobytes(), r
     assert not np.array_equal(got["1"][0][0], inputs[0])       # something was summed
+
+
+def test_stats_and_a_run_time_impair_report_every_shards_impairments(tmp_path):
+    """--cores 2 with impairments: the stats give each direction's settings once, every shard's seed
+    (seed + SHARD_SEED_STEP x shard, as the start-up line says) and the drops of both shards summed; an
+    impair at run time that sets a seed changes every shard (each its own seed, as at start-up), and its
+    reply and the stats say so, shard by shard too."""
+    from sw_harness import control
+    from switch_model.shards import SHARD_SEED_STEP
+    sw = SwitchProc("--slots", "64", "--elements", "128", "--cores", "2", "--seed", "5", "--egress-loss", "0.01",
+                    log_path=tmp_path / "switch.log")
+    try:
+        assert f"egress loss 0.01 (seeds 6 + {SHARD_SEED_STEP} x shard, shards 0..1)" in sw.log()   # start-up line
+        imp = sw.stats()["impairments"]
+        assert imp["ingress"]["shard_seeds"] == [5, 5 + SHARD_SEED_STEP] and imp["ingress"]["loss"] == 0
+        assert imp["egress"]["shard_seeds"] == [6, 6 + SHARD_SEED_STEP] and imp["egress"]["loss"] == 0.01
+        reply = control(sw.port, {"op": "impair", "ingress": {"loss": 0.1, "seed": 9}, "egress": {"loss": 0.02}})
+        assert reply["impairments"]["ingress"]["shard_seeds"] == [9, 9 + SHARD_SEED_STEP]
+        assert reply["impairments"]["egress"]["shard_seeds"] == [6, 6 + SHARD_SEED_STEP]     # no seed: kept
+        rng = np.random.default_rng(3)
+        xs = [rng.standard_normal(128 * 120).astype(np.float32) for _ in range(2)]     # 120 chunks: both shards
+
+        def body(r, cl):
+            y = xs[r].copy()
+            cl.allreduce(y, codec="bfp32")
+            return y
+        client_threads(sw.port, 2, 79, body, elements=128, slots=16, timeout=60.0)
+        st = sw.stats()
+        for d, loss, seed in (("ingress", 0.1, 9), ("egress", 0.02, 6)):
+            merged, each = st["impairments"][d], [sh["impairments"][d] for sh in st["per_shard"]]
+            assert merged["loss"] == loss and "per_shard" not in merged, merged    # the shards agree
+            assert [e["loss"] for e in each] == [loss, loss]
+            assert merged["shard_seeds"] == [e["seed"] for e in each] == [seed, seed + SHARD_SEED_STEP]
+            assert merged["dropped"] == sum(e["dropped"] for e in each), (d, merged, each)
+        assert all(e["impairments"]["ingress"]["dropped"] > 0 for e in st["per_shard"]), st["per_shard"]
+    finally:
+        assert sw.terminate() == 0, sw.log()
+
+
+def test_the_stats_give_the_cpu_of_every_process_of_the_switch(tmp_path):
+    """The switch's stats give the CPU of its processes, every thread (control plane included), summed over
+    the shards (``timing.process_cpu_ns``, each shard's in ``per_shard``) and the host aggregator's apart:
+    over an allreduce they grow by at least the data planes' busy CPU (the sweep's CPU floor takes the
+    larger: experiments/sweep_cpu.py)."""
+    sw = SwitchProc("--slots", "64", "--elements", "128", "--cores", "2", log_path=tmp_path / "switch.log")
+    try:
+        st0 = sw.stats()
+        xs = [np.full(128 * 60, r + 1, np.float32) for r in range(2)]     # 60 chunks: both shards
+
+        def body(r, cl):
+            for _ in range(3):
+                cl.allreduce(xs[r].copy(), codec="bfp32")
+        client_threads(sw.port, 2, 80, body, elements=128, slots=16, timeout=60.0)
+        st1 = sw.stats()
+        for st in (st0, st1):
+            each = [sh["process_cpu_ns"] for sh in st["per_shard"]]
+            assert st["timing"]["process_cpu_ns"] == sum(each) and all(c > 0 for c in each), (st["timing"], each)
+            assert st["host_aggregator"]["process_cpu_ns"] > 0
+        procs, busy = (st1["timing"][k] - st0["timing"][k] for k in ("process_cpu_ns", "busy_cpu_ns"))
+        assert procs >= busy > 0, (procs, busy)
+    finally:
+        assert sw.terminate() == 0, sw.log()

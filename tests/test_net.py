@@ -29,7 +29,8 @@ from net_measure import read_line, transfer  # noqa: E402  (tests/net_measure.py
 
 from ina.net import (HOST_IFNAME, NetemUnavailable, RateError, Topology, TopologyError, format_rate,
                      list_topologies, missing_caps, parse_rate, probe_netem, tbf_params)
-from ina.net.kernel import LinkCounters, QdiscCounterReader, link_index, open_rtnl, root_qdisc, tbf_of
+from ina.net.kernel import (LinkCounters, NetemParams, QdiscCounterReader, link_index, netem_of, open_rtnl,
+                            root_qdisc, tbf_of)
 
 HERE = Path(__file__).resolve().parent
 TRAFFIC = str(HERE / "net_traffic.py")   # the socket endpoints that run inside the hosts
@@ -317,6 +318,51 @@ def test_attach_keeps_each_hosts_rate_after_a_per_host_set_rate():
             assert other.rates() == before
         finally:
             other.close_handles()
+
+
+@needs_root
+def test_attach_reports_the_links_delay_and_loss_as_the_kernel_has_them():
+    """A handle attached to a running topology reads the links' delay and loss back from the kernel (their
+    netem qdiscs), as it reads the rates: what it reports (``delay``, ``loss``, ``netem()``, ``status()``,
+    ``ina-net status``) is what the links do, and converging or re-rating through it keeps them. Without
+    netem in the kernel there are none (``up`` refuses them; the switch's impairment stage has them) and
+    the status says where they are."""
+    delay = 0.02 if probe_netem().available else None
+    with Topology(workers=2, rate="50mbit", delay=delay) as topo:
+        other = Topology.attach(topo.prefix)
+        try:
+            assert (other.delay, other.loss) == (delay, None)
+            want = None if delay is None else NetemParams(delay=delay, loss=0.0)
+            assert other.netem() == {"sw": {"up": None, "down": None}, "w0": {"up": want, "down": want},
+                                     "w1": {"up": want, "down": want}}
+            st = other.status()
+            assert (st["delay"], st["loss"]) == (delay, None)
+            assert [h["delay_loss"]["up"] for h in st["hosts"]] == [None] + [want and {"delay": delay, "loss": 0.0}] * 2
+            other.set_rate("w1", "10mbit", direction="up")          # re-rated through the handle: the delay stays
+            assert other.netem()["w1"]["up"] == want
+            text = cli("status", "--prefix", topo.prefix).stdout
+            assert ("delay/loss: none on the links (the switch's impairment stage emulates them" in text
+                    if delay is None else "delay 20 ms, loss 0%" in text), text
+        finally:
+            other.close_handles()
+
+
+def test_netem_settings_are_read_back_as_the_kernel_reports_them():
+    """A netem qdisc's options as the kernel dumps them (built here with pyroute2's encoder, as ``up``
+    sends them: delay in psched ticks, loss a fraction of 2^32 - 1) decode to the seconds and the
+    probability given; a link without netem (a tbf alone) has none."""
+    from pyroute2.netlink.rtnl.tcmsg import sched_netem, tcmsg
+
+    def dumped(kind, opts):
+        m = tcmsg()
+        m["attrs"] = [["TCA_KIND", kind], ["TCA_OPTIONS", opts]] if opts else [["TCA_KIND", kind]]
+        m.encode()
+        d = tcmsg(m.data)
+        d.decode()
+        return d
+    netem = dumped("netem", sched_netem.get_parameters({"delay": 20000, "loss": 1.0, "limit": 10000}))
+    assert netem_of([dumped("tbf", None), netem]) == NetemParams(delay=0.02, loss=0.01)
+    assert netem_of([dumped("tbf", None)]) is None and netem_of([]) is None
 
 
 @needs_root

@@ -363,7 +363,7 @@ def test_a_tail_loss_of_more_than_three_results_is_recovered_by_probes_not_the_t
     round had completed) sends the chunks out longer than the round trip at once (go-back: 3 or more
     left in the lane), and those left, if any, are probed after the plain probe timeout: no lost result
     waits for the 2 s safety-net timeout (no timeout probe), each stream well within it, and every
-    result is exact."""
+    result is exact. The first probe waited the longer silence (``stall_probes``: more than 3 out)."""
     from sw_harness import LostResults
     ops = [{"codec": "bfp32", "shape": [64 * 12], "seed": 300 + i} for i in range(4)]
     inputs = [expected_inputs(op, 1) for op in ops]
@@ -387,6 +387,7 @@ def test_a_tail_loss_of_more_than_three_results_is_recovered_by_probes_not_the_t
             continue                              # the warm-up
         assert d["probe_replayed"] >= 1 and d["probe_retransmissions"] + d["timeout_go_back"] >= k, (k, d)
         assert d["probe_retransmissions"] < k, (k, d)    # fewer silences than lost results: the go-back
+        assert d["stall_probes"] >= 1, (k, d)
         assert secs < 1.0, (k, secs, d)
 
 

@@ -154,3 +154,21 @@ def test_plots_mark_cpu_bound_points(tmp_path, monkeypatch):
     marks = [t for ax in fig.axes for t in ax.texts if t.get_text() == sweep_report.CPU_MARK]
     assert len(marks) == 1                                 # the 1 Gbit/s nc point only
     assert any("CPU-bound" in t.get_text() for t in fig.legends[0].get_texts())
+
+
+def test_the_switch_cpu_is_its_processes_when_larger_and_the_record_says_which():
+    """An INA row counts the larger of the switch's processes' CPU (control plane, host aggregator, every
+    shard) and its data planes' busy CPU, and says which (``switch_cpu_source``); a Gloo row, which the
+    switch idles through, its data planes' busy CPU alone; a record without the processes' CPU the busy CPU."""
+    def with_procs(procs_ms, **kw):
+        r = _rec(**kw)
+        r["switch_counters"]["process_cpu_ns"] = round(procs_ms * 1e-3 * r["reps"] * 1e9)
+        return r
+    f = cpu_floor(with_procs(11.0))
+    assert f["switch_cpu_per_allreduce"] == pytest.approx(11e-3) and f["switch_cpu_source"] == "processes"
+    assert f["job_cpu_per_allreduce"] == pytest.approx(4 * 6.1e-3 + 11e-3)
+    f = cpu_floor(with_procs(5.0))           # below the busy CPU (a clock's rounding): the busy CPU
+    assert f["switch_cpu_per_allreduce"] == pytest.approx(8.2e-3) and f["switch_cpu_source"] == "data plane"
+    g = cpu_floor(with_procs(3.0, method="gloo", switch_cpu=0, worker_cpu=4e-3, ideal=40.8e-3, time=45e-3))
+    assert g["switch_cpu_per_allreduce"] == 0 and g["switch_cpu_source"] == "data plane"
+    assert cpu_floor(_rec())["switch_cpu_source"] == "data plane"

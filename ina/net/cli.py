@@ -70,6 +70,12 @@ def _print_status(st: dict) -> None:
     print(f"topology {st['prefix']}: subnet {st['subnet']}, root namespace reaches it via "
           f"{st['root_ifname']} {st['root_ip']}, mtu {st['mtu']}, fabric {st['fabric_netns']}")
     print(f"netem: {'available' if st['netem']['available'] else 'NOT available'}: {st['netem']['detail']}")
+    if st.get("delay") or st.get("loss"):
+        print(f"delay/loss on every worker link, both directions (netem): delay {(st['delay'] or 0) * 1e3:g} ms, "
+              f"loss {(st['loss'] or 0) * 100:g}%")
+    else:
+        print("delay/loss: none on the links" + ("" if st["netem"]["available"] else
+              " (the switch's impairment stage emulates them: `ina-switch stats` shows its settings)"))
     cols = ("host", "ip", "netns", "upload", "download", "up bytes", "down bytes", "up drops", "down drops")
     rows = []
     for h in st["hosts"]:

@@ -367,6 +367,24 @@ def tbf_of(q) -> TbfParams | None:
     return TbfParams(rate_bps=rate * 8, burst=burst, limit=parms["limit"])
 
 
+@dataclass(frozen=True)
+class NetemParams:
+    """The delay and loss a netem qdisc applies to one direction of a link, as read back from the kernel."""
+    delay: float         # one-way delay, seconds
+    loss: float          # loss probability, 0..1
+
+
+def netem_of(qdiscs) -> NetemParams | None:
+    """The netem among a link's qdiscs (the child of its tbf, or its root when the direction is
+    unshaped), as read back from the kernel; None: the link has none (no delay, no loss)."""
+    for q in qdiscs:
+        if q.get_attr("TCA_KIND") == "netem":
+            opts = q.get_attr("TCA_OPTIONS")
+            # latency in psched ticks (64 ns: tbf_of's), loss a fraction of 2^32 - 1 (tc's encoding)
+            return NetemParams(delay=round(opts["delay"] * 64e-9, 9), loss=round(opts["loss"] / 0xFFFFFFFF, 9))
+    return None
+
+
 def ns_pids(names) -> dict[int, str]:
     """pid -> namespace name, for every process living in one of the named namespaces."""
     inodes = {}

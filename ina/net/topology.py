@@ -36,11 +36,11 @@ from pyroute2 import netns as pr_netns
 
 from . import nsexec
 from .kernel import (ALIAS_TAG, DIRECTIONS, FABRIC, HOST_IFNAME, LinkCounters, MAX_WORKERS, NETEM_HANDLE,
-                    NS_RE, NetemUnavailable, QdiscCounterReader, SWITCH, SWITCH_OFFSET, TBF_HANDLE,
+                    NS_RE, NetemParams, NetemUnavailable, QdiscCounterReader, SWITCH, SWITCH_OFFSET, TBF_HANDLE,
                     TC_H_ROOT, TERM_GRACE, TopologyError, WORKER_OFFSET, bridge_name, build_lock, check_prefix,
                     choose_subnet, disable_ipv6, ensure_addr, ensure_veth, ignoring, kill_pids, link_index,
                     list_topologies, ns_name, ns_pids, open_rtnl, port_name, probe_netem,
-                    root_ifname, root_peer_name, root_qdisc, tbf_of, teardown)
+                    netem_of, root_ifname, root_peer_name, root_qdisc, tbf_of, teardown)
 from .nsexec import require_privileges
 from .shaping import (BURST_TIME, DOWN_QUEUE_FRAMES, QUEUE_TIME, UP_QUEUE_FRAMES, TbfParams, format_rate,
                       parse_rate, tbf_params)
@@ -511,6 +511,31 @@ class Topology:
             out[h.name] = {"up": tbf_of(root_qdisc(hi, hidx)), "down": tbf_of(root_qdisc(fi, fidx))}
         return out
 
+    def netem(self) -> dict[str, dict[str, NetemParams | None]]:
+        """``{host: {'up': NetemParams|None, 'down': ...}}``: the delay and loss of each link direction's
+        netem, read back from the kernel (None: none). A kernel without netem has none: ``up`` refuses
+        delay and loss there, and the switch's impairment stage emulates them (its stats show them)."""
+        self._require_up()
+        out = {}
+        for h in self.hosts:
+            out[h.name] = {d: netem_of(q for q in ipr.get_qdiscs(index=idx) if q["index"] == idx)
+                           for (ipr, idx, _), d in zip(self._targets(h, "both"), ("up", "down"))}
+        return out
+
+    def _netem_spec(self, found: dict) -> tuple[float | None, float | None]:
+        """(delay, loss) as ``up`` was given them, from the links' netem as :meth:`netem` read them: ``up``
+        puts the same on both directions of every worker link and none on the switch's. Links that differ
+        from that (changed by hand) are refused: this object could not say, nor keep, what they do."""
+        seen = {found[h.name][d] for h in self.workers for d in ("up", "down")}
+        if len(seen) == 1 and not any(found[self.switch.name].values()):
+            p = seen.pop()
+            return (None, None) if p is None else (p.delay or None, p.loss or None)
+        each = ", ".join(f"{h} {d} " + ("none" if p is None else f"delay {p.delay * 1e3:g} ms loss {p.loss:g}")
+                         for h, dirs in found.items() for d, p in dirs.items())
+        raise TopologyError(f"topology {self.prefix}: its links' delay/loss (netem qdiscs) are not what `ina-net up` "
+                            f"sets, the same on both directions of every worker link ({each}): `ina-net down "
+                            f"--prefix {self.prefix}` and bring it up again")
+
     def counters(self, *hosts) -> dict[str, LinkCounters]:
         """Per-link byte/packet counters from the kernel (the host side of each veth) and the
         counters of both shaping queues; of every host, or only of ``hosts`` (names or Hosts).
@@ -536,7 +561,7 @@ class Topology:
     def status(self) -> dict:
         """Everything ``ina-net status`` shows, as a JSON-ready dict."""
         self._require_up()
-        shaping, counters = self.shaping(), self.counters()
+        shaping, counters, delays = self.shaping(), self.counters(), self.netem()
         netem = probe_netem()
         hosts = []
         for h in self.hosts:
@@ -545,11 +570,14 @@ class Topology:
                 "port": h.port,
                 "up": asdict(shaping[h.name]["up"]) if shaping[h.name]["up"] else None,
                 "down": asdict(shaping[h.name]["down"]) if shaping[h.name]["down"] else None,
+                "delay_loss": {d: asdict(p) if p else None for d, p in delays[h.name].items()},   # the links' netem
                 "counters": asdict(counters[h.name]),
             })
+        delay, loss = self._netem_spec(delays)
         return {"prefix": self.prefix, "subnet": str(self.subnet), "root_ip": self.root_ip,
                 "root_ifname": self.root_ifname, "fabric_netns": self.fabric_netns, "mtu": self.mtu,
-                "netem": {"available": netem.available, "detail": netem.detail}, "hosts": hosts}
+                "netem": {"available": netem.available, "detail": netem.detail},
+                "delay": delay, "loss": loss, "hosts": hosts}
 
     # ---- processes ----------------------------------------------------------------------------
     def popen(self, host, argv, *, sysfs: bool = True, **kw) -> subprocess.Popen:
@@ -648,9 +676,13 @@ class Topology:
                 raise TopologyError(f"topology {prefix}: host {h.name} has no link {h.ifname} with "
                                     f"address {h.ip}: `ina-net down --prefix {prefix}` and bring it up again")
         topo._host_rates = topo.rates()     # each host's own: set-rate may have given one a rate of its own
+        # delay and loss as the links' netem has them (a kernel without netem: none, up refused them), so that
+        # the handle reports them and set_rate / up keep them
+        topo.delay, topo.loss = topo._netem_spec(topo.netem())
         return topo
 
     def __repr__(self) -> str:
         state = "up" if self._is_up else "down"
-        return (f"Topology(prefix={self.prefix!r}, workers={self.workers_count}, {self._rate_summary()}, "
+        impaired = "".join(f", {k}={v:g}" for k, v in (("delay", self.delay), ("loss", self.loss)) if v)
+        return (f"Topology(prefix={self.prefix!r}, workers={self.workers_count}, {self._rate_summary()}{impaired}, "
                 f"subnet={self.subnet}, {state})")
