@@ -345,7 +345,8 @@ class Client(Worker):
         measured round trips (RFC 6298 with Karn's rule), at least ``rto`` and at most ``max_rto``. It
         stays well above a round trip (fast retransmission and the tail probe find real losses much
         sooner); when it fires it probes one chunk per switch shard and goes back for the rest only once
-        that one's answer shows them lost (ina.recovery, rule 4). ``queued``: the serialisation time of the chunks in flight
+        that one's answer shows them lost (ina.recovery, rule 4; a whole window of results lost on the
+        way back is mostly found sooner, by the tail probe's replay, rule 3). ``queued``: the serialisation time of the chunks in flight
         (their count x the result spacing); the last of a window on a slow link waits that long in the
         link's queue, so the timeout is at least the fastest round trip plus twice that."""
         rtt_floor = 0.0 if math.isinf(self.rtt_min) else self.rtt_min + 2 * queued

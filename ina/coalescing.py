@@ -32,18 +32,20 @@ class _Gaps:
         self.above_min = 0.0      # ... and the least of them
         self.first_rx: float | None = None
         self.after_first = 0      # results since the first burst
+        self.results = 0          # results in all
 
     def mean(self) -> float:
         """Seconds per result over every result since the first burst (stalls included, amortised)."""
         return (self.last_rx - self.first_rx) / self.after_first if self.after_first else 0.0
 
-    def sample(self, k: int, now: float, skip: bool) -> None:
+    def sample(self, k: int, now: float, skip: bool, cap: float = float("inf")) -> None:
+        self.results += k
         if self.first_rx is None:
             self.first_rx = now
         else:
             self.after_first += k
         if self.last_rx is not None and not skip:
-            gap = (now - self.last_rx) / k
+            gap = min(now - self.last_rx, cap) / k
             if self.samples < FIRST_SAMPLES:
                 self.per_pkt = min(self.per_pkt, gap) if self.samples else gap
                 self.samples += 1
@@ -98,16 +100,39 @@ class ArrivalSpacing:
         """A receive timed out: the gap it is part of may be idle (peers, a loss), not the link's pace."""
         self._idle = True
 
-    def sample(self, k: int, now: float, recovered: bool = False, replayed: bool = False) -> None:
+    def sample(self, k: int, now: float, recovered: bool = False, replayed: bool = False,
+               probed_after: float = float("inf")) -> None:
         """A burst of ``k`` results arrived at ``now``; ``recovered``: one was of a resent chunk;
         ``replayed``: every new result in it was a replay (the answer to a resend of a result lost on the
         way back): the gap it ends was the loss's recovery, not the link's pace, and the timers' estimate
         skips it too. Taken, a tail of 4 or more lost results, probed one silence at a time, restarted the
         estimate at the probe timeout's own length (4 such gaps in a row above twice it), so that the next
-        stream's probe timeout was 4 times that: 2 ms, 51 ms, 0.32 s, 3.5 s over three such streams."""
+        stream's probe timeout was 4 times that: 2 ms, 51 ms, 0.32 s, 3.5 s over three such streams.
+        ``probed_after``: a probe (rule 3 or 4) fired this long into the gap and the burst holds a resent
+        chunk's result, maybe the probe's answer: the timers skip the gap once they have an estimate (one
+        settled, or a prior), and take it at most that long before. Such a result is fresh when this rank's
+        own data packets were lost (the probe completed the round); taken, a tail of them grew the estimate
+        by the probes' waits, which count the pending chunks' spacing (recovery.probe_timeout), stream after
+        stream (12 ms, 79 ms, 0.47 s over three such streams). Without an estimate, a slow link's probe fires
+        in every gap (the probe timeout at its floor) and a gap's own result may end it: capped, the
+        estimate still grows to where the probes stop."""
         self.pace.sample(k, now, self._idle or recovered)
-        self.timer.sample(k, now, replayed)
+        probed = probed_after != float("inf")
+        known = self.timer.samples >= FIRST_SAMPLES or self.prior > 0
+        self.timer.sample(k, now, replayed or (probed and known), probed_after)
         self._idle = False
+
+    def next_prior(self, started: float) -> float | None:
+        """The spacing the client's next stream of the same packet sizes starts from: :meth:`settled`, at
+        most the time from ``started`` (the stream's first send) to its last result per result (the prior
+        ages out: a spacing grown by a loss's recovery stayed the prior of every later stream too short to
+        settle, all its results in a burst or two); None: no result."""
+        t = self.timer
+        if not t.results:
+            return None
+        bound = (t.last_rx - started) / t.results
+        settled = self.settled()
+        return min(bound, self.prior if settled is None else settled)
 
     def settled(self) -> float | None:
         """The timers' estimate once it has FIRST_SAMPLES samples (None before), at most the stream's mean

@@ -72,10 +72,14 @@ processes run):
    in flight that never has results of later chunks to show a loss). The longer silence, the
    measured round trip and the time the pending results take through the link, lets such a loss
    go unprobed no longer than the stall it is told from, and before the timeout (rule 4, at least
-   20 ms) on a quiet machine (round trips that vary lengthen both). Each probe resends one chunk, and its
-   answer, even a replay, sends no other (rule 4's go-back is the timeout's alone), so k results lost
-   together at a stream's end cost k such silences (the tail-loss tests: k = 4, 6, 11 recovered by k
-   probes, no timeout);
+   20 ms) on a quiet machine (round trips that vary lengthen both). Each probe resends one chunk. A
+   fresh answer sends no other; a replay (the round had completed: the result was lost on the way
+   back, and likely its neighbours') with ``SHORT_PROBE_MAX_PENDING`` or more chunks left in the
+   probe's lane sends those of them out longer than ``srtt + 4 x rttvar`` at once (rule 4's go-back,
+   counted as it is; the ones sent since are left to the rules): else a replay, ending the silence,
+   restarted both timers, and k results lost together cost k silences (a whole window lost on the way
+   back: 64 probes, 0.66 s at 4 ranks). The tail-loss tests: k = 4, 6, 11 recovered by a probe and a
+   go-back, no timeout;
 4. **timeout**, the safety net: out for longer than srtt + 4 rttvar (the client's RTO, at least its
    ``rto``, 20 ms by default, and at least the fastest round trip plus twice the serialisation time
    of the chunks in flight), doubled per resend, at most ``max_rto``, and no result at all arrived
@@ -94,8 +98,11 @@ processes run):
    completed; its result, and so likely its neighbours', was lost on the way back), or comes back
    fresh and no other result follows for the reordering window (the probe completed the round: this
    rank's data packets were lost; had a late peer completed it, the other results would follow). So a
-   window lost whole costs one RTO and a round trip, not one timeout per chunk. The follow-up is
-   explicit, not left to rule 2: the probe's result is no witness for chunks sent before it (Karn).
+   window lost whole costs one silence and a round trip (rule 3's probe's replay, or, with rule 3
+   held back, rule 4's), not one timeout per chunk. A later result of the lane while it waits for
+   its quiet window disarms it (results follow: a late peer), and the receive waits no longer than
+   that window (:meth:`LossDetector.next_deadline`). The follow-up is explicit, not left to rule 2:
+   the probe's result is no witness for chunks sent before it (Karn).
    Rule 3's probes of the same silence come first (its timeouts are below the RTO), and any result,
    a probe's replay too, restarts the RTO's silence: the timeout fires when a silence outlasts it with
    rule 3's probes unanswered (a late peer: the switch only reads them; or the probes lost too).
@@ -128,7 +135,8 @@ import numpy as np
 from . import recovery_kernels as RK
 from .wire import Flag
 
-SHORT_PROBE_MAX_PENDING = 3   # rule 3 probes a silence with more chunks pending than this only later (probe_timeout)
+# rule 3 probes a silence with more chunks pending than this only later (probe_timeout)
+SHORT_PROBE_MAX_PENDING = RK.SHORT_PROBE_MAX_PENDING
 STALL_RTTVARS = 4             # ... after srtt + this x rttvar + the pending chunks' serialisation
 TAIL_COPY_FROM = 16    # data streams of at least this many chunks send their last chunk twice (negotiation: always)
 DUPTHRESH, REO_FLOOR = RK.DUPTHRESH, RK.REO_FLOOR   # rule 1's count of later results, rule 2's floor (seconds)
@@ -185,7 +193,7 @@ def _load_loss_rules() -> None:
     timed out waiting for the rank compiling it)."""
     one, none = np.zeros(1, np.int64), np.zeros(1)
     RK.find_lost(one, 0.0, none, one, one, one, one, 0, np.nan, 0.0, np.inf, 1.0, np.nan, False, 0.0, False,
-                 np.full(1, -1, np.int64), one.copy(), one.copy())
+                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf)
 
 
 class LossDetector:
@@ -210,9 +218,11 @@ class LossDetector:
         self.rto_base = 0.0                        # when rule 4's timer last started: an arrival or a timeout probe
         lanes = int(self.lane.max()) + 1 if n else 1
         self.rto_probe = np.full(lanes, -1, np.int64)   # each lane's last timeout probe, its chunk (-1: none)
-        self.answer = np.zeros(lanes, np.int64)    # what became of it: RK.ARMED (no result yet), QUIET, NOW
+        self.answer = np.zeros(lanes, np.int64)    # what became of it: RK.ARMED (no result yet), QUIET, NOW, AGED
+        self.tail_probe = -1                       # rule 3's last probe, its chunk, until its result arrives (-1: none)
+        self.probed_at = 0.0                       # when this silence's first probe (rule 3 or 4) went out (0: none)
         self.went_back = 0                         # chunks the last lost() found by rule 4's go-back
-        self.rto_probing = False                   # a lane has a timeout probe (the receive calls answered() only then)
+        self.rto_probing = False                   # a probe awaits its evidence (answered() is called only then)
         _load_loss_rules()                         # once per process (cached)
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
@@ -244,14 +254,36 @@ class LossDetector:
         results is :meth:`delivered`'s, or the client's compiled receive pass's)."""
         self.last_arrival = self.probe_base = self.rto_base = now
         self.probes = self.timeouts = 0
+        self.probed_at = 0.0
+
+    def probed_after(self) -> float:
+        """How long into the silence its first probe went out (inf: none did): a result that ends the
+        silence may be that probe's answer, not the link's pace (ina.coalescing.ArrivalSpacing.sample)."""
+        return self.probed_at - self.last_arrival if self.probed_at else np.inf
 
     def answered(self, chunks: np.ndarray, replayed: np.ndarray) -> None:
         """Results of ``chunks`` arrived (``replayed``: with the REPLAY flag): a lane's timeout probe
-        among them arms its go-back (rule 4), at once for a replay, after a quiet window for a result."""
+        among them arms its go-back (rule 4), at once for a replay, after a quiet window for a result;
+        a later result of a lane waiting for its quiet window disarms it (results follow: a late peer);
+        the tail probe (rule 3) replayed arms its lane's go-back for the chunks out longer than the
+        stall time (``RK.AGED``)."""
         for m in np.flatnonzero(self.rto_probe >= 0):
             hit = np.flatnonzero(chunks == self.rto_probe[m])
             if hit.size and self.answer[m] == RK.ARMED:
                 self.answer[m] = RK.NOW if replayed[hit[0]] else RK.QUIET
+            elif self.answer[m] == RK.QUIET and (self.lane[chunks] == m).any():
+                self.rto_probe[m], self.answer[m] = -1, RK.ARMED
+        if self.tail_probe >= 0:
+            hit = np.flatnonzero(chunks == self.tail_probe)
+            if hit.size:
+                if replayed[hit[0]]:
+                    m = self.lane[self.tail_probe]
+                    self.rto_probe[m], self.answer[m] = self.tail_probe, RK.AGED
+                self.tail_probe = -1
+        self._update_probing()
+
+    def _update_probing(self) -> None:
+        self.rto_probing = self.tail_probe >= 0 or bool((self.rto_probe >= 0).any())
 
     def lost(self, pending: np.ndarray, now: float, srtt: float | None, rto: float, max_rto: float,
              pto: float | None = None, rttvar: float = 0.0,
@@ -273,12 +305,13 @@ class LossDetector:
         if not probe_due and not rto_due and not self.later[pending].any() and not self.rto_probing:
             return none, none, none       # no evidence, no silence: the common turn
         kind = self._kind[:pending.size]
-        if not RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.lane, self.unsent,
-                            np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
-                            probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind):
-            self.rto_probing = bool((self.rto_probe >= 0).any())
+        found = RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.lane, self.unsent,
+                             np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
+                             probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind,
+                             rto if srtt is None else srtt + STALL_RTTVARS * rttvar)
+        self._update_probing()
+        if not found:
             return none, none, none
-        self.rto_probing = bool((self.rto_probe >= 0).any())
         timed_out = (kind == RK.TIMEOUT) | (kind == RK.GO_BACK)
         self.went_back = int(np.count_nonzero(kind == RK.GO_BACK))
         if self.went_back < np.count_nonzero(timed_out):      # timeout probes went out: the timer backs off
@@ -297,14 +330,18 @@ class LossDetector:
 
     def next_deadline(self, pending: np.ndarray, srtt: float | None, rttvar: float, pto: float | None,
                       max_rto: float, spacing: float = 0.0) -> float:
-        """The earliest time rule 2 or 3 could find one of the ``pending`` chunks lost, if no result
-        arrives before (inf: none could; the timeout, rule 4, is tens of round trips away)."""
+        """The earliest time rule 2 or 3, or rule 4's go-back after a quiet window, could find one of the
+        ``pending`` chunks lost, if no result arrives before (inf: none could). Rule 4's timer is left to
+        the receive's usual wait (at least the client's ``rto``, 20 ms by default, against that 2 ms wait)."""
         if not len(pending):
             return np.inf
         pto = probe_timeout(pto, len(pending), srtt, rttvar, spacing)
-        return RK.next_deadline(np.asarray(pending, np.int64), self.sent_at, self.later, self.tries,
-                                np.nan if srtt is None else srtt, rttvar, np.nan if pto is None else pto,
-                                np.nan if pto is None else self._probe_at(pto, max_rto))
+        t = RK.next_deadline(np.asarray(pending, np.int64), self.sent_at, self.later, self.tries,
+                             np.nan if srtt is None else srtt, rttvar, np.nan if pto is None else pto,
+                             np.nan if pto is None else self._probe_at(pto, max_rto))
+        if srtt is not None and self.rto_probing and ((self.rto_probe >= 0) & (self.answer == RK.QUIET)).any():
+            t = min(t, self.last_arrival + self.reordering_window(srtt, rttvar))
+        return t
 
     def resent(self, chunks: np.ndarray, now: float, probed: bool = False, rules=None) -> None:
         """``chunks`` went out again at ``now``; ``probed``: one of them is a tail probe (rule 3).
@@ -314,6 +351,11 @@ class LossDetector:
             self.probe_base = now
         for rule, which in enumerate(rules or (), start=FAST):
             self.rule[which] = rule
+        if rules is not None and (rules[1].size or rules[2].size > self.went_back) and not self.probed_at:
+            self.probed_at = now                   # the silence's first probe (rule 3's, or rule 4's)
+        if probed and rules is not None and rules[1].size:
+            self.tail_probe = int(rules[1][0])
+            self._update_probing()
         self.tries[chunks] += 1
         self.sent(chunks, now, self.witness[chunks])
 

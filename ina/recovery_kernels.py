@@ -82,6 +82,8 @@ REO_FLOOR = 5e-4       # seconds a chunk may trail a later one before it counts 
 NONE, FAST, PROBE, TIMEOUT = 0, 1, 2, 3     # what a pending chunk is found: not lost, or lost by rule 1-2, 3, 4
 GO_BACK = 4            # found by rule 4's go-back: timed out before the lane's timeout probe, which was answered
 ARMED, QUIET, NOW = 0, 1, 2     # a lane's timeout probe: unanswered; answered (go back after a quiet window); replayed
+AGED = 3               # a lane's tail probe (rule 3) replayed: go back for the chunks out longer than the stall time
+SHORT_PROBE_MAX_PENDING = 3   # rule 3 probes a silence with more chunks pending than this only later (probe_timeout)
 
 
 @njit(cache=True)
@@ -116,25 +118,44 @@ def duplicate_thresholds(pending, later, seq, lane, unsent, out):
         out[q] = max(1, min(DUPTHRESH, outstanding[m] + later[oldest[m]] - 1))
 
 
+@njit(cache=True, inline="always")
+def _first_pick(tries_p, seq_p, tries_b, seq_b, have_b):
+    """Whether a chunk (``tries_p`` resends, sent as ``seq_p``) goes before the pick so far (``have_b``):
+    the least resent, oldest send first (rule 3's probe, rule 4's per lane)."""
+    return not have_b or tries_p < tries_b or (tries_p == tries_b and seq_p < seq_b)
+
+
+@njit(cache=True, inline="always")
+def _before_probe(p, m, seq, rto_probe):
+    """Whether chunk ``p`` was sent before lane ``m``'s probe (the one a go-back is for)."""
+    return rto_probe[m] >= 0 and seq[p] < seq[rto_probe[m]]
+
+
 @njit(cache=True)
 def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttvar, rto, max_rto, pto, probe_due,
-              last_arrival, rto_due, rto_probe, answer, kind):
+              last_arrival, rto_due, rto_probe, answer, kind, stall):
     """Rules 1 to 4 of ina.recovery over the ``pending`` chunks in one pass: ``kind[q]`` of
     ``pending[q]`` becomes NONE, FAST, PROBE, TIMEOUT (rule 4's probe, at most one per lane) or GO_BACK.
     ``srtt``, ``pto``: NaN when unknown; ``probe_due``: the probe timer fired; ``rto_due``: rule 4's
-    timer fired. ``rto_probe[m]``: the chunk of lane m's last timeout probe (-1: none), ``answer[m]``
-    what became of it (ARMED, QUIET, NOW); a lane that goes back is reset here (-1, ARMED), and a lane
-    probed gets the probe's chunk (the caller resends what is found). Returns whether any chunk was found lost."""
+    timer fired. ``rto_probe[m]``: the chunk of lane m's last probe awaiting its evidence (-1: none),
+    ``answer[m]`` what became of it (ARMED, QUIET, NOW; AGED: a tail probe replayed, whose go-back takes
+    only chunks out longer than ``stall`` and only with at least SHORT_PROBE_MAX_PENDING of the lane left);
+    a lane that goes back, or has nothing to go back for, is reset here (-1, ARMED), and a lane probed gets
+    the probe's chunk (the caller resends what is found). Returns whether any chunk was found lost."""
     window = reordering_window(srtt, rttvar) if srtt == srtt else np.nan
     silence = now - last_arrival
     quiet = silence > (window if window == window else rto)
     found = False
     probe, probe_tries, probe_seq = -1, 0, 0
     lanes = rto_probe.size
+    left = np.zeros(lanes, np.int64)        # each lane's pending chunks (for an AGED go-back)
+    for q in range(pending.size):
+        left[lane[pending[q]]] += 1
     back = np.zeros(lanes, np.bool_)        # lanes whose timed-out chunks go back now
     for m in range(lanes):
-        back[m] = rto_probe[m] >= 0 and (answer[m] == NOW or (answer[m] == QUIET and quiet))
-    best = np.full(lanes, -1, np.int64)     # each lane's timeout probe: the least resent, oldest send first
+        back[m] = rto_probe[m] >= 0 and (answer[m] == NOW or (answer[m] == QUIET and quiet)
+                                         or (answer[m] == AGED and left[m] >= SHORT_PROBE_MAX_PENDING))
+    best = np.full(lanes, -1, np.int64)     # each lane's timeout probe
     again = np.full(lanes, -1, np.int64)    # ... unless its last one is unanswered and still pending: that one
     older = np.zeros(lanes, np.bool_)       # a chunk sent before the lane's timeout probe is pending
     for q in range(pending.size):       # rule 1's counts (into kind, scratch until overwritten below): only
@@ -156,26 +177,25 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
         # as TCP's retransmission timer, restarted by every result
         limit = min(rto * backoff, max_rto)
         kind[q] = NONE
-        if rto_probe[m] >= 0 and seq[p] < seq[rto_probe[m]]:
-            older[m] = True
+        before = _before_probe(p, m, seq, rto_probe)
+        older[m] = older[m] or before
         if p == rto_probe[m] and answer[m] == ARMED:
             again[m] = q
         if fast:
             kind[q] = FAST
         elif back[m]:
-            if seq[p] < seq[rto_probe[m]]:
+            if before and (answer[m] != AGED or age > stall):
                 kind[q] = GO_BACK
         elif rto_due and age > limit and silence > limit:
             b = best[m]
-            if b < 0 or tries[p] < tries[pending[b]] or (tries[p] == tries[pending[b]] and seq[p] < seq[pending[b]]):
+            if _first_pick(tries[p], seq[p], tries[pending[b]], seq[pending[b]], b >= 0):
                 best[m] = q
-        elif probe_due and age > pto and (probe < 0 or tries[p] < probe_tries
-                                          or (tries[p] == probe_tries and seq[p] < probe_seq)):
-            probe, probe_tries, probe_seq = q, tries[p], seq[p]     # the least resent, oldest send first
+        elif probe_due and age > pto and _first_pick(tries[p], seq[p], probe_tries, probe_seq, probe >= 0):
+            probe, probe_tries, probe_seq = q, tries[p], seq[p]
         found = found or kind[q] != NONE
     for m in range(lanes):
-        if back[m] or (answer[m] != ARMED and not older[m]):    # gone back, or nothing left to go back for
-            rto_probe[m], answer[m] = -1, ARMED
+        if back[m] or (answer[m] != ARMED and (answer[m] == AGED or not older[m])):
+            rto_probe[m], answer[m] = -1, ARMED     # gone back, or nothing (more) to go back for
         elif best[m] >= 0:
             # an unanswered timeout probe is sent again (as TCP's RTO resends the same segment): the switch may
             # drop a rank's first resend of a round (RETRANSMIT_CROSSED, switch_model/alu.py) but replays its

@@ -143,6 +143,7 @@ class Transfer:
         """Send the first window, run ``meanwhile()`` if given (work that needs none of the results:
         the client encodes its first data window while the negotiation is out), then take results."""
         cl, n_chunks = self.cl, self.n_chunks
+        started = time.monotonic()
         self.send_new(np.arange(min(self.S, n_chunks)))
         if meanwhile is not None:
             meanwhile()
@@ -164,8 +165,8 @@ class Transfer:
                     self.retransmit_lost(now)
                 if now - self.last_progress > cl.timeout:
                     raise AllreduceError(cl.stall_message(n_chunks, self.n_done, self.c0))
-        if (settled := self.spacing.settled()) is not None:
-            cl.link_spacing[self.link] = settled      # the next stream's timers start from it
+        if (prior := self.spacing.next_prior(started)) is not None:
+            cl.link_spacing[self.link] = prior        # the next stream's timers start from it
         cl.group_seen = cl.multicast and self.group_results > 0
         if self.overflow:
             raise AllreduceError(f"job {cl.job}: {self.overflow} chunk(s) came back with the OVERFLOW flag: a switch "
@@ -195,7 +196,9 @@ class Transfer:
         stats.duplicate_results += ok - fresh
         stats.stale_results += other
         self.overflow += overflow
-        self.spacing.sample(k, now, fresh > 0 and rtts[3], fresh > 0 and n_rep == fresh)   # Karn: round trips only of chunks never resent
+        recovered = fresh > 0 and rtts[3]         # Karn: round trips only of chunks never resent
+        self.spacing.sample(k, now, recovered, fresh > 0 and n_rep == fresh,
+                            self.ld.probed_after() if recovered else math.inf)
         if fresh:
             self.complete(fresh, n_rep, rtts, pending, n_new, top, now)
         stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, cl.coalesce)
