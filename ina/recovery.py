@@ -90,9 +90,10 @@ processes run):
    resends the same segment: the switch drops a rank's first resend of a round another rank's resend or
    LATE packet completed (``RETRANSMIT_CROSSED``), never its second, so where every result is lost on
    the way back (a multicast group that does not reach the workers) a new chunk per timeout met that
-   drop each time and no probe was ever answered (64 timeouts of up to ``max_rto`` per window). A silence that long is most often a peer that has not sent yet (a
-   rank computing its gradients late, in DDP): resending the whole window (up to 64 chunks, 5.5 ms of
-   a 100 Mbit/s uplink, and 64 reads at the switch) every step bought nothing, each resend only read.
+   drop each time and no probe was ever answered (64 timeouts of up to ``max_rto`` per window).
+   A silence that long is most often a peer that has not sent yet (a rank computing its gradients
+   late, in DDP): resending the whole window (up to 64 chunks, 5.5 ms of a 100 Mbit/s uplink, and 64
+   reads at the switch) every step bought nothing, each resend only read.
    The rest of the lane's timed-out chunks (those sent before the probe) go out at once (*go-back*)
    only on evidence that they were lost: the probe's result comes back as a replay (the round had
    completed; its result, and so likely its neighbours', was lost on the way back), or comes back
