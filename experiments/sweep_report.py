@@ -273,16 +273,16 @@ def _plot_scaling(out, ar, methods, rates, big, made):
     shown, cpu = [], False
     for ax, rate in zip(axs[0], srates):
         for m in core:          # the seed codecs' scaling is in the tables
-            pts = sorted((x["workers"], x["time_median"], x["ideal_time"]) for x in ar
-                         if x["method"] == m and x["rate"] == rate and x["elements"] == big)
-            if len(pts) >= 2:
+            recs = sorted((x for x in ar if x["method"] == m and x["rate"] == rate and x["elements"] == big),
+                          key=lambda x: x["workers"])
+            if len(recs) >= 2:
                 st = style(m)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], **st.kw())
+                ax.plot([x["workers"] for x in recs], [x["time_median"] for x in recs], **st.kw())
                 shown.append(m)
-                cpu |= _mark_cpu_bound(ax, [(x["workers"], x["time_median"], x) for x in ar if x["method"] == m
-                                            and x["rate"] == rate and x["elements"] == big])
-                if pts[0][2] is not None and m in ("gloo", "ina:nc", "ina:bfp32"):
-                    ax.plot([p[0] for p in pts], [p[2] for p in pts], "-.", color=st.colour, lw=0.9, alpha=0.7)
+                cpu |= _mark_cpu_bound(ax, [(x["workers"], x["time_median"], x) for x in recs])
+                if recs[0]["ideal_time"] is not None and m in ("gloo", "ina:nc", "ina:bfp32"):
+                    ax.plot([x["workers"] for x in recs], [x["ideal_time"] for x in recs], "-.", color=st.colour,
+                            lw=0.9, alpha=0.7)
         ax.set_xticks(ns)
         _log_y(ax)
         ax.set_xlabel("workers")

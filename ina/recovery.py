@@ -174,6 +174,13 @@ def long_silence(n_pending: int) -> bool:
     return n_pending > SHORT_PROBE_MAX_PENDING
 
 
+def stall_time(srtt: float | None, rttvar: float, otherwise: float) -> float:
+    """How long a result may be out before its silence looks like a loss rather than a stall: ``srtt +
+    STALL_RTTVARS x rttvar`` (``otherwise`` before any round trip was measured). Rule 3's longer probe
+    timeout starts from it; a replayed tail probe's go-back takes only chunks out longer than it."""
+    return otherwise if srtt is None else srtt + STALL_RTTVARS * rttvar
+
+
 def probe_timeout(pto: float | None, n_pending: int, srtt: float | None, rttvar: float,
                   spacing: float) -> float | None:
     """Rule 3's probe timeout for a silence with ``n_pending`` chunks out: ``pto`` (the client's probe
@@ -183,8 +190,7 @@ def probe_timeout(pto: float | None, n_pending: int, srtt: float | None, rttvar:
     (which holds the run-queue floor); without an srtt, ``pto`` plus their serialisation."""
     if pto is None or not long_silence(n_pending):
         return pto
-    rtt = pto if srtt is None else srtt + STALL_RTTVARS * rttvar
-    return max(pto, rtt + n_pending * spacing)
+    return max(pto, stall_time(srtt, rttvar, pto) + n_pending * spacing)
 
 
 @functools.cache
@@ -309,7 +315,7 @@ class LossDetector:
         found = RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.lane, self.unsent,
                              np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
                              probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind,
-                             rto if srtt is None else srtt + STALL_RTTVARS * rttvar)
+                             stall_time(srtt, rttvar, rto))
         self._update_probing()
         if not found:
             return none, none, none
