@@ -94,7 +94,7 @@ class Client(Worker):
     def __init__(self, switch=("127.0.0.1", 9999), rank: int = 0, world_size: int = 1, job: int = 0, *,
                  elements: int = 1024, slots: int = 64, raw: bool = False, timeout: float = 30.0,
                  rto: float = 0.02, min_rto: float = 0.001, max_rto: float = 1.0, seed: int | None = None,
-                 codec_options: dict | None = None, coalesce: float = 0.004, first_chunk: int = 0,
+                 codec_options: dict | None = None, coalesce: float | None = None, first_chunk: int = 0,
                  token: str | None = None, timeline: bool = False, codecs: tuple = (), sparse: bool = False,
                  tail_copy_from: int = TAIL_COPY_FROM, multicast: bool | None = None):
         self._init_worker(rank, world_size, job, seed, codec_options, ClientStats())
@@ -102,7 +102,8 @@ class Client(Worker):
         self.switch = (host, int(port))
         self.timeout, self.rto, self.max_rto = float(timeout), float(rto), float(max_rto)
         self.min_rto = float(min_rto)         # floor of the tail probe timeout (``rto``: of the safety net)
-        self.coalesce = float(coalesce)       # longest pause to let results accumulate (0: off)
+        # the longest receive-coalescing pause (seconds; 0: off; None: only ina.coalescing.pause_length's bounds)
+        self.coalesce = math.inf if coalesce is None else float(coalesce)
         self.sparse = bool(sparse)            # allreduce's default: sparse block streaming (ina.sparse)
         self.tail_copy_from = int(tail_copy_from)   # data streams this long send their last chunk twice (ina.recovery)
         self.record_timeline = bool(timeline)  # keep the last allreduce's Timeline in last_timeline

@@ -1,19 +1,53 @@
 """Receive coalescing for the streaming client (:mod:`ina.client`).
 
-On a slow link results trickle in one by one and each loop turn of the client costs ~100 us of
-Python; with a full window still in flight, the client lets a few more results arrive before it
-turns again (on a fast link they arrive faster than a loop turn and batch by themselves). The pace
-is read from the results' arrival spacing; the loss timers use an estimate of it too (the tail
-probe's timeout, and the serialisation time of the chunks in flight for the retransmission
-timeout), kept apart: coalescing's errs short, the timers' must not (:class:`ArrivalSpacing`).
+On a slow link results trickle in one by one and each loop turn of the client costs ~140 us of
+CPU whatever it holds; the client lets more results arrive before it turns again (on a fast link
+they arrive faster than a loop turn and batch by themselves). How long: :func:`pause_length`, the
+one rule. The pace is read from the results' arrival spacing; the loss timers use an estimate of
+it too (the tail probe's timeout, and the serialisation time of the chunks in flight for the
+retransmission timeout), kept apart: coalescing's errs short, the timers' must not
+(:class:`ArrivalSpacing`).
 """
 from __future__ import annotations
 
+import math
 import time
 
 COALESCE_TARGET = 16      # results per receive burst that receive coalescing aims at
 COALESCE_SPACING = 2e-4   # ... when results arrive further apart than this (a 8 kB packet at 330 Mbit/s)
 FIRST_SAMPLES = 4         # the estimate starts as the least of this many samples (no pause before)
+PAUSE_MIN = 5e-5          # a shorter pause is not taken (a sleep's own cost and timer slack)
+
+
+def pause_length(per_pkt: float, in_flight: int, tail: bool, until: float, elapsed: float = 0.0,
+                 longest: float = math.inf) -> float:
+    """How long the client pauses after a loop turn that took fresh results, so that its next receive
+    takes about COALESCE_TARGET of them at once (0: no pause). ``per_pkt``: the results' spacing
+    (seconds per result: :meth:`ArrivalSpacing.for_coalescing`, 0 before it has samples enough);
+    ``in_flight``: chunks sent without a result; ``tail``: every chunk of the stream is sent (no send
+    waits for a result any more); ``until``: seconds until the earliest time a loss rule could fire
+    (``LossDetector.next_deadline``, rule 4's timer); ``elapsed``: seconds since the turn's receive
+    returned (its processing: results arrived meanwhile too); ``longest``: the user's cap
+    (``Client(coalesce=...)``, seconds; 0: off; default none).
+
+    Only where results come further apart than COALESCE_SPACING (faster, they batch by themselves), it
+    is the spacing of
+      * ``min(COALESCE_TARGET, in_flight / 4)`` results while chunks are still to be sent: a result frees
+        the next chunk's send, and a pause that long leaves at least 3/4 of the window queued, so the
+        uplink never idles;
+      * ``min(COALESCE_TARGET, in_flight - 1)`` results in the stream's tail: nothing waits to be sent,
+        and the last result is never held by a pause (it wakes its own turn);
+    less ``elapsed``, and never past ``until``: a pause never delays a loss rule's resend (rule 1's
+    evidence, results of later chunks, arrives with the results and is read in the next turn, at most
+    one pause later). Sized in spacings, the pause scales with the link (and with a time-dilated
+    run's stretch); it was capped at 4 ms, which at 16 Mbit/s (3.7 ms a result) held one result, and
+    the tail never paused: 196 turns per 208-chunk allreduce against 18 at 1 Gbit/s
+    (docs/performance.md, "Receive coalescing at slow link rates")."""
+    if per_pkt <= COALESCE_SPACING or longest <= 0:
+        return 0.0
+    n = min(COALESCE_TARGET, in_flight - 1) if tail else min(COALESCE_TARGET, in_flight / 4)
+    pause = min(n * per_pkt - elapsed, until, longest)
+    return pause if pause > PAUSE_MIN else 0.0
 
 
 class _Gaps:
@@ -148,13 +182,15 @@ class ArrivalSpacing:
         t = self.timer
         return t.per_pkt if t.samples >= FIRST_SAMPLES else max(t.per_pkt, self.prior)
 
-    def pause(self, k: int, in_flight: int, longest: float) -> float:
-        """After a receive burst of ``k`` results with ``in_flight`` chunks out: sleep to let a few more
-        arrive (at most ``longest`` seconds; 0: off) when the link trickles. Returns the pause."""
-        per_pkt = self.per_pkt if self.samples >= FIRST_SAMPLES else 0.0
-        if k < COALESCE_TARGET and in_flight > 2 * COALESCE_TARGET and per_pkt > COALESCE_SPACING:
-            pause = min(longest, per_pkt * (COALESCE_TARGET - k), in_flight * per_pkt / 4)
-            if pause > 5e-5:
-                time.sleep(pause)
-                return pause
-        return 0.0
+    def for_coalescing(self) -> float:
+        """The spacing receive coalescing uses (:func:`pause_length`): ``per_pkt`` once it has FIRST_SAMPLES
+        samples, 0 before (no pause)."""
+        return self.pace.per_pkt if self.pace.samples >= FIRST_SAMPLES else 0.0
+
+    def pause(self, in_flight: int, tail: bool, until: float, elapsed: float = 0.0,
+              longest: float = math.inf) -> float:
+        """Sleep for :func:`pause_length` at :meth:`for_coalescing`'s spacing; returns the pause (seconds)."""
+        pause = pause_length(self.for_coalescing(), in_flight, tail, until, elapsed, longest)
+        if pause:
+            time.sleep(pause)
+        return pause

@@ -308,7 +308,7 @@ class LossDetector:
         self.went_back = 0
         pto = probe_timeout(pto, pending.size, srtt, rttvar, spacing)
         probe_due = self._probe_due(now, pto, max_rto)
-        rto_due = now - self.rto_base > min(rto * 2.0 ** self.timeouts, max_rto)
+        rto_due = now > self.rto_at(rto, max_rto)
         if not probe_due and not rto_due and not self.later[pending].any() and not self.rto_probing:
             return none, none, none       # no evidence, no silence: the common turn
         kind = self._kind[:pending.size]
@@ -329,6 +329,11 @@ class LossDetector:
     def _probe_at(self, pto: float, max_rto: float) -> float:
         """When the probe timer fires: ``pto`` after it last started, doubled per probe of this silence."""
         return self.probe_base + min(pto * 2.0 ** self.probes, max_rto)
+
+    def rto_at(self, rto: float, max_rto: float) -> float:
+        """When rule 4's timer fires: ``rto`` after it last started (an arrival or a timeout probe), doubled
+        per timeout probe of this silence, at most ``max_rto``."""
+        return self.rto_base + min(rto * 2.0 ** self.timeouts, max_rto)
 
     def _probe_due(self, now: float, pto: float | None, max_rto: float) -> bool:
         return pto is not None and now > self._probe_at(pto, max_rto)

@@ -71,6 +71,7 @@ class Transfer:
                      count, E)
         self.overflow = 0
         self.checked = False          # the loss check ran in this loop turn
+        self.timers_due = 0.0         # the earliest time a loss rule could fire, as the last loss check found
         self.drained = True           # the last receive emptied the socket
         self.low = 0                  # every chunk below `low` is done
         self.n_done = self.n_sent = 0
@@ -201,7 +202,10 @@ class Transfer:
                             self.ld.probed_after() if recovered else math.inf)
         if fresh:
             self.complete(fresh, n_rep, rtts, pending, n_new, top, now)
-        stats.coalesce_pause_s += self.spacing.pause(k, self.n_sent - self.n_done, cl.coalesce)
+            if self.drained and self.n_done < self.n_chunks:      # (a full burst: more results wait already)
+                t = time.monotonic()
+                stats.coalesce_pause_s += self.spacing.pause(self.n_sent - self.n_done, self.n_sent == self.n_chunks,
+                                                             self.timers_due - t, t - now, cl.coalesce)
 
     def complete(self, fresh: int, n_rep: int, rtts: tuple, pending: np.ndarray, n_new: int, top: int,
                  now: float) -> None:
@@ -290,5 +294,7 @@ class Transfer:
             cl.stats.timeout_retransmissions += late.size
             cl.stats.timeout_go_back += self.ld.went_back
             cl.stats.retransmissions += lost.size
-        cl.wait_until(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto, per_pkt), now)
+        due = self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto, per_pkt)
+        cl.wait_until(due, now)
+        self.timers_due = min(due, self.ld.rto_at(rto, max_rto))   # a coalescing pause ends before either
         return rows

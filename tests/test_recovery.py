@@ -9,6 +9,7 @@ results stay bit-identical to the numpy reference (a resend never adds twice).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import threading
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from ina.client import ClientStats
-from ina.coalescing import ArrivalSpacing
+from ina.coalescing import ArrivalSpacing, pause_length
 from ina.recovery import DUPTHRESH, LossDetector
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -760,7 +761,7 @@ def test_early_retransmit_near_the_end_of_the_stream():
 
 
 def test_a_loss_does_not_make_a_fast_link_pause_for_receive_coalescing(tmp_path):
-    """Receive coalescing pauses (up to 4 ms) only where results trickle in slower than a loop turn.
+    """Receive coalescing pauses (for up to 16 result spacings) only where results trickle in slower than a loop turn.
     On loopback they come faster; a loss's recovery gap (or a peer's, which stalls the job's lockstep
     stream alike) is no sign of a slow link: under 1% loss in both directions the clients pause for
     coalescing for less than a tenth of one maximal pause per packet lost (each loss cost every rank
@@ -793,11 +794,11 @@ def test_a_first_gap_that_was_the_process_pausing_does_not_make_a_fast_link_paus
     for _ in range(10):
         now += 8 * 2e-5
         fast.sample(8, now)
-        assert fast.pause(8, 64, 0.004) == 0.0
+        assert pause_length(fast.for_coalescing(), 64, False, math.inf) == 0.0
     for i in range(6):
         slow.sample(2, i * 1e-3)
     assert slow.per_pkt == pytest.approx(5e-4)
-    assert slow.pause(2, 64, 0.004) > 0
+    assert pause_length(slow.for_coalescing(), 64, False, math.inf) > 0
 
 
 # ------------------------------------------------------------------------------------------------
