@@ -97,7 +97,7 @@ class _Gaps:
 class ArrivalSpacing:
     """The results' arrival spacing, two estimates of seconds per result (:class:`_Gaps`):
 
-    * ``per_pkt``, receive coalescing's (:meth:`pause`): the link's pace, from gaps the client spent
+    * ``per_pkt``, receive coalescing's (:meth:`for_coalescing`): the link's pace, from gaps the client spent
       receiving, none that a receive timed out in (:meth:`idle`) or that ended with a resent chunk's
       result (``recovered``: the wait for a loss's recovery). A gap that was not the link's lifted it
       above COALESCE_SPACING on loopback, and every rank then paused after each loss, the job with it;

@@ -120,3 +120,33 @@ def test_without_a_pending_rule_only_the_timeout_bounds_the_pause():
     until = _until(ld, pending, now, 0.24, 0.01, 1e-3, 0.5, 1.0, per)
     assert until > 0.2
     assert pause_length(per, pending.size, False, until) == pytest.approx(COALESCE_TARGET * per)
+
+
+def test_a_bunched_first_sample_does_not_hold_the_spacing_low_for_the_stream():
+    """``per_pkt`` starts as the least of its first samples and takes no gap above twice it: two results
+    received together at first (0.26 ms a result, where they come 0.66 ms apart) held it there, and every
+    pause took 6 results instead of 16. Coalescing's spacing is the timers' estimate or the stream's mean
+    then, whichever is less."""
+    sp, now = ArrivalSpacing(), 0.0
+    sp.sample(1, now)
+    now += 0.52e-3
+    sp.sample(2, now)                          # a bunched pair: 0.26 ms a result
+    for _ in range(30):
+        now += 0.66e-3
+        sp.sample(1, now)
+    assert sp.per_pkt == pytest.approx(0.26e-3)
+    assert sp.for_coalescing() == pytest.approx(0.66e-3, rel=0.05)
+    assert pause_length(sp.for_coalescing(), 64, False, INF) == pytest.approx(16 * 0.66e-3, rel=0.05)
+
+
+def test_a_fast_links_loss_recoveries_do_not_make_it_pause():
+    """On loopback (20 us a result) a loss's recovery gap (5 ms, ended by the resent chunk's result) every
+    20 results lifts the stream's mean above COALESCE_SPACING, but not the timers' estimate: no pause."""
+    sp, now = ArrivalSpacing(), 0.0
+    for i in range(1, 401):
+        gap, recovered = (5e-3, True) if i % 20 == 0 else (2e-5, False)
+        now += gap
+        sp.sample(1, now, recovered=recovered, probed_after=INF)
+    assert sp.pace.mean() > COALESCE_SPACING
+    assert sp.for_coalescing() < COALESCE_SPACING
+    assert pause_length(sp.for_coalescing(), 64, False, INF) == 0.0
