@@ -183,17 +183,18 @@ class ArrivalSpacing:
         return t.per_pkt if t.samples >= FIRST_SAMPLES else max(t.per_pkt, self.prior)
 
     def for_coalescing(self) -> float:
-        """The spacing receive coalescing uses (:func:`pause_length`; 0 before ``per_pkt`` has FIRST_SAMPLES
-        samples: no pause): ``per_pkt``, or where that is lower, the lesser of the timers' estimate and the
-        stream's mean spacing. ``per_pkt`` starts as the least of its first samples and then takes no gap
-        above twice it: a first sample of two results received together (0.26 ms a result where they came
-        0.66 ms apart, 100 Mbit/s) held it there for the whole stream, and its pauses took 6 results
-        instead of 16 (5 of 16 streams in one run; one stuck below COALESCE_SPACING never paused). Both
-        others must have risen for the spacing to: a loss's recovery or a peer's stall lifts the mean but not
-        the timers' estimate (it takes such gaps only four in a row), a loaded 1 Gbit/s run (where the timers'
-        estimate once rose, :class:`ArrivalSpacing`) has a mean of its results' real pace."""
+        """The spacing receive coalescing uses (:func:`pause_length`): ``per_pkt`` (0 before it has FIRST_SAMPLES
+        samples: no pause), and once that says the link trickles (above COALESCE_SPACING), at least the lesser
+        of the timers' estimate and the stream's mean spacing. ``per_pkt`` starts as the least of its first
+        samples and then takes no gap above twice it: a first sample of two results received together (0.26 ms
+        a result where they came 0.66 ms apart, 100 Mbit/s) held it there for the whole stream, and its pauses
+        took 6 results instead of 16 (4 of 16 streams in one run). Both others must have risen for the pause
+        to grow: a loss's recovery or a peer's stall lifts the mean but not the timers' estimate (it takes such
+        gaps only four in a row). Whether to pause at all stays ``per_pkt``'s, which errs short: on a loaded
+        machine at 1 Gbit/s, where results come slower than the link because the processes wait for a core,
+        the other two rose and the clients paused."""
         p = self.pace
-        if p.samples < FIRST_SAMPLES:
+        if p.samples < FIRST_SAMPLES or p.per_pkt <= COALESCE_SPACING:
             return 0.0
         return max(p.per_pkt, min(self.timer.per_pkt, p.mean()))
 
