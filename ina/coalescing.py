@@ -190,9 +190,9 @@ class ArrivalSpacing:
         a result where they came 0.66 ms apart, 100 Mbit/s) held it there for the whole stream, and its pauses
         took 6 results instead of 16 (4 of 16 streams in one run). Both others must have risen for the pause
         to grow: a loss's recovery or a peer's stall lifts the mean but not the timers' estimate (it takes such
-        gaps only four in a row). Whether to pause at all stays ``per_pkt``'s, which errs short: on a loaded
-        machine at 1 Gbit/s, where results come slower than the link because the processes wait for a core,
-        the other two rose and the clients paused."""
+        gaps only four in a row). Whether to pause at all stays ``per_pkt``'s, which errs short: the timers'
+        estimate, shared with coalescing once, rose on a loaded machine at 1 Gbit/s and the clients paused
+        (this class's notes); a stream's mean rises wherever its processes wait for a core."""
         p = self.pace
         if p.samples < FIRST_SAMPLES or p.per_pkt <= COALESCE_SPACING:
             return 0.0
