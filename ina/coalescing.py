@@ -183,20 +183,26 @@ class ArrivalSpacing:
         return t.per_pkt if t.samples >= FIRST_SAMPLES else max(t.per_pkt, self.prior)
 
     def for_coalescing(self) -> float:
-        """The spacing receive coalescing uses (:func:`pause_length`): ``per_pkt`` (0 before it has FIRST_SAMPLES
-        samples: no pause), and once that says the link trickles (above COALESCE_SPACING), at least the lesser
-        of the timers' estimate and the stream's mean spacing. ``per_pkt`` starts as the least of its first
-        samples and then takes no gap above twice it: a first sample of two results received together (0.26 ms
-        a result where they came 0.66 ms apart, 100 Mbit/s) held it there for the whole stream, and its pauses
-        took 6 results instead of 16 (4 of 16 streams in one run). Both others must have risen for the pause
-        to grow: a loss's recovery or a peer's stall lifts the mean but not the timers' estimate (it takes such
-        gaps only four in a row). Whether to pause at all stays ``per_pkt``'s, which errs short: the timers'
-        estimate, shared with coalescing once, rose on a loaded machine at 1 Gbit/s and the clients paused
-        (this class's notes); a stream's mean rises wherever its processes wait for a core."""
+        """The spacing receive coalescing uses (:func:`pause_length`; 0 before ``per_pkt`` has FIRST_SAMPLES
+        samples: no pause): ``per_pkt``, or where the lesser of the timers' estimate and the stream's mean
+        spacing is above it, that lesser one, provided it is above twice COALESCE_SPACING or ``per_pkt`` is
+        above COALESCE_SPACING. ``per_pkt`` starts as the least of its first samples and then takes no gap
+        above twice it: a first sample of two results received together (0.26 ms a result where they came
+        0.66 ms apart, 100 Mbit/s) held it there for the stream, whose pauses took 6 results instead of 16,
+        and one at 0.07 ms never paused (179 turns instead of 20; 1 to 4 of 16 streams in a run). Both
+        others must have risen: a loss's recovery or a peer's stall lifts the mean but not the timers'
+        estimate (it takes such gaps only four in a row). Where ``per_pkt`` says the link is fast, the other
+        two start pauses only from twice COALESCE_SPACING: the timers' estimate, shared with coalescing once,
+        rose on a loaded machine at 1 Gbit/s and the clients paused (this class's notes), and a stream's mean
+        rises wherever its processes wait for a core (measured at load 14-17, 1 Gbit/s: the timers' estimate
+        at most 0.11 ms)."""
         p = self.pace
-        if p.samples < FIRST_SAMPLES or p.per_pkt <= COALESCE_SPACING:
+        if p.samples < FIRST_SAMPLES:
             return 0.0
-        return max(p.per_pkt, min(self.timer.per_pkt, p.mean()))
+        other = min(self.timer.per_pkt, p.mean())
+        if p.per_pkt > COALESCE_SPACING or other > 2 * COALESCE_SPACING:
+            return max(p.per_pkt, other)
+        return 0.0
 
     def pause(self, in_flight: int, tail: bool, until: float, elapsed: float = 0.0,
               longest: float = math.inf) -> float:
