@@ -54,7 +54,9 @@ processes run):
    skipped such gaps, every result of a stream was probed for first: docs/performance.md, "Spurious
    resends on slow links and with a sharded switch"). One chunk is resent per probe, the one resent least often so far, oldest first (as TCP's
    tail loss probe: its result restarts the flow, and any further lost chunk then meets rule 2 or
-   another probe). The probe timer is the silence's, not a chunk's: it restarts with every result
+   another probe); a probe still unanswered at the next probe is sent again, for rule 4's reason (the
+   switch drops a rank's first resend that crossed the result, ``RETRANSMIT_CROSSED``: three such chunks
+   cost 1 + 2 + 4 + 8 + 1 + 1 probe timeouts with a new chunk per probe, 3 x (1 + 2) this way). The probe timer is the silence's, not a chunk's: it restarts with every result
    and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a
    slow peer costs a handful of probes in all, not one per chunk and silence.
    A silence with more than ``SHORT_PROBE_MAX_PENDING`` (3) chunks pending is probed later
@@ -200,7 +202,7 @@ def _load_loss_rules() -> None:
     timed out waiting for the rank compiling it)."""
     one, none = np.zeros(1, np.int64), np.zeros(1)
     RK.find_lost(one, 0.0, none, one, one, one, one, 0, np.nan, 0.0, np.inf, 1.0, np.nan, False, 0.0, False,
-                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf)
+                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf, -1)
 
 
 class LossDetector:
@@ -315,7 +317,7 @@ class LossDetector:
         found = RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.lane, self.unsent,
                              np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
                              probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind,
-                             stall_time(srtt, rttvar, rto))
+                             stall_time(srtt, rttvar, rto), self.tail_probe)
         self._update_probing()
         if not found:
             return none, none, none
