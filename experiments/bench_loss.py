@@ -65,7 +65,6 @@ import time
 
 import numpy as np
 
-from experiments.sweep_cpu import switch_cpu_of, switch_process_cpu_ns
 from ina.control import request
 from switch_model.launch import start_switch
 
@@ -88,6 +87,8 @@ COUNTERS = ("retransmissions", "fast_retransmissions", "probe_retransmissions", 
 
 def switch_counts(host: str, port: int) -> dict:
     """The switch's counts of what was lost and what the resends met (cumulative)."""
+    # (here, not at the top: a baseline's workers run this file with an older tree's experiments package)
+    from experiments.sweep_cpu import switch_process_cpu_ns
     st = request(host, port, {"op": "stats"}, timeout=10)["stats"]
     imp = st["impairments"]
     return {"ingress_dropped": imp["ingress"]["dropped"], "egress_dropped": imp["egress"]["dropped"],
@@ -359,6 +360,7 @@ def summarise(n: int, elements: int, name: str, imp: dict, blocks: list[dict], r
     times = np.array([b["time"] for b in blocks])
     ratios = times / np.array([b["time"] for b in ref])
     counters = {k: sum(b["counters"][k] for b in blocks) for k in COUNTERS}
+    from experiments.sweep_cpu import switch_cpu_of
     switch = {k: sum(b["switch"][k] for b in blocks) for k in blocks[0]["switch"]}
     switch_cpu, switch_cpu_source = switch_cpu_of(switch["cpu_ns"], switch["process_cpu_ns"], reps * len(blocks))
     row = {"workers": n, "elements": elements, "setting": name, "impairment_each_direction": imp,
