@@ -143,12 +143,12 @@ def _before_probe(p, m, seq, rto_probe):
 
 @njit(cache=True)
 def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttvar, rto, max_rto, pto, probe_due,
-              last_arrival, rto_due, rto_probe, answer, kind, stall, tail_probe):
+              last_arrival, rto_due, rto_probe, answer, kind, stall, tail_probe, quiet_after):
     """Rules 1 to 4 of ina.recovery over the ``pending`` chunks in one pass: ``kind[q]`` of
     ``pending[q]`` becomes NONE, FAST, PROBE, TIMEOUT (rule 4's probe, at most one per lane) or GO_BACK.
     ``srtt``, ``pto``: NaN when unknown; ``probe_due``: the probe timer fired; ``rto_due``: rule 4's
     timer fired. ``rto_probe[m]``: the chunk of lane m's last probe awaiting its evidence (-1: none),
-    ``answer[m]`` what became of it (ARMED, QUIET, NOW; AGED: a tail probe replayed, whose go-back takes
+    ``answer[m]`` what became of it (ARMED, QUIET: go back once the silence lasts ``quiet_after``, NaN: ``rto``; NOW; AGED: a tail probe replayed, whose go-back takes
     only chunks out longer than ``stall`` and only with at least SHORT_PROBE_MAX_PENDING of the lane left);
     a lane that goes back, or has nothing to go back for, is reset here (-1, ARMED), and a lane probed gets
     the probe's chunk (the caller resends what is found). ``tail_probe``: rule 3's last probe, its chunk,
@@ -156,7 +156,7 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
     resent chunk, oldest first. Returns whether any chunk was found lost."""
     window = reordering_window(srtt, rttvar) if srtt == srtt else np.nan
     silence = now - last_arrival
-    quiet = silence > (window if window == window else rto)
+    quiet = silence > (quiet_after if quiet_after == quiet_after else rto)
     found = False
     probe, probe_tries, probe_seq, probe_again = -1, 0, 0, -1
     lanes = rto_probe.size

@@ -147,8 +147,8 @@ def test_the_timeout_probes_the_oldest_chunk_of_each_lane_and_backs_off():
     assert late.tolist() == [2, 4, 6] and ld.went_back == 3
 
 
-def _timed_out_window(n=6, lanes=None):
-    ld = LossDetector(n, lanes=lanes)
+def _timed_out_window(n=6, lanes=None, pause=0.0):
+    ld = LossDetector(n, lanes=lanes, pause=pause)
     ld.sent(np.arange(n), now=0.0)
     _, _, late = ld.lost(np.arange(n), now=0.011, srtt=0.001, rto=0.01, max_rto=1.0)
     assert late.tolist() == [0]
@@ -189,6 +189,29 @@ def test_a_timeout_probe_answered_by_a_result_goes_back_only_after_a_quiet_windo
         ld.delivered(np.array([k]), np.arange(k + 1, 6), now=now)
         _, _, late = ld.lost(np.arange(k + 1, 6), now=now + window * 0.4, srtt=0.001, rto=0.01, max_rto=1.0)
         assert late.size == 0, k
+
+
+def test_the_quiet_window_is_padded_by_the_machines_wait_for_a_core():
+    """On a loaded machine (the client measured a 5 ms wait for a core) a late peer's or the switch's next
+    result may come that much later: the fresh answer's quiet window is the reordering window plus that
+    wait, both in the rule and in the receive's deadline; a result within it disarms the go-back."""
+    pause, window = 0.005, LossDetector.reordering_window(0.001, 0.0)
+    ld = _timed_out_window(pause=pause)
+    ld.answered(np.array([0]), np.array([False]))
+    ld.arrived(0.012)
+    assert ld.next_deadline(np.arange(1, 6), 0.001, 0.0, None, 1.0) == pytest.approx(0.012 + window + pause)
+    _, _, late = ld.lost(np.arange(1, 6), now=0.012 + window + 0.9 * pause, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.size == 0                      # beyond the reordering window, within the wait for a core
+    _, _, late = ld.lost(np.arange(1, 6), now=0.012 + window + 1.1 * pause, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [1, 2, 3, 4, 5] and ld.went_back == 5
+    ld = _timed_out_window(pause=pause)        # a late peer's next result after a wait for a core: no go-back
+    ld.answered(np.array([0]), np.array([False]))
+    ld.arrived(0.012)
+    now = 0.012 + window + 0.9 * pause
+    ld.answered(np.array([1]), np.array([False]))
+    ld.delivered(np.array([1]), np.arange(2, 6), now=now)
+    fast, probe, late = ld.lost(np.arange(2, 6), now=now + window + 1.1 * pause, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert fast.size + probe.size + late.size == 0 and ld.went_back == 0
 
 
 def test_a_quiet_go_back_is_disarmed_by_a_later_result_of_its_lane_and_has_its_own_deadline():
