@@ -975,6 +975,20 @@ def test_tail_copies_flag_the_last_chunk_and_count_the_copy():
     assert not tail_copy_wanted(True, True, 100, 16)         # a sparse stream's rounds come in any order
 
 
+def _data_sender(sw, socks, vals, slots):
+    """``send(r, c, flags=0)``: rank r's data packet of chunk c (its row of ``vals``, job 9) to the in-process
+    switch ``sw`` (:func:`_in_process_switch`), which polls it at once."""
+    from ina.wire import MsgType, PayloadType, pack
+    E = vals.shape[1]
+
+    def send(r, c, flags=0):
+        socks[r].sendto(pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                             payload_type=PayloadType.INT32, count=E, chunk=c, exponent=0, payload=vals[r],
+                             elements=E, flags=flags), ("127.0.0.1", sw.port))
+        assert sw.poll_once() == 1
+    return send
+
+
 def _in_process_switch(workers, slots, E):
     from ina import burst as B
     from switch_model.pipeline import Switch, SwitchConfig
@@ -1040,16 +1054,11 @@ def test_resends_that_crossed_the_result_of_a_recovered_round_are_not_replayed()
     first send (a rank that waited for a replay before sending the chunk). A rank that resends again (it
     did lose the multicast) is replayed, and so is every rank of a round completed by first sends.
     Every result carries the exact sum; nobody gets more than it asked for."""
-    from ina.wire import Flag, MsgType, PayloadType, max_packet_size, pack, unpack
+    from ina.wire import Flag, MsgType, max_packet_size, unpack
     workers, slots, E = 3, 4, 16
     vals = np.arange(workers * E, dtype=np.int32).reshape(workers, E) - 20
     sw, socks = _in_process_switch(workers, slots, E)
-
-    def send(r, c, flags=0):
-        socks[r].sendto(pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
-                             payload_type=PayloadType.INT32, count=E, chunk=c, exponent=0, payload=vals[r],
-                             elements=E, flags=flags), ("127.0.0.1", sw.port))
-        assert sw.poll_once() == 1
+    send = _data_sender(sw, socks, vals, slots)
 
     def results(r, k):
         got = [unpack(socks[r].recv(max_packet_size(E))) for _ in range(k)]
@@ -1103,16 +1112,11 @@ def test_a_tail_probe_that_crossed_the_result_is_sent_again_and_answered():
     and its second send is replayed: each chunk costs one silence (a probe timeout, then twice it), not a
     dropped probe per chunk with the timer doubling over them all (1, 2, 4, 8 timeouts before the first
     answer). The results are exact."""
-    from ina.wire import Flag, MsgType, PayloadType, max_packet_size, pack, unpack
+    from ina.wire import Flag, max_packet_size, unpack
     workers, slots, E, n, pto = 2, 4, 16, 3, 0.002
     vals = np.arange(workers * E, dtype=np.int32).reshape(workers, E) - 20
     sw, socks = _in_process_switch(workers, slots, E)
-
-    def send(r, c, flags=0):
-        socks[r].sendto(pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
-                             payload_type=PayloadType.INT32, count=E, chunk=c, exponent=0, payload=vals[r],
-                             elements=E, flags=flags), ("127.0.0.1", sw.port))
-        assert sw.poll_once() == 1
+    send = _data_sender(sw, socks, vals, slots)
 
     def result(r):
         p = unpack(socks[r].recv(max_packet_size(E)))
