@@ -189,7 +189,7 @@ class ArrivalSpacing:
         above COALESCE_SPACING. ``per_pkt`` starts as the least of its first samples and then takes no gap
         above twice it: a first sample of two results received together (0.26 ms a result where they came
         0.66 ms apart, 100 Mbit/s) held it there for the stream, whose pauses took 6 results instead of 16,
-        and one at 0.07 ms never paused (179 turns instead of 20; 1 to 4 of 16 streams in a run). Both
+        and one at 0.07 ms never paused (179 turns instead of 20; 1 to 5 of 16 streams in a run). Both
         others must have risen: a loss's recovery or a peer's stall lifts the mean but not the timers'
         estimate (it takes such gaps only four in a row). Where ``per_pkt`` says the link is fast, the other
         two start pauses only from twice COALESCE_SPACING: the timers' estimate, shared with coalescing once,
