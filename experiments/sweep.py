@@ -124,14 +124,16 @@ def _link_bytes(topo, n: int, rate: str) -> dict:
 def _switch_counters(topo) -> dict:
     """The switch service's packet counters and drop counters by reason (its control plane's stats)."""
     from ina.control import ControlError, request
+
+    from .sweep_cpu import switch_process_cpu_ns
     try:
         st = request(topo.switch.ip, SWITCH_PORT, {"op": "stats"}, timeout=5.0)["stats"]
     except ControlError as e:
         log.warning("switch stats unavailable: %s", e)
         return {}
     tm = st.get("timing", {})         # the stage clock: where the switch's time went (docs/performance.md)
-    procs = {"process_cpu_ns": tm["process_cpu_ns"] + st.get("host_aggregator", {}).get("process_cpu_ns", 0)} \
-        if "process_cpu_ns" in tm else {}     # every process of the switch (shards, host aggregator): sweep_cpu
+    procs = switch_process_cpu_ns(st)      # every process of the switch (shards, host aggregator): sweep_cpu
+    procs = {} if procs is None else {"process_cpu_ns": procs}
     return {**st.get("counters", {}), **{f"drop_{k}": v for k, v in st.get("drops", {}).items()},
             **{f"ns_{k}": v for k, v in tm.get("stage_ns", {}).items()}, **procs,
             **{k: tm[k] for k in ("busy_ns", "busy_cpu_ns", "tx_cpu_ns", "wait_ns", "bursts") if k in tm},

@@ -117,15 +117,32 @@ def cpu_floor(rec: dict) -> dict:
 
 def switch_cpu(rec: dict) -> tuple[float, str]:
     """(the switch's CPU seconds per allreduce, where they were read: "processes" or "data plane"): for an
-    ``ina:`` method the larger of its processes' CPU (``process_cpu_ns``) and its data planes' busy CPU
-    (the processes' includes it, but a record may lack them); for other methods the data planes' busy CPU
+    ``ina:`` method :func:`switch_cpu_of` its counters; for other methods the data planes' busy CPU
     alone (the switch idles through them)."""
-    c, reps = rec.get("switch_counters") or {}, rec["reps"]
-    busy = c.get("busy_cpu_ns", 0) / 1e9 / reps
-    procs = c.get("process_cpu_ns")
-    if procs is None or not str(rec.get("method", "")).startswith("ina:") or procs / 1e9 / reps <= busy:
+    c = rec.get("switch_counters") or {}
+    ina = str(rec.get("method", "")).startswith("ina:")
+    return switch_cpu_of(c.get("busy_cpu_ns", 0), c.get("process_cpu_ns") if ina else None, rec["reps"])
+
+
+def switch_cpu_of(busy_cpu_ns: float, process_cpu_ns: float | None, reps: int) -> tuple[float, str]:
+    """(the switch's CPU seconds per allreduce over ``reps`` allreduces, where they were read: "processes"
+    or "data plane"): the larger of its processes' CPU (``process_cpu_ns``, :func:`switch_process_cpu_ns`;
+    None: not reported) and its data planes' busy CPU (the processes' includes it, but a record or an
+    older switch may lack them)."""
+    busy = busy_cpu_ns / 1e9 / reps
+    if process_cpu_ns is None or process_cpu_ns / 1e9 / reps <= busy:
         return busy, "data plane"
-    return procs / 1e9 / reps, "processes"
+    return process_cpu_ns / 1e9 / reps, "processes"
+
+
+def switch_process_cpu_ns(stats: dict) -> int | None:
+    """The CPU of every process of the switch, from its control plane's ``stats``: its shards' processes
+    (``timing.process_cpu_ns``: every thread, the control plane's too, summed over the shards) and its host
+    aggregator's; None for a switch that does not report it. Cumulative: take differences."""
+    tm = stats.get("timing", {})
+    if "process_cpu_ns" not in tm:
+        return None
+    return tm["process_cpu_ns"] + stats.get("host_aggregator", {}).get("process_cpu_ns", 0)
 
 
 def verdict(fl: dict) -> str | None:

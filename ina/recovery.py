@@ -54,7 +54,9 @@ processes run):
    skipped such gaps, every result of a stream was probed for first: docs/performance.md, "Spurious
    resends on slow links and with a sharded switch"). One chunk is resent per probe, the one resent least often so far, oldest first (as TCP's
    tail loss probe: its result restarts the flow, and any further lost chunk then meets rule 2 or
-   another probe). The probe timer is the silence's, not a chunk's: it restarts with every result
+   another probe); a probe still unanswered at the next probe is sent again, for rule 4's reason (the
+   switch drops a rank's first resend that crossed the result, ``RETRANSMIT_CROSSED``: three such chunks
+   cost 1 + 2 + 4 + 8 + 1 + 1 probe timeouts with a new chunk per probe, 3 x (1 + 2) this way). The probe timer is the silence's, not a chunk's: it restarts with every result
    and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a
    slow peer costs a handful of probes in all, not one per chunk and silence.
    A silence with more than ``SHORT_PROBE_MAX_PENDING`` (3) chunks pending is probed later
@@ -97,8 +99,10 @@ processes run):
    The rest of the lane's timed-out chunks (those sent before the probe) go out at once (*go-back*)
    only on evidence that they were lost: the probe's result comes back as a replay (the round had
    completed; its result, and so likely its neighbours', was lost on the way back), or comes back
-   fresh and no other result follows for the reordering window (the probe completed the round: this
-   rank's data packets were lost; had a late peer completed it, the other results would follow). So a
+   fresh and no other result follows for the reordering window plus the machine's measured wait for a
+   core (the probe completed the round: this rank's data packets were lost; had a late peer completed
+   it, the other results would follow, though on a loaded machine a peer or the switch may first wait
+   that long for a core). So a
    window lost whole costs one silence and a round trip (rule 3's probe's replay, or, with rule 3
    held back, rule 4's), not one timeout per chunk. A later result of the lane while it waits for
    its quiet window disarms it (results follow: a late peer), and the receive waits no longer than
@@ -201,13 +205,14 @@ def _load_loss_rules() -> None:
     timed out waiting for the rank compiling it)."""
     one, none = np.zeros(1, np.int64), np.zeros(1)
     RK.find_lost(one, 0.0, none, one, one, one, one, 0, np.nan, 0.0, np.inf, 1.0, np.nan, False, 0.0, False,
-                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf)
+                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf, -1, np.nan)
 
 
 class LossDetector:
     """Per-chunk send bookkeeping of one stream of ``n`` chunks (``n`` at most a few thousand)."""
 
-    def __init__(self, n: int, lanes: np.ndarray | None = None):
+    def __init__(self, n: int, lanes: np.ndarray | None = None, pause: float = 0.0):
+        # pause: the machine's measured wait for a core (the client's run_queue.probe_floor()), seconds
         # the switch shard serving each chunk (rules 1 and 2 compare chunks of one shard: see count_later)
         self.lane = np.zeros(n, np.int64) if lanes is None else np.asarray(lanes, np.int64)
         self.sent_at = np.zeros(n)                 # monotonic time of the chunk's last send (0: not yet)
@@ -231,6 +236,7 @@ class LossDetector:
         self.probed_at = 0.0                       # when this silence's first probe (rule 3 or 4) went out (0: none)
         self.went_back = 0                         # chunks the last lost() found by rule 4's go-back
         self.rto_probing = False                   # a probe awaits its evidence (answered() is called only then)
+        self.pause = pause                         # pads rule 4's quiet window (quiet_window)
         _load_loss_rules()                         # once per process (cached)
 
     def sent(self, chunks: np.ndarray, now: float, witness: np.ndarray | bool = True) -> None:
@@ -316,7 +322,8 @@ class LossDetector:
         found = RK.find_lost(pending, now, self.sent_at, self.seq, self.later, self.tries, self.lane, self.unsent,
                              np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
                              probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind,
-                             stall_time(srtt, rttvar, rto))
+                             stall_time(srtt, rttvar, rto), self.tail_probe,
+                             np.nan if srtt is None else self.quiet_window(srtt, rttvar))
         self._update_probing()
         if not found:
             return none, none, none
@@ -362,6 +369,12 @@ class LossDetector:
 
     reordering_window = staticmethod(RK.reordering_window)      # rule 2's window (srtt, rttvar) -> seconds
 
+    def quiet_window(self, srtt: float, rttvar: float) -> float:
+        """How long no result may follow a timeout probe's fresh answer before its lane goes back (rule 4):
+        the reordering window plus the machine's wait for a core (``pause``), which a late peer's or the
+        switch's next result may take on a loaded machine (a go-back then only resends what is coming)."""
+        return self.reordering_window(srtt, rttvar) + self.pause
+
     def next_deadline(self, pending: np.ndarray, srtt: float | None, rttvar: float, pto: float | None,
                       max_rto: float, spacing: float = 0.0) -> float:
         """The earliest time rule 2 or 3, or rule 4's go-back after a quiet window, could find one of the
@@ -374,7 +387,7 @@ class LossDetector:
                              np.nan if srtt is None else srtt, rttvar, np.nan if pto is None else pto,
                              np.nan if pto is None else self._probe_at(pto, max_rto))
         if srtt is not None and self.rto_probing and ((self.rto_probe >= 0) & (self.answer == RK.QUIET)).any():
-            t = min(t, self.last_arrival + self.reordering_window(srtt, rttvar))
+            t = min(t, self.last_arrival + self.quiet_window(srtt, rttvar))
         return t
 
     def resent(self, chunks: np.ndarray, now: float, probed: bool = False, rules=None) -> None:

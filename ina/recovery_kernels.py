@@ -126,6 +126,16 @@ def _first_pick(tries_p, seq_p, tries_b, seq_b, have_b):
 
 
 @njit(cache=True, inline="always")
+def _unanswered_first(again, pick, kind):
+    """The pending index to probe: ``again``, the last probe's chunk while it is unanswered and found by no
+    other rule (``kind`` NONE; -1: none), else ``pick`` (rule 3's probe, rule 4's per lane). As TCP's
+    RTO resends the same segment: the switch drops a rank's first resend of a round another rank's resend
+    or LATE packet completed (RETRANSMIT_CROSSED, switch_model/alu.py) but replays its second, so the
+    probe gets its answer; a new chunk per probe would meet that drop every time."""
+    return again if again >= 0 and kind[again] == NONE else pick
+
+
+@njit(cache=True, inline="always")
 def _before_probe(p, m, seq, rto_probe):
     """Whether chunk ``p`` was sent before lane ``m``'s probe (the one a go-back is for)."""
     return rto_probe[m] >= 0 and seq[p] < seq[rto_probe[m]]
@@ -133,20 +143,22 @@ def _before_probe(p, m, seq, rto_probe):
 
 @njit(cache=True)
 def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttvar, rto, max_rto, pto, probe_due,
-              last_arrival, rto_due, rto_probe, answer, kind, stall):
+              last_arrival, rto_due, rto_probe, answer, kind, stall, tail_probe, quiet_after):
     """Rules 1 to 4 of ina.recovery over the ``pending`` chunks in one pass: ``kind[q]`` of
     ``pending[q]`` becomes NONE, FAST, PROBE, TIMEOUT (rule 4's probe, at most one per lane) or GO_BACK.
     ``srtt``, ``pto``: NaN when unknown; ``probe_due``: the probe timer fired; ``rto_due``: rule 4's
     timer fired. ``rto_probe[m]``: the chunk of lane m's last probe awaiting its evidence (-1: none),
-    ``answer[m]`` what became of it (ARMED, QUIET, NOW; AGED: a tail probe replayed, whose go-back takes
+    ``answer[m]`` what became of it (ARMED, QUIET: go back once the silence lasts ``quiet_after``, NaN: ``rto``; NOW; AGED: a tail probe replayed, whose go-back takes
     only chunks out longer than ``stall`` and only with at least SHORT_PROBE_MAX_PENDING of the lane left);
     a lane that goes back, or has nothing to go back for, is reset here (-1, ARMED), and a lane probed gets
-    the probe's chunk (the caller resends what is found). Returns whether any chunk was found lost."""
+    the probe's chunk (the caller resends what is found). ``tail_probe``: rule 3's last probe, its chunk,
+    while unanswered (-1: none); the probe goes to it again (as rule 4's to its lane's), else to the least
+    resent chunk, oldest first. Returns whether any chunk was found lost."""
     window = reordering_window(srtt, rttvar) if srtt == srtt else np.nan
     silence = now - last_arrival
-    quiet = silence > (window if window == window else rto)
+    quiet = silence > (quiet_after if quiet_after == quiet_after else rto)
     found = False
-    probe, probe_tries, probe_seq = -1, 0, 0
+    probe, probe_tries, probe_seq, probe_again = -1, 0, 0, -1
     lanes = rto_probe.size
     left = np.zeros(lanes, np.int64)        # each lane's pending chunks (for an AGED go-back)
     for q in range(pending.size):
@@ -190,22 +202,22 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
             b = best[m]
             if _first_pick(tries[p], seq[p], tries[pending[b]], seq[pending[b]], b >= 0):
                 best[m] = q
-        elif probe_due and age > pto and _first_pick(tries[p], seq[p], probe_tries, probe_seq, probe >= 0):
-            probe, probe_tries, probe_seq = q, tries[p], seq[p]
+        elif probe_due and age > pto:
+            if p == tail_probe:
+                probe_again = q
+            if _first_pick(tries[p], seq[p], probe_tries, probe_seq, probe >= 0):
+                probe, probe_tries, probe_seq = q, tries[p], seq[p]
         found = found or kind[q] != NONE
     for m in range(lanes):
         if back[m] or (answer[m] != ARMED and (answer[m] == AGED or not older[m])):
             rto_probe[m], answer[m] = -1, ARMED     # gone back, or nothing (more) to go back for
         elif best[m] >= 0:
-            # an unanswered timeout probe is sent again (as TCP's RTO resends the same segment): the switch may
-            # drop a rank's first resend of a round (RETRANSMIT_CROSSED, switch_model/alu.py) but replays its
-            # second, so the probe gets its answer; a new chunk per timeout would meet that drop every time
-            q = again[m] if again[m] >= 0 and kind[again[m]] == NONE else best[m]
+            q = _unanswered_first(again[m], best[m], kind)
             kind[q] = TIMEOUT
             rto_probe[m], answer[m] = pending[q], ARMED
             found = True
     if probe >= 0:
-        kind[probe] = PROBE
+        kind[_unanswered_first(probe_again, probe, kind)] = PROBE
         found = True
     return found
 

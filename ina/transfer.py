@@ -65,7 +65,7 @@ class Transfer:
         # results free (dense streams: positions, ring rows, witness): SK.take_burst's outputs, written before
         # they are read in every turn, so one set per client serves all its streams (one runs at a time)
         self.fresh_idx, self.fresh_jj, self.fresh_replay, self.rtt_scratch, self.nxt = burst_scratch(cl)
-        ld = self.ld = LossDetector(n_chunks, self.lanes())
+        ld = self.ld = LossDetector(n_chunks, self.lanes(), cl.run_queue.probe_floor())
         self.ld_arrays = (ld.tries, ld.sent_at, ld.seq, ld.witness, ld.lane, ld.later)
         self.ring = (self.pkts, 0 if sparse else self.S, n_chunks, self.R, c0, cl.chunk_modulus, self.exps_in,
                      count, E)

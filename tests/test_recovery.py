@@ -184,8 +184,8 @@ def test_the_timeout_probes_the_oldest_chunk_of_each_lane_and_backs_off():
     assert late.tolist() == [2, 4, 6] and ld.went_back == 3
 
 
-def _timed_out_window(n=6, lanes=None):
-    ld = LossDetector(n, lanes=lanes)
+def _timed_out_window(n=6, lanes=None, pause=0.0):
+    ld = LossDetector(n, lanes=lanes, pause=pause)
     ld.sent(np.arange(n), now=0.0)
     _, _, late = ld.lost(np.arange(n), now=0.011, srtt=0.001, rto=0.01, max_rto=1.0)
     assert late.tolist() == [0]
@@ -226,6 +226,29 @@ def test_a_timeout_probe_answered_by_a_result_goes_back_only_after_a_quiet_windo
         ld.delivered(np.array([k]), np.arange(k + 1, 6), now=now)
         _, _, late = ld.lost(np.arange(k + 1, 6), now=now + window * 0.4, srtt=0.001, rto=0.01, max_rto=1.0)
         assert late.size == 0, k
+
+
+def test_the_quiet_window_is_padded_by_the_machines_wait_for_a_core():
+    """On a loaded machine (the client measured a 5 ms wait for a core) a late peer's or the switch's next
+    result may come that much later: the fresh answer's quiet window is the reordering window plus that
+    wait, both in the rule and in the receive's deadline; a result within it disarms the go-back."""
+    pause, window = 0.005, LossDetector.reordering_window(0.001, 0.0)
+    ld = _timed_out_window(pause=pause)
+    ld.answered(np.array([0]), np.array([False]))
+    ld.arrived(0.012)
+    assert ld.next_deadline(np.arange(1, 6), 0.001, 0.0, None, 1.0) == pytest.approx(0.012 + window + pause)
+    _, _, late = ld.lost(np.arange(1, 6), now=0.012 + window + 0.9 * pause, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.size == 0                      # beyond the reordering window, within the wait for a core
+    _, _, late = ld.lost(np.arange(1, 6), now=0.012 + window + 1.1 * pause, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [1, 2, 3, 4, 5] and ld.went_back == 5
+    ld = _timed_out_window(pause=pause)        # a late peer's next result after a wait for a core: no go-back
+    ld.answered(np.array([0]), np.array([False]))
+    ld.arrived(0.012)
+    now = 0.012 + window + 0.9 * pause
+    ld.answered(np.array([1]), np.array([False]))
+    ld.delivered(np.array([1]), np.arange(2, 6), now=now)
+    fast, probe, late = ld.lost(np.arange(2, 6), now=now + window + 1.1 * pause, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert fast.size + probe.size + late.size == 0 and ld.went_back == 0
 
 
 def test_a_quiet_go_back_is_disarmed_by_a_later_result_of_its_lane_and_has_its_own_deadline():
@@ -604,7 +627,16 @@ def test_a_whole_window_of_results_lost_on_the_way_back_costs_one_rto_and_a_roun
         assert secs < 0.5 + 0.3, (r, secs, d)       # one RTO, then a round trip (a loaded machine's margin)
 
 
+def _probed(ld, probe, now):
+    """``probe`` (rule 3's, from :meth:`LossDetector.lost`) goes out at ``now``, as the client resends it."""
+    ld.resent(probe, now=now, probed=True, rules=(probe[:0], probe, probe[:0]))
+
+
 def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
+    """Rule 3 after a silence of the probe timeout resends one chunk, the oldest; the next probe of the same
+    silence after twice the timeout, of the same chunk while it is unanswered (as TCP's RTO resends the same
+    segment: the switch may drop a rank's first resend of a round as crossing the result, never its second);
+    once it is answered, the least resent chunk, oldest first."""
     ld = LossDetector(5)
     ld.sent(np.arange(5), now=0.0)
     ld.delivered(np.array([0, 1]), np.array([2, 3, 4]), now=0.001)
@@ -615,16 +647,18 @@ def test_tail_probe_resends_the_oldest_chunk_after_a_silence():
     assert ld.next_deadline(pending, srtt=0.05, rttvar=0.0, pto=pto, max_rto=1.0) == pytest.approx(0.003)
     _, late, _ = ld.lost(pending, now=0.0035, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
     assert late.tolist() == [2]                # one probe: the oldest chunk
-    ld.resent(late, now=0.0035, probed=True)
+    _probed(ld, late, now=0.0035)
     _, late, _ = ld.lost(pending, now=0.0070, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
     assert late.size == 0                      # the same silence: the probe timer doubled (2 x pto)
     assert ld.next_deadline(pending, srtt=0.05, rttvar=0.0, pto=pto, max_rto=1.0) == pytest.approx(0.0075)
     _, late, _ = ld.lost(pending, now=0.0076, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
-    assert late.tolist() == [3]                # the chunk resent least often, oldest first
-    ld.resent(late, now=0.0076, probed=True)
-    ld.delivered(np.array([2]), np.array([3, 4]), now=0.008)   # a result restarts the probe timer
+    assert late.tolist() == [2]                # unanswered: the same chunk again, not a new one
+    _probed(ld, late, now=0.0076)
+    ld.resent(np.array([3]), now=0.0077, rules=(np.array([3]), pending[:0], pending[:0]))   # 3: resent (fast)
+    ld.answered(np.array([2]), np.array([True]))
+    ld.delivered(np.array([2]), np.array([3, 4]), now=0.008)   # its answer restarts the probe timer
     _, late, _ = ld.lost(np.array([3, 4]), now=0.0101, srtt=0.05, rto=1.0, max_rto=1.0, pto=pto)
-    assert late.tolist() == [4]
+    assert late.tolist() == [4]                # answered: the chunk resent least often, oldest first
 
 
 def _probes_in_a_silence(window: int, silence: float = 0.2, pto: float = 0.001, srtt: float | None = 0.001,
@@ -978,6 +1012,20 @@ def test_tail_copies_flag_the_last_chunk_and_count_the_copy():
     assert not tail_copy_wanted(True, True, 100, 16)         # a sparse stream's rounds come in any order
 
 
+def _data_sender(sw, socks, vals, slots):
+    """``send(r, c, flags=0)``: rank r's data packet of chunk c (its row of ``vals``, job 9) to the in-process
+    switch ``sw`` (:func:`_in_process_switch`), which polls it at once."""
+    from ina.wire import MsgType, PayloadType, pack
+    E = vals.shape[1]
+
+    def send(r, c, flags=0):
+        socks[r].sendto(pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
+                             payload_type=PayloadType.INT32, count=E, chunk=c, exponent=0, payload=vals[r],
+                             elements=E, flags=flags), ("127.0.0.1", sw.port))
+        assert sw.poll_once() == 1
+    return send
+
+
 def _in_process_switch(workers, slots, E):
     from ina import burst as B
     from switch_model.pipeline import Switch, SwitchConfig
@@ -1043,16 +1091,11 @@ def test_resends_that_crossed_the_result_of_a_recovered_round_are_not_replayed()
     first send (a rank that waited for a replay before sending the chunk). A rank that resends again (it
     did lose the multicast) is replayed, and so is every rank of a round completed by first sends.
     Every result carries the exact sum; nobody gets more than it asked for."""
-    from ina.wire import Flag, MsgType, PayloadType, max_packet_size, pack, unpack
+    from ina.wire import Flag, MsgType, max_packet_size, unpack
     workers, slots, E = 3, 4, 16
     vals = np.arange(workers * E, dtype=np.int32).reshape(workers, E) - 20
     sw, socks = _in_process_switch(workers, slots, E)
-
-    def send(r, c, flags=0):
-        socks[r].sendto(pack(msg_type=MsgType.DATA, job=9, rank=r, pool_index=c % slots, shadow=(c // slots) & 1,
-                             payload_type=PayloadType.INT32, count=E, chunk=c, exponent=0, payload=vals[r],
-                             elements=E, flags=flags), ("127.0.0.1", sw.port))
-        assert sw.poll_once() == 1
+    send = _data_sender(sw, socks, vals, slots)
 
     def results(r, k):
         got = [unpack(socks[r].recv(max_packet_size(E))) for _ in range(k)]
@@ -1092,6 +1135,68 @@ def test_resends_that_crossed_the_result_of_a_recovered_round_are_not_replayed()
             s.settimeout(0.05)
             with pytest.raises(OSError):             # nothing more
                 s.recv(max_packet_size(E))
+    finally:
+        sw.sock.close()
+        for s in socks:
+            s.close()
+
+
+def test_a_tail_probe_that_crossed_the_result_is_sent_again_and_answered():
+    """The last 3 chunks of rank 0's stream: rank 1's data packets of them were lost, rank 1's resends
+    completed the rounds, and rank 0 lost those results on the way back. Rank 0's tail probes (rule 3,
+    driven by its LossDetector against an in-process switch) meet the switch's drop of a rank's first resend
+    of a round another rank's resend completed (RETRANSMIT_CROSSED); the unanswered probe goes out again
+    and its second send is replayed: each chunk costs one silence (a probe timeout, then twice it), not a
+    dropped probe per chunk with the timer doubling over them all (1, 2, 4, 8 timeouts before the first
+    answer). The results are exact."""
+    from ina.wire import Flag, max_packet_size, unpack
+    workers, slots, E, n, pto = 2, 4, 16, 3, 0.002
+    vals = np.arange(workers * E, dtype=np.int32).reshape(workers, E) - 20
+    sw, socks = _in_process_switch(workers, slots, E)
+    send = _data_sender(sw, socks, vals, slots)
+
+    def result(r):
+        p = unpack(socks[r].recv(max_packet_size(E)))
+        assert np.array_equal(np.asarray(p.payload, np.int64)[:E], vals.astype(np.int64).sum(axis=0))
+        return p
+
+    def counts():
+        st = sw.stats()
+        return st["counters"]["replays"], st["drops"]["retransmit_crossed"]
+    try:
+        ld = LossDetector(n)
+        ld.sent(np.arange(n), now=0.0)
+        for c in range(n):
+            send(0, c)                               # rank 1's first send of c is lost
+            send(1, c, Flag.RETRANSMIT)              # its resend completes the round
+            result(1)
+            result(0)                                # ... and rank 0 loses the result on the way back
+        assert counts() == (0, 0)
+        ld.delivered(np.array([], np.int64), np.arange(n), now=0.0)   # the silence starts
+        now, answered_at, probes, times = 0.0, [], [], []
+        while len(answered_at) < n and now < 1.0:
+            pending = np.setdiff1d(np.arange(n), answered_at)
+            fast, probe, late = ld.lost(pending, now=now, srtt=0.001, rto=1.0, max_rto=1.0, pto=pto)
+            assert fast.size + late.size == 0 and probe.size <= 1, (now, fast, probe, late)
+            if probe.size:
+                _probed(ld, probe, now)
+                probes.append(int(probe[0]))
+                replays, _ = counts()
+                send(0, int(probe[0]), Flag.RETRANSMIT)
+                if counts()[0] > replays:            # answered: a replay
+                    p = result(0)
+                    assert p.flags & Flag.REPLAY and p.chunk == probe[0]
+                    ld.answered(probe, np.array([True]))
+                    ld.delivered(probe, np.setdiff1d(pending, probe), now=now)
+                    answered_at.append(int(probe[0]))
+                    times.append(now)
+            now = max(now + 1e-5, ld.next_deadline(pending, srtt=0.001, rttvar=0.0, pto=pto, max_rto=1.0))
+        assert probes == [0, 0, 1, 1, 2, 2], probes  # each chunk's first resend crossed, its second answered
+        assert counts() == (n, n)
+        assert np.diff(times, prepend=0.0) == pytest.approx([3 * pto] * n, abs=1e-4)   # a timeout, then twice it
+        socks[0].settimeout(0.05)
+        with pytest.raises(OSError):                 # nothing more
+            socks[0].recv(max_packet_size(E))
     finally:
         sw.sock.close()
         for s in socks:

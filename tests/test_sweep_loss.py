@@ -104,6 +104,37 @@ def test_bench_loss_draws_each_rounds_drops_from_a_seed_of_its_own_the_same_for_
     assert seeds == [bl.round_seed(7, i) for i in range(20)] and seeds[:3] != [bl.round_seed(8, i) for i in range(3)]
 
 
+def test_bench_loss_counts_the_switchs_processes_cpu_as_the_sweeps_cpu_floor_does(monkeypatch):
+    """bench_loss's switch CPU per allreduce is every process of the switch (its shards' processes, control
+    plane included, and its host aggregator's: ``sweep_cpu.switch_process_cpu_ns``), or its data planes'
+    busy CPU where that is larger (a switch that does not report its processes), and says which."""
+    import experiments.bench_loss as bl
+
+    def stats(busy_ms, shards_ms, host_agg_ms=None):
+        st = {"impairments": {d: {"dropped": 0, "duplicated": 0, "reordered": 0} for d in ("ingress", "egress")},
+              "counters": {"replays": 0}, "drops": {"retransmit_pending": 0},
+              "timing": {"busy_cpu_ns": busy_ms * 10**6, "tx_cpu_ns": 0, "bursts": 0, "stage_ns": {}}}
+        if shards_ms is not None:
+            st["timing"]["process_cpu_ns"] = shards_ms * 10**6
+        if host_agg_ms is not None:
+            st["host_aggregator"] = {"process_cpu_ns": host_agg_ms * 10**6}
+        return st
+
+    def row(before, after, reps=2):
+        snaps = iter([before, after])
+        monkeypatch.setattr(bl, "request", lambda *a, **k: {"stats": next(snaps)})
+        sw0, sw1 = bl.switch_counts("h", 1), bl.switch_counts("h", 1)
+        block = {"time": 1.0, "times": [1.0] * reps, "resent": [False] * reps, "tail": 0.0, "digest": "d",
+                 "worker_cpu": 0.0, "turns": 0.0, "idle_turns": 0.0, "encode": 0.0, "decode": 0.0,
+                 "counters": dict.fromkeys(bl.COUNTERS, 0), "switch": {k: sw1[k] - sw0[k] for k in sw1}}
+        r = bl.summarise(4, 1000, "lossless", {}, [block], [block], reps)
+        return r["switch_cpu_per_allreduce_s"], r["switch_cpu_source"]
+    # 2 allreduces: the data planes were busy 10 ms, the shards' processes ran 30 ms, the host aggregator 4 ms
+    assert row(stats(100, 500, 50), stats(110, 530, 54)) == (pytest.approx(17e-3), "processes")
+    assert row(stats(100, 500), stats(110, 530)) == (pytest.approx(15e-3), "processes")
+    assert row(stats(100, None), stats(110, None)) == (pytest.approx(5e-3), "data plane")
+
+
 def test_only_switch_traffic_runs_at_a_loss():
     plan = [("allreduce", 2, "100mbit", 1000, "gloo"), ("allreduce", 2, "100mbit", 1000, "ina:bfp32"),
             ("throughput", 2, "100mbit", 1000, "ina:bfp32"), ("allreduce", 2, "100mbit", 1000, "ina:3lc"),
