@@ -253,8 +253,8 @@ class RxRing:
         or the socket is empty (so that fewer rows than a burst still means an emptied socket)."""
         st, m = self._land_state, self._land.shape[0]
         messages0 = self.messages - (st[0] - st[1])         # the landed messages not cut yet count as this call's
-        n = G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8, st, self.buf, self.lens,
-                          self._src8, 0)
+        n = 0 if st[1] >= st[0] else G.cut_segments(self._land, self._land_msg64, self._land_ctl, self._land_src8,
+                                                      st, self.buf, self.lens, self._src8, 0)   # landed, not cut yet
         first = True
         while n < self.burst and st[1] >= st[0]:         # every landed message is cut: receive more
             flags = MSG_WAITFORONE if wait and first and n == 0 else MSG_DONTWAIT
@@ -317,10 +317,21 @@ def _take_lengths(msg, n, stride, lens):
         msg[i, 6] = 0
 
 
+_ONE_VALUE: dict[int, np.ndarray] = {}     # one value's 1-element array (a send's length, its shard), made once
+
+
 def _int64s(v) -> np.ndarray:
-    """``v`` (an array or one value) as a 1-D int64 array, without a copy when it is one already."""
+    """``v`` (an array or one value) as a 1-D int64 array, without a copy when it is one already. One int's
+    array is made once and shared: the callers (the send kernels) only read it."""
     if type(v) is np.ndarray and v.dtype == np.int64 and v.ndim == 1:
         return v
+    if type(v) is int:
+        a = _ONE_VALUE.get(v)
+        if a is None:
+            if len(_ONE_VALUE) > 64:
+                _ONE_VALUE.clear()
+            a = _ONE_VALUE[v] = np.full(1, v, np.int64)
+        return a
     return np.asarray(v, np.int64).reshape(-1)
 
 

@@ -195,3 +195,14 @@ def copy_rows(dst, dst_rows, at, src, src_rows):
     w = src.shape[1]
     for q in range(dst_rows.size):
         copy_bytes(dst, dst_rows[q] * dst.shape[1] + at, src, src_rows[q] * w, w)
+
+
+@njit(cache=True)
+def quiet_deadline(pending, sent_at, later, tries, srtt, rttvar, pto, probe_at):
+    """The loss detector's test of a turn with no timer due (``ina.recovery.LossDetector.quiet_deadline``):
+    NaN if one of the ``pending`` chunks has results of later chunks (rules 1 and 2 may find it lost: the
+    rules run), else ``recovery_kernels.next_deadline`` of them (the same arguments), in one pass."""
+    for q in range(pending.size):
+        if later[pending[q]] > 0:
+            return np.nan
+    return RK.next_deadline(pending, sent_at, later, tries, srtt, rttvar, pto, probe_at)

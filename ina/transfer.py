@@ -268,17 +268,21 @@ class Transfer:
         show the gap, after a silence or the timeout for the tail. Returns their ring rows (flagged
         RETRANSMIT); ``send`` False: not sent yet, the caller sends them ahead of its new chunks in one
         batch (one sendmmsg per turn)."""
-        cl = self.cl
+        cl, ld = self.cl, self.ld
         if pending is None:   # (``pending``: computed since nothing was sent or completed)
-            pending = self.ld.pending(self.low, self.max_sent, self.done)
+            pending = ld.pending(self.low, self.max_sent, self.done)
         # a full receive burst: results may still wait in the socket (after a stall): no silence, no timeout yet
         per_pkt = self.spacing.for_timers()
         if self.drained:
             pto, rto, max_rto = cl.probe_timeout(per_pkt), cl.current_rto((self.n_sent - self.n_done) * per_pkt), \
                 cl.max_rto
-        else:
+        else:     # (pto None: no probe, so max_rto bounds nothing below and next_deadline's cl.max_rto is moot)
             pto, rto, max_rto = None, math.inf, math.inf
-        fast, probe, late = self.ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar, per_pkt)
+        quiet = ld.quiet_deadline(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar, per_pkt)
+        if quiet is not None:             # no rule can fire: the common turn, in one compiled pass
+            self._await_timers(quiet, rto, max_rto, now)
+            return _NO_ROWS
+        fast, probe, late = ld.lost(pending, now, cl.srtt, rto, max_rto, pto, cl.rttvar, per_pkt)
         rows = _NO_ROWS
         if fast.size or probe.size or late.size:
             lost = np.concatenate([fast, probe, late])
@@ -294,7 +298,12 @@ class Transfer:
             cl.stats.timeout_retransmissions += late.size
             cl.stats.timeout_go_back += self.ld.went_back
             cl.stats.retransmissions += lost.size
-        due = self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto, per_pkt)
-        cl.wait_until(due, now)
-        self.timers_due = min(due, self.ld.rto_at(rto, max_rto))   # a coalescing pause ends before either
+        self._await_timers(self.ld.next_deadline(pending, cl.srtt, cl.rttvar, pto, cl.max_rto, per_pkt), rto, max_rto,
+                           now)
         return rows
+
+    def _await_timers(self, due: float, rto: float, max_rto: float, now: float) -> None:
+        """The receive waits at most until ``due`` (the next loss rule's deadline), and a coalescing pause ends
+        before it and before rule 4's timer."""
+        self.cl.wait_until(due, now)
+        self.timers_due = min(due, self.ld.rto_at(rto, max_rto))

@@ -109,6 +109,43 @@ def test_a_chunk_resent_later_is_not_counted_against_by_older_results():
     assert ld.later[0] == 0                    # their sends are older than chunk 0's resend
 
 
+def test_the_quiet_turns_shortcut_answers_as_the_rules_do():
+    """LossDetector.quiet_deadline (the client's every turn) gives a deadline only where lost() finds
+    nothing, and then next_deadline()'s; random streams (fixed seed): sends, results in and out of
+    order, resends, timers of every kind, a probe awaiting its answer."""
+    import copy
+    rng = np.random.default_rng(14)
+    quiet = loud = 0
+    for _ in range(400):
+        n = int(rng.integers(1, 40))
+        ld = LossDetector(n, rng.integers(0, 2, n) if rng.random() < 0.3 else None)
+        ld.sent(np.arange(n), now=0.0)
+        done = np.zeros(n, bool)
+        for _ in range(int(rng.integers(0, 4))):           # bursts of results, now and then out of order
+            k = int(rng.integers(1, n + 1))
+            got = np.sort(rng.choice(n, size=min(k, n), replace=False)) if rng.random() < 0.3 else np.arange(k)
+            got = got[~done[got]]
+            done[got] = True
+            ld.delivered(got, ld.pending(0, n - 1, done), now=float(rng.uniform(0.0, 0.01)))
+        pending = ld.pending(0, n - 1, done)
+        if pending.size and rng.random() < 0.2:
+            ld.resent(pending[:1], now=0.005, probed=True, rules=(pending[:0], pending[:1], pending[:0]))
+        now = float(rng.uniform(0.0, 0.05))
+        srtt = None if rng.random() < 0.2 else float(rng.uniform(1e-4, 0.01))
+        rto = float(rng.choice([0.02, 0.003, np.inf]))
+        args = (pending, now, srtt, rto, 1.0, None if rng.random() < 0.2 else float(rng.uniform(1e-3, 0.02)),
+                float(rng.uniform(0, 1e-3)), float(rng.uniform(0, 1e-4)))
+        q = copy.deepcopy(ld).quiet_deadline(*args)
+        if q is None:
+            loud += 1
+            continue
+        quiet += 1
+        ref = copy.deepcopy(ld)
+        assert all(a.size == 0 for a in ref.lost(*args))
+        assert q == ref.next_deadline(pending, args[2], args[6], args[5], args[4], args[7])
+    assert quiet > 50 and loud > 50, (quiet, loud)
+
+
 def test_reordering_window_needs_a_later_result_and_an_age_above_srtt():
     ld = LossDetector(4)
     ld.sent(np.arange(4), now=0.0)
