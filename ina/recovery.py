@@ -204,7 +204,7 @@ def _load_loss_rules() -> None:
     timed out waiting for the rank compiling it)."""
     one, none = np.zeros(1, np.int64), np.zeros(1)
     RK.find_lost(one, 0.0, none, one, one, one, one, 0, np.nan, 0.0, np.inf, 1.0, np.nan, False, 0.0, False,
-                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf, -1, np.nan)
+                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf, -1, np.nan, one.copy(), 0)
 
 
 class LossDetector:
@@ -231,7 +231,9 @@ class LossDetector:
         lanes = int(self.lane.max()) + 1 if n else 1
         self.rto_probe = np.full(lanes, -1, np.int64)   # each lane's last timeout probe, its chunk (-1: none)
         self.answer = np.zeros(lanes, np.int64)    # what became of it: RK.ARMED (no result yet), QUIET, NOW, AGED
+        self.rto_sends = np.zeros(lanes, np.int64)  # how many times in a row it went out (RK.PROBE_SENDS)
         self.tail_probe = -1                       # rule 3's last probe, its chunk, until its result arrives (-1: none)
+        self.tail_sends = 0                        # how many times in a row it went out
         self.probed_at = 0.0                       # when this silence's first probe (rule 3 or 4) went out (0: none)
         self.went_back = 0                         # chunks the last lost() found by rule 4's go-back
         self.rto_probing = False                   # a probe awaits its evidence (answered() is called only then)
@@ -322,7 +324,8 @@ class LossDetector:
                              np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
                              probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind,
                              stall_time(srtt, rttvar, rto), self.tail_probe,
-                             np.nan if srtt is None else self.quiet_window(srtt, rttvar))
+                             np.nan if srtt is None else self.quiet_window(srtt, rttvar), self.rto_sends,
+                             self.tail_sends)
         self._update_probing()
         if not found:
             return none, none, none
@@ -374,7 +377,9 @@ class LossDetector:
         if rules is not None and (rules[1].size or rules[2].size > self.went_back) and not self.probed_at:
             self.probed_at = now                   # the silence's first probe (rule 3's, or rule 4's)
         if probed and rules is not None and rules[1].size:
-            self.tail_probe = int(rules[1][0])
+            probe = int(rules[1][0])
+            self.tail_sends = self.tail_sends + 1 if probe == self.tail_probe else 1
+            self.tail_probe = probe
             self._update_probing()
         self.tries[chunks] += 1
         self.sent(chunks, now, self.witness[chunks])
