@@ -1001,6 +1001,21 @@ def _in_process_switch(workers, slots, E):
     return sw, socks
 
 
+def _nothing_more(socks, E):
+    """No further packet reaches any of ``socks`` (within 50 ms)."""
+    from ina.wire import max_packet_size
+    for s in socks:
+        s.settimeout(0.05)
+        with pytest.raises(OSError):
+            s.recv(max_packet_size(E))
+
+
+def _close_switch(sw, socks):
+    sw.sock.close()
+    for s in socks:
+        s.close()
+
+
 @pytest.mark.parametrize("ptype", ["NONE", "INT32"])
 def test_both_copies_of_a_tail_chunk_count_once_and_its_result_comes_twice(ptype):
     """Every worker sends its TAIL packet twice (a negotiation packet: no payload, or a data stream's
@@ -1095,14 +1110,9 @@ def test_resends_that_crossed_the_result_of_a_recovered_round_are_not_replayed()
         assert results(0, 5) == [(0, False), (0, True), (1, False), (2, False), (2, True)]
         assert results(1, 4) == [(0, False), (0, True), (1, False), (2, False)]
         assert results(2, 4) == [(0, False), (1, False), (1, True), (2, False)]
-        for s in socks:
-            s.settimeout(0.05)
-            with pytest.raises(OSError):             # nothing more
-                s.recv(max_packet_size(E))
+        _nothing_more(socks, E)
     finally:
-        sw.sock.close()
-        for s in socks:
-            s.close()
+        _close_switch(sw, socks)
 
 
 def test_a_tail_probe_that_crossed_the_result_is_sent_again_and_answered():
@@ -1228,14 +1238,9 @@ def test_two_ranks_whose_tail_probes_wait_for_each_other_move_on_after_a_second_
         harvested, replays, waiting = counts()      # both rounds completed by probes, after 2 x 2 drops (and
         assert (harvested, replays) == (2, 0) and 4 <= waiting <= 5, (probes, counts())   # rank 0's next probe)
         assert now < 0.5 * rto, now                  # the third probe: 1 + 2 + 4 probe timeouts of silence, then 1
-        for s in socks:
-            s.settimeout(0.05)
-            with pytest.raises(OSError):             # nothing more
-                s.recv(max_packet_size(E))
+        _nothing_more(socks, E)
     finally:
-        sw.sock.close()
-        for s in socks:
-            s.close()
+        _close_switch(sw, socks)
 
 
 @pytest.mark.parametrize("direction", ["ingress", "egress"])
