@@ -54,9 +54,12 @@ processes run):
    skipped such gaps, every result of a stream was probed for first: docs/performance.md, "Spurious
    resends on slow links and with a sharded switch"). One chunk is resent per probe, the one resent least often so far, oldest first (as TCP's
    tail loss probe: its result restarts the flow, and any further lost chunk then meets rule 2 or
-   another probe); a probe still unanswered at the next probe is sent again, for rule 4's reason (the
+   another probe); a probe still unanswered at the next probe is sent again once, for rule 4's reason (the
    switch drops a rank's first resend that crossed the result, ``RETRANSMIT_CROSSED``: three such chunks
-   cost 1 + 2 + 4 + 8 + 1 + 1 probe timeouts with a new chunk per probe, 3 x (1 + 2) this way). The probe timer is the silence's, not a chunk's: it restarts with every result
+   cost 1 + 2 + 4 + 8 + 1 + 1 probe timeouts with a new chunk per probe, 3 x (1 + 2) this way), and after
+   two unanswered sends the probe picks again (least resent, oldest): the switch drops every resend of a
+   round still waiting for a peer's packet (``RETRANSMIT_PENDING``), and two ranks that lost each other's
+   chunks, each probing the round that waits for the other, re-sent them at every probe until rule 4. The probe timer is the silence's, not a chunk's: it restarts with every result
    and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a
    slow peer costs a handful of probes in all, not one per chunk and silence.
    A silence with more than ``SHORT_PROBE_MAX_PENDING`` (3) chunks pending is probed later
@@ -88,8 +91,8 @@ processes run):
    for as long (TCP restarts its retransmission timer with every acknowledgement). As TCP's timeout,
    it resends one chunk per switch shard (lane), the least resent, oldest first: a *timeout probe*
    of the silence; the timer doubles with every probe of the same silence (at most ``max_rto``) and
-   restarts with the next result. A probe still unanswered at the next timeout is sent again, as TCP
-   resends the same segment: the switch drops a rank's first resend of a round another rank's resend or
+   restarts with the next result. A probe still unanswered at the next timeout is sent again once (then
+   the lane's pick again, as rule 3's: ``recovery_kernels.PROBE_SENDS``), as TCP resends the same segment: the switch drops a rank's first resend of a round another rank's resend or
    LATE packet completed (``RETRANSMIT_CROSSED``), never its second, so where every result is lost on
    the way back (a multicast group that does not reach the workers) a new chunk per timeout met that
    drop each time and no probe was ever answered (64 timeouts of up to ``max_rto`` per window).
@@ -205,7 +208,7 @@ def _load_loss_rules() -> None:
     timed out waiting for the rank compiling it)."""
     one, none = np.zeros(1, np.int64), np.zeros(1)
     RK.find_lost(one, 0.0, none, one, one, one, one, 0, np.nan, 0.0, np.inf, 1.0, np.nan, False, 0.0, False,
-                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf, -1, np.nan)
+                 np.full(1, -1, np.int64), one.copy(), one.copy(), np.inf, -1, np.nan, one.copy(), 0)
 
 
 class LossDetector:
@@ -232,7 +235,9 @@ class LossDetector:
         lanes = int(self.lane.max()) + 1 if n else 1
         self.rto_probe = np.full(lanes, -1, np.int64)   # each lane's last timeout probe, its chunk (-1: none)
         self.answer = np.zeros(lanes, np.int64)    # what became of it: RK.ARMED (no result yet), QUIET, NOW, AGED
+        self.rto_sends = np.zeros(lanes, np.int64)  # how many times in a row it went out (RK.PROBE_SENDS)
         self.tail_probe = -1                       # rule 3's last probe, its chunk, until its result arrives (-1: none)
+        self.tail_sends = 0                        # how many times in a row it went out
         self.probed_at = 0.0                       # when this silence's first probe (rule 3 or 4) went out (0: none)
         self.went_back = 0                         # chunks the last lost() found by rule 4's go-back
         self.rto_probing = False                   # a probe awaits its evidence (answered() is called only then)
@@ -323,7 +328,8 @@ class LossDetector:
                              np.nan if srtt is None else srtt, rttvar, rto, max_rto, np.nan if pto is None else pto,
                              probe_due, self.last_arrival, rto_due, self.rto_probe, self.answer, kind,
                              stall_time(srtt, rttvar, rto), self.tail_probe,
-                             np.nan if srtt is None else self.quiet_window(srtt, rttvar))
+                             np.nan if srtt is None else self.quiet_window(srtt, rttvar), self.rto_sends,
+                             self.tail_sends)
         self._update_probing()
         if not found:
             return none, none, none
@@ -402,7 +408,9 @@ class LossDetector:
         if rules is not None and (rules[1].size or rules[2].size > self.went_back) and not self.probed_at:
             self.probed_at = now                   # the silence's first probe (rule 3's, or rule 4's)
         if probed and rules is not None and rules[1].size:
-            self.tail_probe = int(rules[1][0])
+            probe = int(rules[1][0])
+            self.tail_sends = self.tail_sends + 1 if probe == self.tail_probe else 1
+            self.tail_probe = probe
             self._update_probing()
         self.tries[chunks] += 1
         self.sent(chunks, now, self.witness[chunks])

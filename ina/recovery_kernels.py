@@ -84,6 +84,7 @@ GO_BACK = 4            # found by rule 4's go-back: timed out before the lane's 
 ARMED, QUIET, NOW = 0, 1, 2     # a lane's timeout probe: unanswered; answered (go back after a quiet window); replayed
 AGED = 3               # a lane's tail probe (rule 3) replayed: go back for the chunks out longer than the stall time
 SHORT_PROBE_MAX_PENDING = 3   # rule 3 probes a silence with more chunks pending than this only later (probe_timeout)
+PROBE_SENDS = 2        # an unanswered probe's chunk goes out this many times in a row, then the next is picked
 
 
 @njit(cache=True)
@@ -126,13 +127,16 @@ def _first_pick(tries_p, seq_p, tries_b, seq_b, have_b):
 
 
 @njit(cache=True, inline="always")
-def _unanswered_first(again, pick, kind):
-    """The pending index to probe: ``again``, the last probe's chunk while it is unanswered and found by no
-    other rule (``kind`` NONE; -1: none), else ``pick`` (rule 3's probe, rule 4's per lane). As TCP's
-    RTO resends the same segment: the switch drops a rank's first resend of a round another rank's resend
-    or LATE packet completed (RETRANSMIT_CROSSED, switch_model/alu.py) but replays its second, so the
-    probe gets its answer; a new chunk per probe would meet that drop every time."""
-    return again if again >= 0 and kind[again] == NONE else pick
+def _unanswered_first(again, sends, pick, kind):
+    """The pending index to probe (rule 3's probe, rule 4's per lane): ``again``, the last probe's chunk while
+    it is unanswered and found by no other rule (``kind`` NONE; -1: none), if it went out fewer than
+    PROBE_SENDS times in a row (``sends``), else ``pick`` (the least resent, oldest). The switch drops a
+    rank's first resend of a round another rank's resend or LATE packet completed (RETRANSMIT_CROSSED,
+    switch_model/alu.py) but replays its second, so a second send gets the probe its answer, where a new
+    chunk per probe met that drop every time. It drops every resend of a round still waiting for a peer's
+    packet (RETRANSMIT_PENDING): two ranks that lost each other's chunks and probe the other's re-sent
+    them at every probe, until rule 4, so after the second send the probe moves on."""
+    return again if again >= 0 and sends < PROBE_SENDS and kind[again] == NONE else pick
 
 
 @njit(cache=True, inline="always")
@@ -143,7 +147,7 @@ def _before_probe(p, m, seq, rto_probe):
 
 @njit(cache=True)
 def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttvar, rto, max_rto, pto, probe_due,
-              last_arrival, rto_due, rto_probe, answer, kind, stall, tail_probe, quiet_after):
+              last_arrival, rto_due, rto_probe, answer, kind, stall, tail_probe, quiet_after, rto_sends, tail_sends):
     """Rules 1 to 4 of ina.recovery over the ``pending`` chunks in one pass: ``kind[q]`` of
     ``pending[q]`` becomes NONE, FAST, PROBE, TIMEOUT (rule 4's probe, at most one per lane) or GO_BACK.
     ``srtt``, ``pto``: NaN when unknown; ``probe_due``: the probe timer fired; ``rto_due``: rule 4's
@@ -151,9 +155,10 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
     ``answer[m]`` what became of it (ARMED, QUIET: go back once the silence lasts ``quiet_after``, NaN: ``rto``; NOW; AGED: a tail probe replayed, whose go-back takes
     only chunks out longer than ``stall`` and only with at least SHORT_PROBE_MAX_PENDING of the lane left);
     a lane that goes back, or has nothing to go back for, is reset here (-1, ARMED), and a lane probed gets
-    the probe's chunk (the caller resends what is found). ``tail_probe``: rule 3's last probe, its chunk,
-    while unanswered (-1: none); the probe goes to it again (as rule 4's to its lane's), else to the least
-    resent chunk, oldest first. Returns whether any chunk was found lost."""
+    the probe's chunk (the caller resends what is found), ``rto_sends[m]`` how many times in a row it went
+    out. ``tail_probe``: rule 3's last probe, its chunk, while unanswered (-1: none), sent ``tail_sends``
+    times in a row; a probe goes to its last chunk again once (rule 4's per lane too), else to the least
+    resent chunk, oldest first (_unanswered_first). Returns whether any chunk was found lost."""
     window = reordering_window(srtt, rttvar) if srtt == srtt else np.nan
     silence = now - last_arrival
     quiet = silence > (quiet_after if quiet_after == quiet_after else rto)
@@ -212,12 +217,13 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
         if back[m] or (answer[m] != ARMED and (answer[m] == AGED or not older[m])):
             rto_probe[m], answer[m] = -1, ARMED     # gone back, or nothing (more) to go back for
         elif best[m] >= 0:
-            q = _unanswered_first(again[m], best[m], kind)
+            q = _unanswered_first(again[m], rto_sends[m], best[m], kind)
             kind[q] = TIMEOUT
+            rto_sends[m] = rto_sends[m] + 1 if q == again[m] else 1
             rto_probe[m], answer[m] = pending[q], ARMED
             found = True
     if probe >= 0:
-        kind[_unanswered_first(probe_again, probe, kind)] = PROBE
+        kind[_unanswered_first(probe_again, tail_sends, probe, kind)] = PROBE
         found = True
     return found
 

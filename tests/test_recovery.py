@@ -161,8 +161,9 @@ def test_reordering_window_needs_a_later_result_and_an_age_above_srtt():
 def test_the_timeout_probes_the_oldest_chunk_of_each_lane_and_backs_off():
     """Rule 4 after a silence of the RTO resends one chunk per switch shard (lane), the least resent,
     oldest first: a probe of the silence, not the window; the next one after twice the RTO, at most
-    max_rto, and of the same chunk while it is unanswered (as TCP's RTO resends the same segment: the
-    switch may drop a rank's first resend of a round as crossing the result, never its second)."""
+    max_rto, and of the same chunk once more while it is unanswered (the switch may drop a rank's first resend
+    of a round as crossing the result, never its second); after a second unanswered send, of the least resent
+    chunk again (a round waiting for a peer's packet drops every resend)."""
     ld = LossDetector(8, lanes=np.arange(8) % 2)
     ld.sent(np.arange(8), now=0.0)
     pending = np.arange(8)
@@ -177,12 +178,12 @@ def test_the_timeout_probes_the_oldest_chunk_of_each_lane_and_backs_off():
     assert late.tolist() == [0, 1] and ld.went_back == 0     # unanswered: the same probes again
     ld.resent(late, now=0.032, rules=(late[:0], late[:0], late))
     _, _, late = ld.lost(pending, now=0.032 + 0.013, srtt=0.001, rto=0.01, max_rto=0.012)
-    assert late.tolist() == [0, 1]             # the backoff never exceeds max_rto
+    assert late.tolist() == [2, 3]             # the backoff never exceeds max_rto; sent twice: the next chunks
     ld.resent(late, now=0.045, rules=(late[:0], late[:0], late))
-    ld.answered(np.array([0]), np.array([True]))     # lane 0's probe replayed: its lane goes back
-    ld.delivered(np.array([0]), np.arange(1, 8), now=0.046)
-    _, _, late = ld.lost(np.arange(1, 8), now=0.046, srtt=0.001, rto=0.01, max_rto=1.0)
-    assert late.tolist() == [2, 4, 6] and ld.went_back == 3
+    ld.answered(np.array([2]), np.array([True]))     # lane 0's probe replayed: its lane goes back
+    ld.delivered(np.array([2]), np.array([0, 1, 3, 4, 5, 6, 7]), now=0.046)
+    _, _, late = ld.lost(np.array([0, 1, 3, 4, 5, 6, 7]), now=0.046, srtt=0.001, rto=0.01, max_rto=1.0)
+    assert late.tolist() == [0, 4, 6] and ld.went_back == 3
 
 
 def _timed_out_window(n=6, lanes=None, pause=0.0):
@@ -1038,6 +1039,21 @@ def _in_process_switch(workers, slots, E):
     return sw, socks
 
 
+def _nothing_more(socks, E):
+    """No further packet reaches any of ``socks`` (within 50 ms)."""
+    from ina.wire import max_packet_size
+    for s in socks:
+        s.settimeout(0.05)
+        with pytest.raises(OSError):
+            s.recv(max_packet_size(E))
+
+
+def _close_switch(sw, socks):
+    sw.sock.close()
+    for s in socks:
+        s.close()
+
+
 @pytest.mark.parametrize("ptype", ["NONE", "INT32"])
 def test_both_copies_of_a_tail_chunk_count_once_and_its_result_comes_twice(ptype):
     """Every worker sends its TAIL packet twice (a negotiation packet: no payload, or a data stream's
@@ -1132,14 +1148,9 @@ def test_resends_that_crossed_the_result_of_a_recovered_round_are_not_replayed()
         assert results(0, 5) == [(0, False), (0, True), (1, False), (2, False), (2, True)]
         assert results(1, 4) == [(0, False), (0, True), (1, False), (2, False)]
         assert results(2, 4) == [(0, False), (1, False), (1, True), (2, False)]
-        for s in socks:
-            s.settimeout(0.05)
-            with pytest.raises(OSError):             # nothing more
-                s.recv(max_packet_size(E))
+        _nothing_more(socks, E)
     finally:
-        sw.sock.close()
-        for s in socks:
-            s.close()
+        _close_switch(sw, socks)
 
 
 def test_a_tail_probe_that_crossed_the_result_is_sent_again_and_answered():
@@ -1202,6 +1213,72 @@ def test_a_tail_probe_that_crossed_the_result_is_sent_again_and_answered():
         sw.sock.close()
         for s in socks:
             s.close()
+
+
+def test_two_ranks_whose_tail_probes_wait_for_each_other_move_on_after_a_second_send():
+    """Crossed upstream losses at a stream's end: rank 0's data packet of chunk 1 and rank 1's of chunk 0
+    were lost, and so was rank 1's fast resend of chunk 0. Each rank's LossDetector drives its tail probes
+    (rule 3) against an in-process switch. Rank 0 probes chunk 0 (the oldest), rank 1 chunk 1 (the least
+    resent): each round waits for the other rank's packet, so the switch drops both probes as
+    retransmit_pending, and so their second sends (the switch may drop a first resend that crossed a result,
+    never a second). The third probe of each rank goes to the least resent chunk, the one whose round waits
+    for its own packet: both rounds complete by probes within 8 probe timeouts, with no timeout (rule 4, here
+    25 probe timeouts; re-sending the unanswered probe at every probe stalled both ranks until it: 4 dropped
+    probes each, then rule 4). The results are exact."""
+    from ina.wire import Flag, max_packet_size, unpack
+    workers, slots, E, n, pto, rto = 2, 4, 16, 2, 0.002, 0.05
+    vals = np.arange(workers * E, dtype=np.int32).reshape(workers, E) - 20
+    sw, socks = _in_process_switch(workers, slots, E)
+    send = _data_sender(sw, socks, vals, slots)
+
+    def counts():
+        st = sw.stats()
+        return st["counters"]["harvested"], st["counters"]["replays"], st["drops"]["retransmit_pending"]
+    try:
+        lds = [LossDetector(n) for _ in range(workers)]
+        for ld in lds:
+            ld.sent(np.arange(n), now=0.0)
+        send(0, 0)                                   # rank 0's packet of chunk 1 is lost
+        send(1, 1)                                   # rank 1's packet of chunk 0 is lost, and its fast resend of it
+        lds[1].resent(np.array([0]), now=0.0, rules=(np.array([0]), np.arange(0), np.arange(0)))
+        done = [[] for _ in range(workers)]
+        probes = [[] for _ in range(workers)]
+        timeouts, now = [0] * workers, 0.0
+        while min(map(len, done)) < n and now < 1.0:
+            for r, ld in enumerate(lds):
+                pending = np.setdiff1d(np.arange(n), done[r])
+                if not pending.size:
+                    continue
+                fast, probe, late = ld.lost(pending, now=now, srtt=0.001, rto=rto, max_rto=1.0, pto=pto)
+                assert fast.size == 0 and probe.size <= 1, (r, now, fast, probe, late)
+                if not probe.size + late.size:
+                    continue
+                ld.resent(np.concatenate([probe, late]), now=now, probed=probe.size > 0, rules=(fast, probe, late))
+                probes[r] += probe.tolist()
+                timeouts[r] += late.size
+                for c in np.concatenate([probe, late]).tolist():
+                    harvested, replays, _ = counts()
+                    send(r, c, Flag.RETRANSMIT)
+                    got = [q for q in range(workers) if counts()[0] > harvested or q == r and counts()[1] > replays]
+                    for q in got:                    # a completed round goes to both, a replay to the sender
+                        p = unpack(socks[q].recv(max_packet_size(E)))
+                        assert p.chunk == c
+                        assert np.array_equal(np.asarray(p.payload, np.int64)[:E], vals.astype(np.int64).sum(axis=0))
+                        lds[q].answered(np.array([c]), np.array([bool(p.flags & Flag.REPLAY)]))
+                        done[q].append(c)
+                        lds[q].delivered(np.array([c]), np.setdiff1d(np.arange(n), done[q]), now=now)
+            deadlines = [lds[r].next_deadline(np.setdiff1d(np.arange(n), done[r]), srtt=0.001, rttvar=0.0, pto=pto,
+                                              max_rto=1.0) for r in range(workers)]
+            now = max(now + 1e-5, min(deadlines + [now + 2e-4]))     # rule 4's timer: every 0.2 ms at most
+        assert sorted(done[0]) == sorted(done[1]) == [0, 1], (done, probes, timeouts, counts())
+        assert timeouts == [0, 0], (timeouts, probes, now, counts())
+        assert probes[0][:3] == [0, 0, 1] and probes[1] == [1, 1, 0], probes
+        harvested, replays, waiting = counts()      # both rounds completed by probes, after 2 x 2 drops (and
+        assert (harvested, replays) == (2, 0) and 4 <= waiting <= 5, (probes, counts())   # rank 0's next probe)
+        assert now < 0.5 * rto, now                  # the third probe: 1 + 2 + 4 probe timeouts of silence, then 1
+        _nothing_more(socks, E)
+    finally:
+        _close_switch(sw, socks)
 
 
 @pytest.mark.parametrize("direction", ["ingress", "egress"])
