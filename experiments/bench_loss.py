@@ -47,7 +47,8 @@ so ``vs_lossless`` (the targets' ratio) includes that cost; ``vs_impairment_path
 path-on blocks of the same round (what the losses alone add). Both are reported. The switch's counts
 include its CPU (the sCPU column, ``switch_cpu_per_allreduce_s``: every process of the switch, shards,
 control plane and host aggregator, or its data plane's busy CPU if that is larger, as the sweep's CPU
-floor counts it, experiments/sweep_cpu.py; ``switch_cpu_source`` says which), polls (``bursts``) and stage times per setting, and ``tail_repeats`` (results
+floor counts it, experiments/sweep_cpu.py; ``switch_cpu_source`` says which), polls (``bursts``) and
+stage times per setting, and ``tail_repeats`` (results
 multicast twice: the last chunk of a stream, see ina.recovery) and ``retransmit_crossed`` (resends that
 crossed the result of a round another rank's resend completed: not replayed). Progress goes to stderr.
 """

@@ -59,7 +59,8 @@ processes run):
    cost 1 + 2 + 4 + 8 + 1 + 1 probe timeouts with a new chunk per probe, 3 x (1 + 2) this way), and after
    two unanswered sends the probe picks again (least resent, oldest): the switch drops every resend of a
    round still waiting for a peer's packet (``RETRANSMIT_PENDING``), and two ranks that lost each other's
-   chunks, each probing the round that waits for the other, re-sent them at every probe until rule 4. The probe timer is the silence's, not a chunk's: it restarts with every result
+   chunks, each probing the round that waits for the other, re-sent them at every probe until rule 4.
+   The probe timer is the silence's, not a chunk's: it restarts with every result
    and doubles with every probe of the same silence (at most ``max_rto``), so a long wait for a
    slow peer costs a handful of probes in all, not one per chunk and silence.
    A silence with more than ``SHORT_PROBE_MAX_PENDING`` (3) chunks pending is probed later
@@ -92,7 +93,8 @@ processes run):
    it resends one chunk per switch shard (lane), the least resent, oldest first: a *timeout probe*
    of the silence; the timer doubles with every probe of the same silence (at most ``max_rto``) and
    restarts with the next result. A probe still unanswered at the next timeout is sent again once (then
-   the lane's pick again, as rule 3's: ``recovery_kernels.PROBE_SENDS``), as TCP resends the same segment: the switch drops a rank's first resend of a round another rank's resend or
+   the lane's pick again, as rule 3's: ``recovery_kernels.PROBE_SENDS``), as TCP resends the same
+   segment: the switch drops a rank's first resend of a round another rank's resend or
    LATE packet completed (``RETRANSMIT_CROSSED``), never its second, so where every result is lost on
    the way back (a multicast group that does not reach the workers) a new chunk per timeout met that
    drop each time and no probe was ever answered (64 timeouts of up to ``max_rto`` per window).

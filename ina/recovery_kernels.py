@@ -152,7 +152,8 @@ def find_lost(pending, now, sent_at, seq, later, tries, lane, unsent, srtt, rttv
     ``pending[q]`` becomes NONE, FAST, PROBE, TIMEOUT (rule 4's probe, at most one per lane) or GO_BACK.
     ``srtt``, ``pto``: NaN when unknown; ``probe_due``: the probe timer fired; ``rto_due``: rule 4's
     timer fired. ``rto_probe[m]``: the chunk of lane m's last probe awaiting its evidence (-1: none),
-    ``answer[m]`` what became of it (ARMED, QUIET: go back once the silence lasts ``quiet_after``, NaN: ``rto``; NOW; AGED: a tail probe replayed, whose go-back takes
+    ``answer[m]`` what became of it (ARMED, QUIET: go back once the silence lasts ``quiet_after``, NaN:
+    ``rto``; NOW; AGED: a tail probe replayed, whose go-back takes
     only chunks out longer than ``stall`` and only with at least SHORT_PROBE_MAX_PENDING of the lane left);
     a lane that goes back, or has nothing to go back for, is reset here (-1, ARMED), and a lane probed gets
     the probe's chunk (the caller resends what is found), ``rto_sends[m]`` how many times in a row it went
